@@ -1,0 +1,264 @@
+"""minizero.config against DeepSpeed 0.19.8's own config parser (runtime/config.py)."""
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from minizero.config import ConfigError, build_optimizer, load_config, resolve_batch_size
+
+deepspeed = pytest.importorskip("deepspeed")
+import deepspeed.runtime.config as ds_config_mod  # noqa: E402
+from deepspeed.runtime import constants as ds_const  # noqa: E402
+from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig  # noqa: E402
+from deepspeed.runtime.precision_config import DeepSpeedFP16Config  # noqa: E402
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+LAUNCH_CONFIGS = ["ds_config_basic.json", "ds_config_step4.json", "ds_config_step5.json"]
+
+
+@pytest.fixture
+def ds_parse(monkeypatch):
+    """DeepSpeedConfig(config) as if in a world of `world_size` ranks, with no process group:
+    DeepSpeedConfig asks deepspeed.comm for rank and world size, so stub those two."""
+    def parse(config, world_size):
+        monkeypatch.setattr(ds_config_mod, "dist", types.SimpleNamespace(
+            get_rank=lambda: 0, get_world_size=lambda *a, **k: world_size))
+        return ds_config_mod.DeepSpeedConfig(config)
+    return parse
+
+
+# ----------------------------------------------------------------------------- defaults
+
+def test_defaults_match_deepspeed(ds_parse):
+    raw = {"train_batch_size": 8}
+    ours, ds = load_config(raw, world_size=1), ds_parse(raw, 1)
+    assert ours.gradient_clipping == ds_const.GRADIENT_CLIPPING_DEFAULT == ds.gradient_clipping == 1.0
+    assert ours.steps_per_print == ds.steps_per_print  # None in 0.19.8
+    assert ours.wall_clock_breakdown == ds.wall_clock_breakdown is False
+
+    fp16 = DeepSpeedFP16Config()
+    for name in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                 "consecutive_hysteresis", "min_loss_scale", "auto_cast"):
+        assert getattr(ours.fp16, name) == getattr(fp16, name), name
+    assert 2 ** ours.fp16.initial_scale_power == fp16.initial_dynamic_scale() == 2 ** 16
+    assert ours.fp16.hysteresis == ds_const.FP16_HYSTERESIS_DEFAULT == 2
+    assert ours.bf16.enabled is False and ds.bfloat16_config.enabled is False
+
+    zero = DeepSpeedZeroConfig()
+    pairs = {"stage": "stage", "contiguous_gradients": "contiguous_gradients", "reduce_scatter": "reduce_scatter",
+             "reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+             "overlap_comm": "overlap_comm", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+             "stage3_param_persistence_threshold": "param_persistence_threshold",
+             "stage3_max_live_parameters": "max_live_parameters", "stage3_max_reuse_distance": "max_reuse_distance",
+             "memory_efficient_linear": "memory_efficient_linear", "sub_group_size": "sub_group_size"}
+    for ours_name, ds_name in pairs.items():
+        assert getattr(ours.zero, ours_name) == getattr(zero, ds_name), ours_name
+    assert ours.zero.stage == 0 and ours.zero.reduce_bucket_size == 500_000_000
+    assert ours.zero.stage3_param_persistence_threshold == 100_000
+
+    act = DeepSpeedActivationCheckpointingConfig({})
+    for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                 "number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
+        assert getattr(ours.activation_checkpointing, name) == getattr(act, name), name
+    assert ours.optimizer is None and ours.scheduler is None
+    assert ours.dtype == torch.float32
+    assert ours.raw is raw
+
+
+def test_overlap_comm_default_depends_on_stage(ds_parse):
+    for stage in range(4):
+        raw = {"train_batch_size": 8, "zero_optimization": {"stage": stage}}
+        assert load_config(raw, 1).zero.overlap_comm == ds_parse(raw, 1).zero_config.overlap_comm == (stage == 3)
+
+
+def test_dtype_and_bfloat16_alias(ds_parse):
+    assert load_config({"train_batch_size": 8, "fp16": {"enabled": True}}, 1).dtype == torch.float16
+    assert load_config({"train_batch_size": 8, "bf16": {"enabled": True}}, 1).dtype == torch.bfloat16
+    raw = {"train_batch_size": 8, "bfloat16": {"enabled": True}}
+    assert load_config(raw, 1).dtype == torch.bfloat16 and ds_parse(raw, 1).bfloat16_config.enabled
+    with pytest.raises(ConfigError, match="bfloat16"):
+        load_config({"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, 1)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("raw,path", [
+    ({"train_batch_size": 8, "gradient_cliping": 1.0}, "gradient_cliping"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_foo": 1}}, "zero_optimization.stage3_foo"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "scale": 2}}, "fp16.scale"),
+    ({"train_batch_size": 8, "activation_checkpointing": {"partition": True}}, "activation_checkpointing.partition"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "momentum": 0.9}}},
+     "optimizer.params.momentum"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 5}}},
+     "scheduler.params.warmup_steps"),
+    ({"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "none", "buffer_count": 4}}},
+     "zero_optimization.offload_param.buffer_count"),
+])
+def test_unknown_key_is_named(raw, path):
+    with pytest.raises(ConfigError) as e:
+        load_config(raw, 1)
+    msg = str(e.value)
+    assert f"'{path}'" in msg and "ccepted keys" in msg
+
+
+def test_unknown_key_lists_accepted_keys():
+    with pytest.raises(ConfigError, match="stage3_param_persistence_threshold"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage3_foo": 1}}, 1)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16 and bf16"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "not implemented in minizero"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "not implemented in minizero"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"allgather_bucket_size": -5}}, "zero_optimization.allgather_bucket_size"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping"),
+    ({"prescale_gradients": True}, "prescale_gradients"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.type 'SGD' is not implemented"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type 'OneCycle'"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps"),
+])
+def test_bad_values(raw, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        load_config({"train_batch_size": 8, **raw}, 1)
+
+
+def test_offload_none_and_harmless_keys_accepted(ds_parse):
+    raw = {"train_batch_size": 8, "zero_allow_untested_optimizer": True, "prescale_gradients": False,
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "offload_param": None,
+                                 "allgather_partitions": True, "reduce_bucket_size": 2e8,
+                                 "prefetch_bucket_size": 123}}
+    ours, ds = load_config(raw, 1), ds_parse(raw, 1)
+    assert ours.zero.offload_optimizer_device == "none"
+    assert ours.zero.reduce_bucket_size == ds.zero_config.reduce_bucket_size == 200_000_000
+    assert ours.zero.stage3_prefetch_bucket_size == ds.zero_config.prefetch_bucket_size == 123
+
+
+def test_load_from_path_and_duplicate_keys(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ConfigError, match="duplicate"):
+        load_config(p, 1)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json", 1)
+
+
+# ----------------------------------------------------------------------------- batch sizes
+
+BATCH_CASES = [  # (train_batch_size, micro, gas, world_size)
+    (64, 16, 2, 2), (64, 16, 4, 2), (64, 16, None, 2), (64, None, 2, 2), (None, 16, 2, 2),
+    (64, None, None, 2), (None, 16, None, 2), (30, 4, None, 2), (30, None, 4, 2), (7, None, None, 2),
+    (None, None, 4, 2), (None, None, None, 1), (12, 3, None, 1), (24, 3, None, 4), (64, 16, None, 3),
+    (48, None, 3, 4), (1, None, None, 2),
+]
+
+
+@pytest.mark.parametrize("t,m,g,n", BATCH_CASES)
+def test_batch_resolution_matches_deepspeed(ds_parse, t, m, g, n):
+    raw = {k: v for k, v in (("train_batch_size", t), ("train_micro_batch_size_per_gpu", m),
+                             ("gradient_accumulation_steps", g)) if v is not None}
+    try:
+        ds = ds_parse(raw, n)
+        expected = (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+    except AssertionError:
+        expected = None
+    if expected is None:
+        with pytest.raises(ConfigError):
+            load_config(raw, n)
+    else:
+        c = load_config(raw, n)
+        assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == expected
+
+
+def test_batch_error_messages():
+    with pytest.raises(ConfigError, match=r"train_batch_size 30 is not divisible by "
+                                          r"train_micro_batch_size_per_gpu 4 x world size 2"):
+        resolve_batch_size(30, 4, None, 2)
+    with pytest.raises(ConfigError, match=r"train_batch_size 64 != train_micro_batch_size_per_gpu 16 x "
+                                          r"gradient_accumulation_steps 4 x world size 2"):
+        resolve_batch_size(64, 16, 4, 2)
+    with pytest.raises(ConfigError, match="either train_batch_size or train_micro_batch_size_per_gpu"):
+        resolve_batch_size(None, None, 2, 2)
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_config({"train_batch_size": "64"}, 1)
+
+
+# ----------------------------------------------------------------------------- launch configs
+
+@pytest.mark.parametrize("name", LAUNCH_CONFIGS)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_launch_configs_load_in_both(ds_parse, name, world_size):
+    path = LAUNCH / name
+    ours, ds = load_config(path, world_size), ds_parse(str(path), world_size)
+    assert ours.raw == json.loads(path.read_text())
+    assert (ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == \
+        (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+    assert ours.zero.stage == ds.zero_optimization_stage
+    assert ours.zero.reduce_bucket_size == ds.zero_config.reduce_bucket_size
+    assert ours.zero.overlap_comm == ds.zero_config.overlap_comm
+    assert ours.zero.stage3_param_persistence_threshold == ds.zero_config.param_persistence_threshold
+    assert ours.fp16.enabled == ds.float16_config.enabled
+    assert ours.fp16.hysteresis == ds.float16_config.hysteresis
+    assert ours.gradient_clipping == ds.gradient_clipping
+    assert ours.steps_per_print == ds.steps_per_print
+    assert ours.optimizer.type.lower() == ds.optimizer_name
+    assert ours.scheduler.type == ds.scheduler_name and ours.scheduler.params == ds.scheduler_params
+    act = ds.activation_checkpointing_config
+    for f in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+              "number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
+        assert getattr(ours.activation_checkpointing, f) == getattr(act, f), f
+
+
+def test_launch_config_steps():
+    basic, step4, step5 = (load_config(LAUNCH / n, 2) for n in LAUNCH_CONFIGS)
+    assert "activation_checkpointing" not in basic.raw and step4.activation_checkpointing.partition_activations
+    assert step5.zero.stage == 3 and basic.zero.stage in (1, 2)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+def test_build_optimizer_mapping():
+    def build(params):
+        return build_optimizer(_params(), {"type": "Adam", "params": params})
+    opt = build({"lr": 1e-3, "torch_adam": True})
+    assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.01   # torch AdamW default
+    opt = build({"lr": 1e-3, "torch_adam": True, "adam_w_mode": False})
+    assert type(opt) is torch.optim.Adam and opt.defaults["weight_decay"] == 0
+    opt = build_optimizer(_params(), {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True,
+                                                                  "adam_w_mode": False}})
+    assert type(opt) is torch.optim.AdamW        # "AdamW" forces adam_w_mode
+    opt = build_optimizer(_params(), {"type": "adamw", "params": {"lr": 2e-3, "betas": [0.9, 0.95],
+                                                                  "weight_decay": 0.1, "torch_adam": True}})
+    assert type(opt) is torch.optim.AdamW
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.1
+    # Without torch_adam DS builds FusedAdam, whose weight_decay default is 0.0: keep that.
+    opt = build({"lr": 1e-3})
+    assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.0
+    from deepspeed.ops.adam import FusedAdam
+    import inspect
+    assert inspect.signature(FusedAdam.__init__).parameters["weight_decay"].default == 0.0
+
+
+def test_build_optimizer_from_config_and_unknown_params():
+    cfg = load_config(LAUNCH / "ds_config_basic.json", 2)
+    opt = build_optimizer(_params(), cfg.optimizer)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 3e-3
+    with pytest.raises(ConfigError, match="momentum"):
+        build_optimizer(_params(), {"type": "Adam", "params": {"momentum": 0.9}})
