@@ -1,2 +1,49 @@
-"""minizero: DeepSpeed's ZeRO, loss scaling and activation checkpointing, in plain torch.distributed."""
+"""minizero: DeepSpeed's ZeRO, loss scaling and activation checkpointing, in plain torch.distributed.
+
+The public surface mirrors DeepSpeed's (see API.md), so one script runs under either:
+
+    engine, optimizer, train_loader, lr_scheduler = minizero.initialize(model=model, config=cfg)
+    loss = engine(x, y)[1]; engine.backward(loss); engine.step()
+"""
+import logging as _logging
+import os as _os
+
 __version__ = "0.1.0"
+
+_log = _logging.getLogger("minizero")
+if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's logger)
+    _h = _logging.StreamHandler()
+    _h.setFormatter(_logging.Formatter("[minizero] %(message)s"))
+    _log.addHandler(_h)
+    _log.setLevel(_logging.INFO if _os.environ.get("RANK", "0") == "0" else _logging.WARNING)
+    _log.propagate = False
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, config=None, config_params=None, collate_fn=None):
+    """Wrap `model` in a minizero Engine, as `deepspeed.initialize` does.
+
+    Returns (engine, optimizer, training_dataloader or None, lr_scheduler or None). The
+    config is a DeepSpeed JSON dict or path; it may also come from `args.deepspeed_config`.
+    """
+    from .engine import Engine
+
+    if model is None:
+        raise ValueError("minizero.initialize: pass model=<your nn.Module>")
+    if optimizer is not None:
+        raise ValueError("minizero.initialize: a client optimizer is not supported; describe it in the "
+                         "config's \"optimizer\" section (Adam or AdamW) instead")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("minizero.initialize: no config; pass config=<dict or path to a DeepSpeed JSON file>")
+    engine = Engine(model, model_parameters=model_parameters, config=config, lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        from torch.utils.data import DataLoader, DistributedSampler
+        sampler = DistributedSampler(training_data, num_replicas=engine.world_size, rank=engine.global_rank)
+        loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                            sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,1 +1,206 @@
+"""The Engine: one training step, read top to bottom.
 
+    engine(x, y)           forward of the wrapped module (ZeRO-3: blocks gathered on the way)
+    engine.backward(loss)  loss / grad_accum, x loss scale (fp16), backward; ZeRO-2/3 reduce
+                           gradient buckets from hooks while backward runs
+    engine.step()          every micro-batch; at the accumulation boundary:
+                             1. reduce gradients        (stage 0 all-reduce, ZeRO-1 reduce-scatter)
+                             2. global gradient norm    (sum of shard norms, one scalar all-reduce)
+                             3. fp16 overflow vote      (all-reduce MAX): skip the step, shrink the scale
+                             4. unscale + clip + Adam   on this rank's fp32 master shard
+                             5. share new parameters    (ZeRO-1/2 all-gather; ZeRO-3 gathers on use)
+                             6. LR schedule, counters
+
+The names and the semantics of every public member follow DeepSpeed's `DeepSpeedEngine`
+(see shared API.md); where DeepSpeed has a bug we do not copy it, and say so here.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from . import comm
+from .config import build_optimizer, load_config
+from .fp16 import create_loss_scaler, overflow_across_ranks
+from .lr_schedules import build_scheduler
+from .zero0 import DataParallel
+from .zero1 import Zero1
+from .zero2 import Zero2
+from .zero3 import Zero3
+
+logger = logging.getLogger("minizero")
+
+STAGES = {0: DataParallel, 1: Zero1, 2: Zero2, 3: Zero3}
+
+
+class Engine(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, model_parameters=None, config=None, lr_scheduler=None):
+        super().__init__()
+        comm.init_distributed()
+        self.world_size, self.global_rank = comm.get_world_size(), comm.get_rank()
+        self.local_rank, self.device = comm.get_local_rank(), comm.get_device()
+        self.config = load_config(config, self.world_size)
+        self.dtype = self.config.dtype
+        if self.config.optimizer is None:
+            raise ValueError("minizero: the config has no \"optimizer\" section; add e.g. "
+                             "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}}")
+
+        model.to(device=self.device, dtype=self.dtype)  # bf16/fp16: the module computes in low precision
+        self.module = model
+        groups = param_groups_of(model, model_parameters)
+        stage = STAGES[self.config.zero.stage]
+        self.zero = stage(model, groups, self.dtype,
+                          lambda gs: build_optimizer(gs, self.config.optimizer), self.config.zero)
+        self.optimizer = self.zero.optimizer
+
+        if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+            lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed accepts a factory too
+        self.lr_scheduler = lr_scheduler if lr_scheduler is not None else \
+            build_scheduler(self.optimizer, self.config.scheduler)
+        self.loss_scaler = create_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
+
+        self.global_steps = 0     # optimizer steps, skipped ones included (as DeepSpeed)
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._global_grad_norm = None
+        self._configure_activation_checkpointing()
+
+    # ------------------------------------------------------------------ config accessors
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scaler.cur_scale) if self.loss_scaler is not None else 1.0
+
+    def get_global_grad_norm(self):
+        return self._global_grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args, **kwargs):
+        cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
+            else (t.to(self.device) if torch.is_tensor(t) else t)
+        return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss / gradient_accumulation_steps, times the loss scale (fp16), then backward.
+
+        Order as DeepSpeed's `engine.backward` + ZeRO's `scale_if_loss`. Unlike DeepSpeed's
+        stage-0 fp16 optimizer (DEEPSPEED_FACTS: it never scales the loss but still unscales
+        the gradients, so they come out 65536x too small) the scale is applied at every stage.
+        """
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        scaled = loss.float() / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.cur_scale
+        self.zero.pre_backward()
+        scaled.backward()
+        self.zero.post_backward()
+        return loss
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+
+    def _take_model_step(self) -> None:
+        self.zero.reduce_gradients()                                    # 1
+        scale = self.loss_scale
+        sq = self.zero.local_grad_sq()                                  # 2
+        if self.zero.grads_partitioned():
+            comm.all_reduce(sq, label="grad_norm")
+        local_bad = not bool(torch.isfinite(sq))
+        overflow = overflow_across_ranks(local_bad) if self.loss_scaler is not None else False   # 3
+        prev_scale = scale
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(overflow)
+        if overflow:  # the scaler logged DeepSpeed's "OVERFLOW! Rank 0 Skipping step..." line
+            self.zero.zero_grad()
+            self.skipped_steps += 1
+            self._global_grad_norm = float("inf")
+        else:
+            # DeepSpeed's unscale_and_clip_grads, in fp32 tensor arithmetic as it does it:
+            # norm is of the *scaled* gradient; clip = max(1, (norm/S + 1e-6) / clip_value).
+            norm = sq.sqrt().float()
+            combined = torch.tensor(prev_scale, dtype=torch.float32, device=norm.device)
+            clip_value = self.config.gradient_clipping
+            if clip_value > 0:
+                clip = torch.clamp(((norm / prev_scale) + 1e-6) / clip_value, min=1.0)
+                combined = clip * prev_scale
+            self.zero.step(combined)                                    # 4, 5
+            self.zero.zero_grad()
+            self._global_grad_norm = float(norm) / prev_scale
+            if self.lr_scheduler is not None:                           # 6
+                self.lr_scheduler.step()
+        self.global_steps += 1
+        spp = self.config.steps_per_print
+        if spp and self.global_rank == 0 and self.global_steps % spp == 0:
+            logger.info(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                        f"loss_scale={self.loss_scale}")
+
+    # ------------------------------------------------------------------ introspection
+    def memory_breakdown(self) -> dict:
+        """This rank's persistent model-state bytes: params, grads, master_params, optimizer_states."""
+        return self.zero.memory_breakdown()
+
+    def comm_stats(self) -> dict:
+        return comm.ledger.snapshot()
+
+    def full_fp32_state_dict(self) -> dict:
+        """Every parameter's full fp32 (master) value; a collective: call on every rank."""
+        return self.zero.full_fp32_state()
+
+    # ------------------------------------------------------------------ activation checkpointing
+    def _configure_activation_checkpointing(self) -> None:
+        """DeepSpeed parses `activation_checkpointing` but leaves applying it to the user
+        (DEEPSPEED_FACTS). minizero applies it: configure the module and, when the model
+        exposes a `checkpoint_fn` hook (our GPT does), checkpoint every block."""
+        if "activation_checkpointing" not in self.config.raw:
+            return
+        from . import checkpointing
+        checkpointing.configure(None, deepspeed_config=self.config.raw)
+        if hasattr(self.module, "checkpoint_fn"):
+            self.module.checkpoint_fn = checkpointing.checkpoint
+
+
+def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:
+    """`model_parameters` as DeepSpeed takes it: None (all of model.parameters()), an
+    iterable of parameters, or an iterable of param-group dicts. Frozen parameters are
+    left out, as DeepSpeed's ZeRO does."""
+    if model_parameters is None:
+        model_parameters = model.parameters()
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in items]
+    else:
+        groups = [{"params": [p for p in items if p.requires_grad]}]
+    seen, owned = set(), {id(p) for p in model.parameters()}
+    for g in groups:
+        for p in g["params"]:
+            if id(p) in seen:
+                raise ValueError("minizero: a parameter appears in more than one param group")
+            if id(p) not in owned:
+                raise ValueError("minizero: model_parameters holds a tensor that is not a parameter of the model")
+            seen.add(id(p))
+    return groups

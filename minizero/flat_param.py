@@ -1,0 +1,128 @@
+"""FlatParam: a group of parameters living in one padded 1-D buffer, cut into N shards.
+
+Every ZeRO stage in minizero stores parameters the same way (the layout of the ZeRO
+paper's Figure 1, and of PyTorch FSDP1's `FlatParameter`):
+
+    full    [ p0 ........ | p1 ..... | p2 ... | pad ]   padded_numel = ceil(Ψ/N) * N
+    shards  [ rank 0      | rank 1            | ... ]   shard_numel  = padded_numel / N
+
+Each `nn.Parameter` becomes a *view* into `full`, so the module computes with it as
+usual, and a collective on `full` updates every parameter at once:
+
+- ZeRO-0/1/2 keep `full` alive; `shard` is a view of this rank's slice of it. After the
+  optimizer updates the shard, one `all_gather_into_tensor(full, shard)` brings every
+  rank's new slice back (in place: the shard *is* part of the output buffer).
+- ZeRO-3 keeps only `shard` (its own storage). `full`'s storage is resized to zero bytes
+  between uses (`reshard`) and re-allocated and all-gathered just before the parameters
+  are needed (`unshard`). The parameter views survive the resize, so tensors that
+  autograd saved for backward (e.g. `weight.t()`) read valid data again once the buffer
+  is re-gathered. This is FSDP's storage-resize trick; it means a gathered copy is never
+  kept alive between forward and backward. Touching a parameter while resharded reads
+  freed memory: the state enum in zero3.py exists to make that impossible.
+
+Gradients follow the same layout: `flat_grad` lays each `p.grad` into a padded buffer
+whose chunk r is exactly rank r's shard, ready for `reduce_scatter_tensor`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .partition import padded_numel, pieces_in_shard, shard_range
+
+
+class FlatParam:
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
+                 rank: int, label: str, keep_full: bool = True):
+        assert params, "a FlatParam needs at least one parameter"
+        dtypes = {p.dtype for p in params}
+        assert len(dtypes) == 1, f"{label}: parameters of one FlatParam must share a dtype, got {dtypes}"
+        self.params, self.names, self.label = params, names, label
+        self.world_size, self.rank = world_size, rank
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)                         # Ψ of this group
+        self.padded_numel = padded_numel(self.numel, world_size)
+        self.shard_start, self.shard_end = shard_range(self.numel, world_size, rank)
+        self.shard_numel = self.shard_end - self.shard_start
+
+        self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        self._views = []
+        off = 0
+        for p, n in zip(params, self.numels):
+            self.full[off:off + n].copy_(p.detach().reshape(-1))
+            self._views.append(self.full[off:off + n].view(p.shape))
+            p.data = self._views[-1]                           # the parameter is now a view
+            off += n
+        # While resharded, parameters point at an empty tensor, so a stray read raises a
+        # size error instead of reading freed memory.
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        # Start every rank from rank 0's weights (DeepSpeed's `_broadcast_model`), before
+        # anything is sharded, so a model initialised differently per rank still agrees.
+        comm.broadcast(self.full, src=0, label=f"{label}.init")
+        self.keep_full = keep_full
+        if keep_full:
+            self.shard = self.full[self.shard_start:self.shard_end]   # a view: in-place all-gather
+        else:
+            self.shard = self.full[self.shard_start:self.shard_end].clone()
+            self.free_full()
+        # Gradient shard (ZeRO-2/3): this rank's reduced gradient, kept across micro-steps.
+        self.grad_shard: torch.Tensor | None = None
+
+    # -- the full buffer ------------------------------------------------------------------
+    def full_is_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        for p in self.params:
+            p.data = self._placeholder
+
+    def alloc_full(self) -> None:
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        for p, v in zip(self.params, self._views):
+            p.data = v
+
+    def all_gather(self, label: str = "params") -> None:
+        """full <- every rank's shard. With keep_full the shard is already in place."""
+        if not self.full_is_allocated():
+            self.alloc_full()
+        comm.all_gather_into_tensor(self.full, self.shard, label=f"{self.label}.{label}")
+
+    # -- gradients ------------------------------------------------------------------------
+    def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
+        """Padded flat copy of the parameters' `.grad` (zeros where a parameter got none),
+        pre-divided by `divide_by` in the gradients' own dtype.
+
+        Dividing *before* summing across ranks is what DeepSpeed does (`average_tensor`):
+        in bf16/fp16 it keeps the sum from overflowing and rounds the same way, so the
+        reduced gradient is lp(g0/N) + lp(g1/N) + ... exactly as in DeepSpeed.
+        """
+        buf = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        off = 0
+        for p, n in zip(self.params, self.numels):
+            if p.grad is not None:
+                buf[off:off + n].copy_(p.grad.reshape(-1))
+            off += n
+        if divide_by != 1:
+            buf.div_(divide_by)
+        return buf
+
+    def clear_param_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grad_numel(self) -> int:
+        """Elements of full gradient currently held in `.grad` of this group's parameters."""
+        return sum(p.grad.numel() for p in self.params if p.grad is not None)
+
+    # -- mapping the shard back to parameters ---------------------------------------------
+    def shard_pieces(self):
+        """(name, shape, lo, hi, shard_offset) of each parameter piece in this rank's shard."""
+        return [(self.names[pc.index], self.shapes[pc.index], pc.lo, pc.hi, pc.shard_offset)
+                for pc in pieces_in_shard(self.numels, self.shard_start, self.shard_end)]
+
+    def __repr__(self) -> str:
+        return (f"FlatParam({self.label}: {len(self.params)} params, Ψ={self.numel}, "
+                f"padded={self.padded_numel}, shard={self.shard_numel} x {self.world_size}, {self.dtype})")

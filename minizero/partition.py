@@ -1,0 +1,93 @@
+"""Partitioning arithmetic: pure functions, no processes, no communication.
+
+ZeRO (Rajbhandari et al., SC'20, section 5) splits a flat buffer of Ψ elements into N
+equal, contiguous pieces, one per data-parallel rank. Collectives such as
+`all_gather_into_tensor` and `reduce_scatter_tensor` need every rank's piece to have the
+same size, so the buffer is first padded with zeros up to a multiple of N. Everything
+about "who owns which elements" follows from the three numbers (numel, N, rank); these
+helpers compute it so it can be unit-tested without starting a single process.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of `world_size` that is >= `numel` (the padded flat length)."""
+    return math.ceil(numel / world_size) * world_size
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements each rank holds of a buffer of `numel` elements: ceil(numel / N)."""
+    return padded_numel(numel, world_size) // world_size
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's shard in the *padded* flat buffer. May extend into padding."""
+    n = shard_numel(numel, world_size)
+    return rank * n, (rank + 1) * n
+
+
+def offsets(numels: Sequence[int]) -> list[int]:
+    """Start offset of each tensor when `numels` are laid end to end."""
+    out, acc = [], 0
+    for n in numels:
+        out.append(acc)
+        acc += n
+    return out
+
+
+class Piece(NamedTuple):
+    """The part of tensor `index` that falls inside a shard.
+
+    Elements [lo, hi) of the (flattened) tensor sit at [shard_offset, shard_offset + hi - lo)
+    of the shard. Used to map a flat shard back to named parameters (checkpoint
+    consolidation) and to tell padding from data.
+    """
+    index: int
+    lo: int
+    hi: int
+    shard_offset: int
+
+
+def pieces_in_shard(numels: Sequence[int], shard_start: int, shard_end: int) -> list[Piece]:
+    """Which parts of which tensors (laid end to end, then padded) lie in [shard_start, shard_end).
+
+    A tensor may straddle two shards: ZeRO-1/2 cut the flat buffer at fixed positions,
+    regardless of where one parameter ends and the next begins.
+    """
+    out = []
+    for i, (start, n) in enumerate(zip(offsets(numels), numels)):
+        lo, hi = max(start, shard_start), min(start + n, shard_end)
+        if lo < hi:
+            out.append(Piece(i, lo - start, hi - start, lo - shard_start))
+    return out
+
+
+def data_numel_in_shard(numels: Sequence[int], world_size: int, rank: int) -> int:
+    """Real (non-padding) elements in rank's shard."""
+    start, end = shard_range(sum(numels), world_size, rank)
+    return sum(p.hi - p.lo for p in pieces_in_shard(numels, start, end))
+
+
+def bucketize(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+    """Greedy, order-preserving split of tensors into buckets of at most `bucket_numel`
+    elements (a tensor larger than a bucket gets a bucket of its own).
+
+    ZeRO-2 reduce-scatters gradients one bucket at a time while backward is still running
+    (DeepSpeed's `reduce_bucket_size`): small buckets free full gradients sooner and
+    overlap with compute, large buckets mean fewer, more efficient collectives.
+    """
+    if bucket_numel <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_numel}")
+    buckets, cur, cur_n = [], [], 0
+    for i, n in enumerate(numels):
+        if cur and cur_n + n > bucket_numel:
+            buckets.append(cur)
+            cur, cur_n = [], 0
+        cur.append(i)
+        cur_n += n
+    if cur:
+        buckets.append(cur)
+    return buckets
