@@ -1,0 +1,73 @@
+"""Model-state memory per rank: the ZeRO paper's formulas, and what minizero really holds.
+
+Mixed-precision Adam training keeps, per parameter (ZeRO paper, Rajbhandari et al.,
+SC'20, section 3.1): 2 bytes of bf16/fp16 parameter, 2 bytes of gradient, and K = 12
+bytes of optimizer state (4 fp32 master + 4 momentum + 4 variance). With N ranks:
+
+    stage 0   2Ψ + 2Ψ + 12Ψ            (everything replicated)
+    stage 1   2Ψ + 2Ψ + 12Ψ/N          (P_os: optimizer states partitioned)
+    stage 2   2Ψ + (2 + 12)Ψ/N         (P_os+g: gradients too)
+    stage 3   (2 + 2 + 12)Ψ/N          (P_os+g+p: parameters too)
+
+`paper_bytes` is that formula. `expected_bytes` is the same formula applied to minizero's
+actual layout: each FlatParam (flat_param.py) is padded up to a multiple of N, so Ψ/N
+becomes ceil(Ψ_f/N) summed over FlatParams. Tests assert `engine.memory_breakdown()`
+equals `expected_bytes` exactly, and that the padding is all that separates it from the
+paper.
+
+fp32 training (no mixed precision) has no separate master copy in minizero: the fp32
+parameters are the masters, so K = 8 and params/grads are 4 bytes each.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .partition import padded_numel
+
+
+def paper_bytes(psi: int, world_size: int, stage: int, mixed: bool = True) -> dict:
+    """The ZeRO paper's per-rank bytes, split as memory_breakdown() splits them."""
+    n = world_size
+    lp = 2 if mixed else 4
+    part = lambda x: x / n
+    params = lp * psi if stage < 3 else part(lp * psi)
+    grads = lp * psi if stage < 2 else part(lp * psi)
+    master = (part(4 * psi) if stage >= 1 else 4 * psi) if mixed else 0
+    opt = part(8 * psi) if stage >= 1 else 8 * psi
+    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
+
+
+def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixed: bool = True,
+                   persistent: Iterable[bool] | None = None) -> dict:
+    """Per-rank bytes for minizero's layout: `flat_numels` are the Ψ of each FlatParam.
+
+    `persistent` marks ZeRO-3 FlatParams kept gathered (small parameters): their params
+    count in full, their gradients and optimizer state stay partitioned.
+    """
+    n = world_size if stage >= 1 else 1
+    lp = 2 if mixed else 4
+    persistent = list(persistent) if persistent is not None else [False] * len(flat_numels)
+    shard = [padded_numel(x, n) // n for x in flat_numels]
+    full = [padded_numel(x, n) for x in flat_numels]
+    psi = sum(flat_numels)
+    params = sum(f if (stage < 3 or p) else s for f, s, p in zip(full, shard, persistent)) * lp
+    grads = psi * lp if stage < 2 else sum(shard) * lp
+    master = sum(shard) * 4 if mixed else 0
+    opt = sum(shard) * 8
+    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
+
+
+def total(breakdown: dict) -> int:
+    return int(sum(breakdown.values()))
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def padding_elements(flat_numels: Sequence[int], world_size: int) -> int:
+    return sum(padded_numel(x, world_size) - x for x in flat_numels)
