@@ -13,6 +13,7 @@ Usage (the function must be importable at module level, i.e. picklable by refere
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -59,7 +60,11 @@ def _worker(rank, world_size, port, fn, args, kwargs, env, queue):
         if world_size > 1 or env.get("MINIZERO_FORCE_PG"):
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(*args, **kwargs)
-        queue.put((rank, True, out))
+        # Serialise by value: a tensor put on the queue directly would be shared through a
+        # file descriptor that dies with this process before the parent reads it.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException as e:  # report, don't hang the other ranks' test
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -85,7 +90,8 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, env=None, timeout: 
         for _ in range(world_size):
             rank, ok, out = queue.get(timeout=timeout)
             if ok:
-                results[rank] = out
+                import torch
+                results[rank] = torch.load(io.BytesIO(out), weights_only=False)
             else:
                 errors.append(f"rank {rank}: {out}")
                 break
