@@ -1,0 +1,500 @@
+"""Activation checkpointing: keep a block's inputs, recompute its insides in backward.
+
+Why: backprop needs, for every op, the tensors its backward formula reads (a Linear's
+input, a GELU's input, a dropout mask, a softmax's output, ...). For a transformer these
+"activations" grow with layers x batch x sequence, and at long sequences they, not the
+model states ZeRO partitions, are what fills memory. Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost" (arXiv:1604.06174), trade compute for memory: run a segment
+(here: one transformer block) forward *without* recording its graph, keep only the
+segment's inputs, and when backward reaches the segment run its forward again (now
+recording) and backprop through that. Memory for activations drops from "everything
+inside every block" to "one tensor per block + the insides of the one block being
+recomputed", for the price of roughly one extra forward (~33% more compute).
+
+This file is the reentrant variant DeepSpeed uses (`CheckpointFunction` in
+deepspeed/runtime/activation_checkpointing/checkpointing.py, itself adapted from
+torch.utils.checkpoint): an `autograd.Function` whose forward runs the block under
+`no_grad` and whose backward recomputes under `enable_grad` and calls
+`torch.autograd.backward` on the recomputed outputs. It is written from scratch here.
+
+Three things must hold for the gradients to be *identical* to not checkpointing:
+
+1. Same randomness. Dropout draws from the global RNG; the recompute must draw the same
+   masks. We save the RNG state (CPU, and each CUDA device involved) before the forward,
+   set it back for the recompute, and afterwards restore the state backward found, so the
+   training RNG stream continues exactly as without checkpointing (DeepSpeed does the
+   same: fwd_cpu_rng_state / bwd_cpu_rng_state in CheckpointFunction.backward).
+2. Same inputs. We keep them with `ctx.save_for_backward`, so autograd's version counter
+   catches an in-place change between forward and backward.
+3. Same precision. If the forward ran under autocast, the recompute runs under the same
+   autocast (backward usually runs outside it). DeepSpeed does not do this; with a module
+   cast to fp16/bf16 (how minizero and DeepSpeed train) there is no autocast and no
+   difference.
+
+No model-parallel RNG tracker: DeepSpeed also saves/restores Megatron's
+`CudaRNGStatesTracker` (`model_parallel_cuda_manual_seed`) so that tensor-parallel ranks
+draw different dropout masks inside sharded layers. minizero is pure data parallelism:
+there are no sharded layers, every rank draws from its own default generator, and saving
+that generator is all that is needed.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "configure", "is_configured", "reset", "checkpoint", "CheckpointFunction", "get_config",
+    "CheckpointConfig", "timings", "in_recompute", "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
+]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+@dataclass
+class CheckpointConfig:
+    """The `activation_checkpointing` section of a DeepSpeed config, same keys and defaults
+    (deepspeed/runtime/activation_checkpointing/config.py)."""
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+_KEYS = {f.name for f in fields(CheckpointConfig)}
+
+_cfg = CheckpointConfig()
+_configured = False
+_mpu = None
+# contiguous_memory_optimization: one preallocated [number_checkpoints, numel] buffer per
+# input position, and the next free slot in each (DeepSpeed: contiguous_data_buffers /
+# data_offsets, module globals too).
+_buffers: list[torch.Tensor] = []
+_offsets: list[int] = []
+_timings = {"calls": 0, "forward_s": 0.0, "recompute_s": 0.0, "backward_s": 0.0}
+_recompute_depth = 0  # > 0 while a backward recomputes a block and backprops through it
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _read_section(deepspeed_config) -> dict:
+    """The `activation_checkpointing` dict of a config given as a dict or a JSON path."""
+    if isinstance(deepspeed_config, (str, os.PathLike)):
+        with open(deepspeed_config) as f:
+            deepspeed_config = json.load(f)
+    if not isinstance(deepspeed_config, dict):
+        raise TypeError(f"deepspeed_config must be a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
+    section = deepspeed_config.get("activation_checkpointing", {})
+    unknown = sorted(set(section) - _KEYS)
+    if unknown:  # DeepSpeed ignores unknown keys silently; a typo there silently turns a feature off
+        raise ValueError(f"activation_checkpointing: unknown key(s) {unknown}; minizero implements {sorted(_KEYS)}")
+    return section
+
+
+def _mp_world_size(mpu) -> int:
+    if mpu is None:
+        return 1
+    if hasattr(mpu, "get_tensor_model_parallel_world_size"):
+        return mpu.get_tensor_model_parallel_world_size()
+    return mpu.get_model_parallel_world_size()
+
+
+def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
+              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None):
+    """Set the activation checkpointing options, with `deepspeed.checkpointing.configure`'s
+    signature and precedence: start from the defaults, apply the config's
+    `activation_checkpointing` section (a dict or a JSON path), then any explicit keyword.
+
+    `mpu_` is accepted for signature compatibility; a model-parallel size above 1 is an error
+    (minizero is data-parallel only).
+    """
+    global _cfg, _configured, _mpu
+    cfg = CheckpointConfig()
+    mpu = mpu_ if mpu_ is not None else _mpu  # as DeepSpeed: configure(None, ...) keeps an earlier mpu
+    if _mp_world_size(mpu) > 1:
+        raise NotImplementedError("activation checkpointing: minizero is data-parallel only; an mpu with "
+                                  "model-parallel world size > 1 would need activation partitioning across it")
+    if deepspeed_config is not None:
+        for k, v in _read_section(deepspeed_config).items():
+            setattr(cfg, k, v)
+    for name, value in (("partition_activations", partition_activations),
+                        ("contiguous_memory_optimization", contiguous_checkpointing),
+                        ("number_checkpoints", num_checkpoints), ("cpu_checkpointing", checkpoint_in_cpu),
+                        ("synchronize_checkpoint_boundary", synchronize), ("profile", profile)):
+        if value is not None:
+            setattr(cfg, name, value)
+
+    # DeepSpeed's two assertions in configure(), word for word.
+    if cfg.contiguous_memory_optimization:
+        assert cfg.partition_activations, "Contiguous Checkpointing is only available with partitioned activations. Set partitioned activations to true in deepspeed config"
+    if cfg.contiguous_memory_optimization:
+        assert cfg.number_checkpoints is not None, "Must specify the number of layers with contiguous memory checkpointing"
+
+    _cfg, _configured, _mpu = cfg, True, mpu
+    reset()
+    if _is_rank0():
+        logger.info(_describe(cfg))
+
+
+def _describe(cfg: CheckpointConfig) -> str:
+    """What each option does in *this* run, said once (at configure, on rank 0)."""
+    on_cuda = torch.cuda.is_available()
+    lines = [f"activation checkpointing (Chen et al. 2016): {cfg}"]
+    if cfg.partition_activations:
+        lines.append("  partition_activations: splits each checkpointed input across the *model-parallel* group; "
+                     "pure data parallelism has one model-parallel rank, so there is nothing to split: no-op here "
+                     "(DeepSpeed makes a full flat copy of the input and empties the original)")
+    if cfg.cpu_checkpointing:
+        lines.append("  cpu_checkpointing: saved block inputs move to CPU memory" +
+                     (" (pinned) and back to their device in backward" if on_cuda else
+                      "; here they already are in CPU memory, so the move runs but copies nothing"))
+    if cfg.contiguous_memory_optimization:
+        lines.append(f"  contiguous_memory_optimization: saved inputs are copied into one preallocated buffer of "
+                     f"{cfg.number_checkpoints} slots per input position (fights allocator fragmentation on GPU; "
+                     f"on CPU it is only an extra copy)")
+    if cfg.synchronize_checkpoint_boundary:
+        lines.append("  synchronize_checkpoint_boundary: " + ("torch.cuda.synchronize() at each checkpoint's "
+                     "forward/backward start and end" if on_cuda else "device synchronize is a no-op on CPU"))
+    if cfg.profile:
+        lines.append("  profile: forward, recompute and backward of every checkpoint timed with "
+                     "time.perf_counter and logged; totals in minizero.checkpointing.timings()")
+    return "\n".join(lines)
+
+
+def is_configured() -> bool:
+    """True once configure() has been called (as deepspeed.checkpointing.is_configured)."""
+    return _configured
+
+
+def get_config() -> CheckpointConfig:
+    return _cfg
+
+
+def reset() -> None:
+    """Drop the contiguous-memory buffers. As in DeepSpeed, call it after forwards that are
+    not followed by a backward (e.g. evaluation with grad enabled), which would otherwise
+    keep filling slots."""
+    _buffers.clear()
+    _offsets.clear()
+
+
+def in_recompute() -> bool:
+    """True while checkpoint's backward is re-running a block's forward and backprop'ing
+    through it. ZeRO-3's hooks can use it to tell the recompute's forward (which runs in
+    the middle of backward) from the real one, e.g. to keep the block's gathered
+    parameters for the backward that immediately follows instead of releasing them."""
+    return _recompute_depth > 0
+
+
+def timings() -> dict:
+    """Total seconds spent in checkpointed forward / recompute / inner backward (profile=True)."""
+    return dict(_timings)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _synchronize(tensors) -> None:
+    # DeepSpeed calls get_accelerator().synchronize(), a no-op on its CPU accelerator.
+    if _cfg.synchronize_checkpoint_boundary and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _cuda_devices(tensors) -> list[int]:
+    devs = {t.device.index for t in tensors if t.is_cuda}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devs.add(torch.cuda.current_device())
+    return sorted(d for d in devs if d is not None)
+
+
+def _get_rng_state(devices):
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for d, s in cuda:
+        torch.cuda.set_rng_state(s, d)
+
+
+def _autocast_state():
+    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
+
+
+def _offload_to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """cpu_checkpointing: a CPU copy of a saved input (pinned, so the copy back can overlap)."""
+    cpu = t.detach().to("cpu")  # on a CPU tensor this returns t itself: nothing to move
+    if torch.cuda.is_available() and t.is_cuda:
+        cpu = cpu.pin_memory()
+    return cpu
+
+
+def _restore_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def _into_contiguous_slot(position: int, t: torch.Tensor) -> torch.Tensor:
+    """Copy t into the next slot of the preallocated buffer for this input position.
+
+    DeepSpeed (partition_activations() in checkpointing.py) allocates `number_checkpoints`
+    partitions per input position at the first checkpoint and copies each layer's input into
+    the next one, so the caching allocator sees one big up-front allocation instead of many
+    interleaved ones. Here the buffer is literally one tensor [number_checkpoints, numel].
+    """
+    n = _cfg.number_checkpoints
+    while len(_buffers) <= position:
+        _buffers.append(None)
+        _offsets.append(0)
+    buf = _buffers[position]
+    if buf is None:
+        buf = torch.empty((n, t.numel()), dtype=t.dtype, device=t.device)
+        _buffers[position], _offsets[position] = buf, 0
+    if buf.shape[1] != t.numel() or buf.dtype != t.dtype or buf.device != t.device:
+        raise RuntimeError("contiguous_memory_optimization needs every checkpoint's input at position "
+                           f"{position} to have the same size/dtype/device (got {tuple(t.shape)} {t.dtype})")
+    if _offsets[position] >= n:
+        raise RuntimeError(f"contiguous_memory_optimization: more than number_checkpoints={n} checkpoints before "
+                           "a backward; raise number_checkpoints or call minizero.checkpointing.reset()")
+    # The slot aliases the buffer's memory but is *not* a view of it (set_ gives it its own
+    # autograd version counter): with buf[i] views, filling slot i+1 would bump the version
+    # of slot i, which save_for_backward then rightly reports as an in-place modification.
+    n_el = t.numel()
+    slot = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
+        buf.untyped_storage(), _offsets[position] * n_el, (n_el,), (1,))
+    _offsets[position] += 1
+    return slot.copy_(t.detach().reshape(-1)).view(t.shape)
+
+
+def _is_activation(t) -> bool:
+    # DeepSpeed only partitions / offloads floating-point tensors (is_activation_to_checkpoint).
+    return torch.is_tensor(t) and t.is_floating_point()
+
+
+def _stash(position: int, t: torch.Tensor) -> torch.Tensor:
+    """What we keep of one tensor input until backward."""
+    if not _is_activation(t):
+        return t
+    # partition_activations: with one model-parallel rank the "partition" is the whole tensor.
+    if _cfg.contiguous_memory_optimization:
+        if _cfg.cpu_checkpointing:
+            t = _offload_to_cpu(t)
+        return _into_contiguous_slot(position, t)
+    if _cfg.cpu_checkpointing:
+        return _offload_to_cpu(t)
+    return t
+
+
+class _Outputs:
+    """Carries the output structure out of Function.forward (which may only return
+    tensors) so checkpoint() can put non-tensor outputs back where they were."""
+    single = True
+    template: list = []
+
+
+# ----------------------------------------------------------------------------- the Function
+
+class CheckpointFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, run_function, out_spec, *args):
+        tensors = [a for a in args if torch.is_tensor(a)]
+        _synchronize(tensors)
+        t0 = time.perf_counter()
+
+        ctx.run_function = run_function  # a module or function: never a parameter's full tensor
+        ctx.is_tensor = [torch.is_tensor(a) for a in args]
+        ctx.non_tensors = [a for a in args if not torch.is_tensor(a)]
+        ctx.inputs_requires_grad = [t.requires_grad for t in tensors]
+        ctx.devices = [t.device for t in tensors]
+        ctx.rng_devices = _cuda_devices(tensors)
+        ctx.fwd_rng = _get_rng_state(ctx.rng_devices)
+        ctx.autocast = _autocast_state()
+
+        with torch.no_grad():  # Function.forward already runs without grad; explicit for the reader
+            outputs = run_function(*args)
+
+        # Only the inputs are kept. save_for_backward (not a ctx attribute) so autograd owns
+        # them: it checks they were not modified in place and saved_tensors_hooks see them.
+        # DeepSpeed keeps them as ctx.deepspeed_saved_tensors instead, invisible to
+        # saved_tensors_hooks: count those by hand when comparing bytes held for backward.
+        ctx.save_for_backward(*[_stash(i, t) for i, t in enumerate(tensors)])
+
+        if torch.is_tensor(outputs):
+            out_spec.single, flat = True, [outputs]
+        elif isinstance(outputs, (tuple, list)):
+            out_spec.single = False
+            out_spec.template = [None if torch.is_tensor(o) else o for o in outputs]
+            flat = [o for o in outputs if torch.is_tensor(o)]
+        else:
+            raise TypeError(f"checkpoint: the function must return a tensor or a tuple/list, got {type(outputs).__name__}")
+        ctx.mark_non_differentiable(*[o for o in flat if not o.is_floating_point()])
+
+        _synchronize(tensors)
+        if _cfg.profile:
+            dt = time.perf_counter() - t0
+            _timings["calls"] += 1
+            _timings["forward_s"] += dt
+            if _is_rank0():
+                logger.info(f"checkpoint forward: {dt * 1e3:.3f} ms")
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("checkpoint: torch.autograd.grad() is not supported, use .backward()")
+        saved = ctx.saved_tensors
+        _synchronize(saved)
+        t0 = time.perf_counter()
+        if _cfg.contiguous_memory_optimization:
+            reset()  # as DeepSpeed: forget the buffers; the slots we saved keep theirs alive
+
+        # Fresh leaves on the original device: the recompute builds its own small graph
+        # rooted at them, and their .grad is what we hand back to the outer graph.
+        leaves = iter([_restore_to_device(t, dev).detach().requires_grad_(rg)
+                       for t, dev, rg in zip(saved, ctx.devices, ctx.inputs_requires_grad)])
+        non_tensors = iter(ctx.non_tensors)
+        inputs = [next(leaves) if is_t else next(non_tensors) for is_t in ctx.is_tensor]
+
+        global _recompute_depth
+        _recompute_depth += 1
+        try:
+            bwd_rng = _get_rng_state(ctx.rng_devices)
+            _set_rng_state(ctx.fwd_rng)  # replay the forward's dropout masks
+            try:
+                with torch.enable_grad(), contextlib.ExitStack() as stack:
+                    for kind, enabled, dtype in ctx.autocast:
+                        stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+                    # Under ZeRO-3 this re-fires the modules' forward hooks: parameters are
+                    # gathered again for the recompute, exactly as in the first forward.
+                    outputs = ctx.run_function(*inputs)
+            finally:
+                _set_rng_state(bwd_rng)  # training RNG continues as if no recompute happened
+            t1 = time.perf_counter()
+
+            outputs = [outputs] if torch.is_tensor(outputs) else [o for o in outputs if torch.is_tensor(o)]
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            if not pairs:
+                raise RuntimeError("checkpoint: none of the recomputed outputs requires grad (do the block's "
+                                   "inputs or parameters require grad?)")
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            _recompute_depth -= 1
+
+        _synchronize(saved)
+        if _cfg.profile:
+            t2 = time.perf_counter()
+            _timings["recompute_s"] += t1 - t0
+            _timings["backward_s"] += t2 - t1
+            if _is_rank0():
+                logger.info(f"checkpoint recompute: {(t1 - t0) * 1e3:.3f} ms, backward: {(t2 - t1) * 1e3:.3f} ms")
+
+        # One gradient per forward() argument: None for run_function, out_spec, non-tensors
+        # and tensors that do not require grad (their leaf's .grad stays None).
+        return (None, None, *[x.grad if is_t else None for x, is_t in zip(inputs, ctx.is_tensor)])
+
+
+def checkpoint(function, *args, **kwargs):
+    """`function(*args, **kwargs)`, keeping only the inputs for backward.
+
+    Returns what `function` returns: a tensor, or a tuple (a list becomes a tuple, as in
+    DeepSpeed) whose non-tensor items are passed through. Gradients for tensor inputs and
+    for parameters used inside `function` are identical to not checkpointing.
+    """
+    if kwargs:  # keyword tensors take part in autograd like positional ones (as DeepSpeed)
+        run, keys, n = function, tuple(kwargs), len(args)
+
+        def function(*all_args):
+            return run(*all_args[:n], **dict(zip(keys, all_args[n:])))
+
+        args = args + tuple(kwargs.values())
+
+    if not torch.is_grad_enabled():
+        return function(*args)  # no backward will come: nothing to keep, nothing to recompute
+    if not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        warnings.warn("checkpoint: no input requires grad, so the block's parameters will get no gradient "
+                      "(the reentrant checkpoint's output is only connected to the graph through its inputs)")
+
+    spec = _Outputs()
+    flat = CheckpointFunction.apply(function, spec, *args)
+    if spec.single:
+        return flat[0]
+    it = iter(flat)
+    return tuple(next(it) if o is None else o for o in spec.template)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd holds for backward.
+
+    Deduplicated by (device, untyped_storage().data_ptr()): a view and its base, or one
+    tensor saved by two ops, are held once. `exclude` storages (pass model.parameters())
+    are not counted: parameters live anyway, they are not activations.
+    """
+
+    def __init__(self, exclude=()):
+        self.storages: dict[tuple, int] = {}
+        self._exclude = {self._key(p) for p in exclude}
+        # While counting we keep every counted storage alive: if a saved tensor's graph died
+        # mid-forward, the allocator could hand its address to a later tensor, which the
+        # data_ptr dedup would then wrongly merge with it. (Such a tensor is still counted.)
+        self._alive: list = []
+
+    @staticmethod
+    def _key(t):
+        return (str(t.device), t.untyped_storage().data_ptr())
+
+    def add(self, t) -> None:
+        if not torch.is_tensor(t) or t.is_meta or t.layout != torch.strided:
+            return
+        k = self._key(t)
+        if k not in self._exclude and k not in self.storages:
+            self.storages[k] = t.untyped_storage().nbytes()
+            self._alive.append(t.untyped_storage())
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@contextlib.contextmanager
+def count_saved_bytes(exclude=()):
+    """Count what is saved for backward inside the block, via saved_tensors_hooks:
+
+        with count_saved_bytes(exclude=model.parameters()) as c:
+            loss = model(x, y)[1]
+        c.bytes
+    """
+    counter = SavedBytes(exclude)
+
+    def pack(t):
+        counter.add(t)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield counter
+    finally:
+        counter._alive.clear()
+
+
+def saved_bytes_for_backward(model_fn, exclude=()) -> int:
+    """Bytes held for backward by the graph `model_fn()` builds (see count_saved_bytes)."""
+    with count_saved_bytes(exclude) as c:
+        out = model_fn()
+    del out
+    return c.bytes
