@@ -47,3 +47,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                             sampler=sampler, collate_fn=collate_fn, drop_last=True)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def consolidate(checkpoint_dir, tag=None):
+    """Full fp32 state dict from a sharded minizero checkpoint (DeepSpeed's zero_to_fp32)."""
+    from .checkpoint import consolidate as _consolidate
+    return _consolidate(checkpoint_dir, tag)

@@ -171,6 +171,23 @@ class Engine(torch.nn.Module):
         """Every parameter's full fp32 (master) value; a collective: call on every rank."""
         return self.zero.full_fp32_state()
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """Every rank writes its own shard; a `latest` file names the tag (checkpoint.py)."""
+        from . import checkpoint
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True):
+        """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
+        (as DeepSpeed does)."""
+        from . import checkpoint
+        path, client = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        if path is None:
+            logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
+        return path, client
+
     # ------------------------------------------------------------------ activation checkpointing
     def _configure_activation_checkpointing(self) -> None:
         """DeepSpeed parses `activation_checkpointing` but leaves applying it to the user
