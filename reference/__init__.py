@@ -1,0 +1,1 @@
+"""DeepSpeed reference runs and memory probes for the minizero agreement tests."""
