@@ -213,7 +213,7 @@ class GPT(nn.Module):
             # Cross-entropy in fp32 whatever the compute dtype: the log-softmax over the
             # vocabulary is where bf16/fp16 lose the most precision, and doing it in fp32
             # makes fp32, bf16 and fp16 runs' losses comparable on one plot.
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
 
