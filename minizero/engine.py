@@ -20,6 +20,7 @@ import logging
 import math
 
 import torch
+from torch.profiler import record_function
 
 from . import comm
 from .config import build_optimizer, load_config
@@ -98,7 +99,8 @@ class Engine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
             else (t.to(self.device) if torch.is_tensor(t) else t)
-        return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+        with record_function("minizero::forward"):
+            return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """loss / gradient_accumulation_steps, times the loss scale (fp16), then backward.
@@ -112,15 +114,17 @@ class Engine(torch.nn.Module):
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        self.zero.pre_backward()
-        scaled.backward()
-        self.zero.post_backward()
+        with record_function("minizero::backward"):
+            self.zero.pre_backward()
+            scaled.backward()
+            self.zero.post_backward()
         return loss
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step()
+            with record_function("minizero::step"):
+                self._take_model_step()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
 
