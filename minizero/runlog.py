@@ -1,0 +1,217 @@
+"""What both training scripts (minizero/train.py and reference/train.py) share besides
+the model and the data: memory readout, the metrics line and files, comm-byte windows,
+and minGPT's image sampling.
+
+Everything here is library-neutral: it never imports deepspeed, and it talks to the
+process group through torch.distributed directly, so the DeepSpeed reference can use it
+as it is.
+
+Files a run writes (rank 0, into its save dir):
+
+    metrics.csv   one row per logged step, columns METRICS_COLUMNS
+    summary.json  one JSON object, keys SUMMARY_KEYS (see minizero/train.py)
+    samples.png   a grid of images sampled from the model
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+METRICS_COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s",
+                   "mem_mb", "peak_mem_mb", "elapsed_s"]
+
+SUMMARY_KEYS = ["library", "stage", "dtype", "world_size", "model", "params", "steps", "losses",
+                "final_loss", "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s",
+                "comm_wire_bytes_per_step", "skipped_steps", "config"]
+
+
+# ----------------------------------------------------------------------------- process group
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def mean_across_ranks(value: float, device) -> float:
+    """The average of a Python float over all ranks (a float64 all-reduce; 1 rank: itself)."""
+    _, world = rank_world()
+    if world == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / world
+
+
+def gather_objects(obj) -> list:
+    """Every rank's picklable obj, in rank order (control traffic; not in any comm count)."""
+    _, world = rank_world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- memory
+
+def memory_mb(device) -> tuple[float, float]:
+    """(current, peak) memory of this process in MB.
+
+    GPU: CUDA memory allocated by tensors and its peak (torch.cuda.max_memory_allocated).
+    CPU: the process's resident set size (RSS, /proc/self/statm) and the peak RSS
+    (getrusage ru_maxrss: kilobytes on Linux, bytes on macOS). RSS counts everything the
+    process touched (the Python interpreter, torch's libraries, the dataset), so on CPU
+    it is an upper bound on the model's memory, not the model states alone: for those see
+    summary.json's model_state_bytes.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return (torch.cuda.memory_allocated(device) / 2**20, torch.cuda.max_memory_allocated(device) / 2**20)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:   # no /proc (macOS): the peak is the best we have
+        rss = peak
+    return rss, peak
+
+
+# ----------------------------------------------------------------------------- the metrics line
+
+def metrics_line(row: dict) -> str:
+    """One line per logged step, in the spirit of DeepSpeed's timer line."""
+    return (f"step={row['step']:>4d} loss={row['loss']:.4f} lr={row['lr']:.1e} "
+            f"scale={row['loss_scale']:g} samples/s={row['samples_per_s']:.1f} "
+            f"tokens/s={row['tokens_per_s']:.0f} mem={row['mem_mb']:.1f}MB peak={row['peak_mem_mb']:.1f}MB")
+
+
+def write_metrics_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=METRICS_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r[k] for k in METRICS_COLUMNS})
+
+
+def median_throughput(rows: list[dict]) -> float | None:
+    """Median samples/s over the logged intervals after the first (which pays for warm-up)."""
+    vals = [r["samples_per_s"] for r in rows[1:]] or [r["samples_per_s"] for r in rows]
+    return statistics.median(vals) if vals else None
+
+
+def write_summary(path: str, summary: dict) -> None:
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    assert not missing, f"summary is missing {missing}"
+
+    def clean(x):   # NaN/inf are not JSON: write null
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(clean(summary), f, indent=1)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- comm bytes
+
+class StepCommWindow:
+    """Per-op wire bytes per optimizer step, from a cumulative counter.
+
+    `snapshot` is a callable returning {op: {"wire_bytes": int, ...}} since start
+    (minizero: engine.comm_stats(); DeepSpeed: our torch.distributed counters). Only the
+    traffic *inside* a training step is added up (open() before the step's first
+    forward, close() after engine.step()), so the init broadcasts, the codebook, the
+    metrics all-reduce, evaluation, sampling and checkpointing stay out. The first step
+    is skipped too (steady state only), unless it is the only one.
+    """
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+        self.total: dict[str, int] = {}
+        self.first: dict[str, int] = {}
+        self.steps = 0
+        self._start = None
+        self._seen_first = False
+
+    def open(self) -> None:
+        self._start = self.snapshot()
+
+    def close(self) -> None:
+        end = self.snapshot()
+        delta = {op: end[op]["wire_bytes"] - self._start.get(op, {}).get("wire_bytes", 0) for op in end}
+        if not self._seen_first:
+            self._seen_first, self.first = True, delta
+            return
+        for op, b in delta.items():
+            self.total[op] = self.total.get(op, 0) + b
+        self.steps += 1
+
+    def per_step(self) -> dict:
+        total, steps = (self.total, self.steps) if self.steps else (self.first, 1 if self._seen_first else 0)
+        out = {op: b / steps for op, b in sorted(total.items())} if steps else {}
+        out["total"] = sum(out.values())
+        return out
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def first_token_probs(train_ds, ncluster: int, nest: int = 5000, seed: int = 0) -> torch.Tensor:
+    """minGPT play_image: the distribution of the first pixel's token, estimated from `nest`
+    random training images, counts starting at 1 ("smoothing")."""
+    counts = torch.ones(ncluster)
+    g = torch.Generator().manual_seed(seed)
+    rp = torch.randperm(len(train_ds), generator=g)[:nest]
+    first = train_ds.tokens[rp, 0].long() if hasattr(train_ds, "tokens") else \
+        torch.stack([train_ds[int(i)][0][0] for i in rp])
+    counts += torch.bincount(first, minlength=ncluster).float()
+    return counts / counts.sum()
+
+
+@torch.no_grad()
+def sample_tokens(model, probs: torch.Tensor, n: int, image_size: int, device, top_k: int | None = 100,
+                  seed: int = 0) -> torch.Tensor:
+    """n images' worth of tokens: first pixel from `probs`, the rest from the model.
+
+    Collective under ZeRO-3 (either library): the module's forward hooks gather each
+    block's parameters, so every rank must call this, with the same n and image_size
+    (the same number of forwards). The same seed on every rank gives the same images.
+    """
+    from minizero.model import sample
+
+    g_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        start = torch.multinomial(probs, n, replacement=True)[:, None].to(device)
+        return sample(model, start, image_size * image_size - 1, temperature=1.0, top_k=top_k)
+    finally:
+        torch.random.set_rng_state(g_state)   # sampling does not disturb the training RNG
+
+
+def save_image_grid(tokens: torch.Tensor, codebook: torch.Tensor, image_size: int, path: str,
+                    nrow: int = 8) -> None:
+    """Decode tokens through the colour codebook and save them as one PNG grid."""
+    import torchvision.utils as vutils
+    from minizero.data import decode
+
+    imgs = decode(tokens.cpu(), codebook, image_size)                 # (B, H, W, 3) uint8
+    imgs = imgs.permute(0, 3, 1, 2).float() / 255.0                   # (B, 3, H, W) in [0, 1]
+    # Tiny images are upscaled (nearest) so the grid is visible without zooming.
+    scale = max(1, 64 // image_size)
+    if scale > 1:
+        imgs = torch.nn.functional.interpolate(imgs, scale_factor=scale, mode="nearest")
+    vutils.save_image(imgs, path, nrow=nrow, padding=2, pad_value=1.0)

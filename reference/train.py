@@ -1,0 +1,221 @@
+"""The same training run as minizero/train.py, under real DeepSpeed (the reference).
+
+    python reference/train.py --max-steps 30                       # one process
+    torchrun --nproc-per-node 2 reference/train.py --stage 3
+    deepspeed --num_gpus 2 reference/train.py --deepspeed_config launch/ds_config_basic.json
+
+Same flags (the parser, the loop, the model and the data are imported from minizero, not
+copied), same files (metrics.csv, summary.json with "library": "deepspeed", samples.png),
+default save dir runs/deepspeed-<stage>-<dtype>. Only the engine differs. What this file
+adds for DeepSpeed (see shared DEEPSPEED_FACTS.md for each):
+
+- `torch_adam: true` goes *inside* optimizer.params (beside it DeepSpeed ignores it and
+  builds its JIT FusedAdam) and ZeRO-3 gets `memory_efficient_linear: false`:
+  reference.ds_run.prepare_ds_config.
+- fp16 on a CPU: the CPU accelerator claims no fp16 support; reference.ds_run.patch_cpu_fp16.
+- activation checkpointing: deepspeed.initialize parses the section but never applies
+  it, so we call deepspeed.checkpointing.configure and hook GPT.checkpoint_fn ourselves.
+- comm bytes: DeepSpeed has no byte ledger, so the collectives of torch.distributed are
+  wrapped with counters (CommCounter below) *before* deepspeed is imported.
+- model_state_bytes: reference.ds_memory.deepspeed_model_state_bytes walks the live engine.
+
+Config keys are validated by DeepSpeed itself here (it ignores unknown top-level keys,
+minizero refuses them).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+import threading
+
+# `python reference/train.py` puts reference/ on sys.path, not the repository root.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as c10d  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+# ----------------------------------------------------------------------------- comm counters
+
+class CommCounter:
+    """Calls and ring wire bytes of every torch.distributed collective, by minizero's op names.
+
+    Wire bytes use the same ring formulas as minizero.comm's ledger, so the two
+    summaries compare like for like (N = group size):
+        all_reduce       2 (N-1)/N x tensor bytes
+        all_gather       (N-1)/N x gathered (output) bytes
+        reduce_scatter   (N-1)/N x full (input) bytes
+        broadcast        tensor bytes (N > 1)
+
+    Why wrap both `torch.distributed.X` and `torch.distributed.distributed_c10d.X`:
+    DeepSpeed's TorchBackend caches `torch.distributed.all_gather_into_tensor` /
+    `reduce_scatter_tensor` when it is built (hence: install before deepspeed starts)
+    and calls some functions through distributed_c10d directly (all_gather_coalesced,
+    all_gather_base). Torch itself chains them (all_gather_into_tensor ->
+    all_gather_single, all_gather_object -> all_gather), so a thread-local depth counter
+    counts only the outermost call of a chain: each collective once.
+    """
+
+    OPS = {  # torch function -> (op, how its bytes are read from the arguments)
+        "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+        "broadcast": "broadcast",
+        "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
+        "all_gather_single": "all_gather",
+        "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+        "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    }
+
+    def __init__(self):
+        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0} for op in ("all_gather", "reduce_scatter",
+                                                                                 "all_reduce", "broadcast")}
+        self._depth = threading.local()
+
+    def snapshot(self) -> dict:
+        return {op: dict(v) for op, v in self.stats.items()}
+
+    @staticmethod
+    def _nbytes(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(CommCounter._nbytes(t) for t in x)
+        return 0
+
+    def _payload(self, name, args, kwargs) -> int:
+        """The buffer the wire formula applies to: all_gather's output, reduce_scatter's input."""
+        def arg(i, *names):
+            for n in names:
+                if n in kwargs:
+                    return kwargs[n]
+            return args[i] if len(args) > i else None
+        if name in ("all_reduce", "broadcast"):
+            return self._nbytes(arg(0, "tensor"))
+        if name == "all_reduce_coalesced":
+            return self._nbytes(arg(0, "tensors"))
+        if name == "all_gather":
+            return self._nbytes(arg(0, "tensor_list"))
+        if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
+            return self._nbytes(arg(0, "output_tensor", "output"))
+        if name == "reduce_scatter":
+            return self._nbytes(arg(1, "input_list"))
+        return self._nbytes(arg(1, "input_tensor", "input"))   # reduce_scatter_tensor & co.
+
+    def _wrap(self, name, fn):
+        op = self.OPS[name]
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            self._depth.n = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+                if depth == 0:
+                    n = dist.get_world_size(kwargs.get("group")) if dist.is_initialized() else 1
+                    b = self._payload(name, args, kwargs)
+                    wire = {"all_reduce": 2 * b * (n - 1) // n, "broadcast": b if n > 1 else 0}.get(op, b * (n - 1) // n)
+                    s = self.stats[op]
+                    s["calls"] += 1
+                    s["bytes"] += b
+                    s["wire_bytes"] += wire
+        counted.__wrapped_by_comm_counter__ = True
+        return counted
+
+    def install(self) -> "CommCounter":
+        for name in self.OPS:
+            for mod in (dist, c10d):
+                fn = getattr(mod, name, None)
+                if fn is None or getattr(fn, "__wrapped_by_comm_counter__", False):
+                    continue
+                setattr(mod, name, self._wrap(name, fn))
+        return self
+
+
+COUNTER = CommCounter().install()   # before `import deepspeed` (see the class docstring)
+
+import deepspeed  # noqa: E402
+
+from minizero import train as mtrain  # noqa: E402
+from reference.ds_run import _loss_scale, patch_cpu_fp16, prepare_ds_config  # noqa: E402
+
+
+def _model_state_bytes(engine) -> dict:
+    try:
+        from reference.ds_memory import deepspeed_model_state_bytes
+    except ImportError:   # the walker is optional; without it, report what the module holds
+        return {"params": sum(p.numel() * p.element_size() for p in engine.module.parameters())}
+    return deepspeed_model_state_bytes(engine)
+
+
+def _initialize(model, param_groups, cfg, args):
+    if (cfg.get("fp16") or {}).get("enabled") and not torch.cuda.is_available():
+        patch_cpu_fp16()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=cfg)
+    if "activation_checkpointing" in cfg:
+        # deepspeed.initialize parses this section but does not apply it. After initialize:
+        # configure() asks deepspeed.comm for the rank, which initialize sets up.
+        deepspeed.checkpointing.configure(None, deepspeed_config=cfg)
+        engine.module.checkpoint_fn = deepspeed.checkpointing.checkpoint
+    return engine
+
+
+def _check_config(cfg, world_size):
+    # torch_adam inside optimizer.params; ZeRO-3: memory_efficient_linear false, because
+    # DeepSpeed's default replaces torch.nn.functional.linear process-wide with a
+    # matmul-then-add-bias version that rounds differently in bf16/fp16 (the only reason
+    # its ZeRO-3 differs from ZeRO-2 there), which would make it a different model from
+    # minizero's rather than the same model trained differently.
+    try:
+        return prepare_ds_config(cfg)
+    except ValueError as e:
+        raise mtrain.UserError(str(e)) from None
+
+
+DEEPSPEED = mtrain.Library(
+    name="deepspeed",
+    initialize=_initialize,
+    loss_scale=_loss_scale,
+    model_state_bytes=_model_state_bytes,
+    comm_snapshot=lambda engine: COUNTER.snapshot(),
+    check_config=_check_config,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> None:
+    parser = mtrain.build_parser(prog="reference/train.py", description=__doc__.split("\n\n")[0])
+    # DeepSpeed's own spellings: --deepspeed_config is --config; the deepspeed launcher
+    # passes --local_rank (torch's newer launchers --local-rank); --deepspeed is the usual
+    # "use DeepSpeed" switch of deepspeed.add_config_arguments. All are accepted.
+    parser.add_argument("--deepspeed_config", dest="config", metavar="JSON", help="same as --config")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse_suppress())
+    parser.add_argument("--deepspeed", action="store_true", help=argparse_suppress())
+    if "RANK" not in os.environ:
+        # One process without a launcher: DeepSpeed would go looking for MPI. Make it a
+        # world of one instead.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    mtrain.main(argv, lib=DEEPSPEED, parser=parser)
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
