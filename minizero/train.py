@@ -196,9 +196,14 @@ def build_config(args, world_size: int) -> dict:
         cfg["bf16"] = dict(cfg.get("bf16") or {}, enabled=args.dtype == "bf16")
     if args.micro_batch is not None or args.grad_accum is not None:
         # Resolve the three batch numbers first (as DeepSpeed would), then override and
-        # write all three, so both libraries read the same, consistent triple.
-        _, m, g = resolve_batch_size(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
-                                     cfg.get("gradient_accumulation_steps"), world_size)
+        # write all three, so both libraries read the same, consistent triple. With both
+        # flags given the file's numbers are not consulted: a config written for another
+        # world size (the tutorial's 64 = 16 x 2 x 2) still runs on 8 ranks.
+        if args.micro_batch is not None and args.grad_accum is not None:
+            m, g = args.micro_batch, args.grad_accum
+        else:
+            _, m, g = resolve_batch_size(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
+                                         cfg.get("gradient_accumulation_steps"), world_size)
         m = args.micro_batch or m
         g = args.grad_accum or g
         cfg.update(train_batch_size=m * g * world_size, train_micro_batch_size_per_gpu=m,
@@ -459,10 +464,12 @@ def train(args, lib: Library) -> None:
     pbar.close()
 
     # -------------------------------------------------------------- the end: samples, memory, summary
+    # Model-state bytes first: evaluation and sampling call the module outside a training
+    # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
+    model_state = runlog.gather_objects(lib.model_state_bytes(engine))
     if test_loss is None or last_eval_step != step:   # e.g. resumed at the very end
         test_loss = evaluate(engine, test_loader, device)
     write_samples(engine, probs, args, codebook, device, os.path.join(save_dir, "samples.png"))
-    model_state = runlog.gather_objects(lib.model_state_bytes(engine))
     peaks = runlog.gather_objects(runlog.memory_mb(device)[1])
     if rank == 0:
         runlog.write_metrics_csv(os.path.join(save_dir, "metrics.csv"), rows)
