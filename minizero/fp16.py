@@ -143,12 +143,11 @@ class DynamicLossScaler(LossScaler):
                                        "inf/NaN gradients.)")
                 next_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
                 if comm.get_rank() == 0:
-                    logger.info(overflow_message(self.cur_scale, next_scale, 0, self.dtype, prefix="[minizero] "))
+                    logger.info(overflow_message(self.cur_scale, next_scale, 0, self.dtype))
                 self.cur_scale = next_scale
             else:
                 if comm.get_rank() == 0:
-                    logger.info(overflow_message(self.cur_scale, None, 0, self.dtype, self.cur_hysteresis,
-                                                 prefix="[minizero] "))
+                    logger.info(overflow_message(self.cur_scale, None, 0, self.dtype, self.cur_hysteresis))
                 self.cur_hysteresis -= 1
             self.last_overflow_iter = self.cur_iter
         else:

@@ -19,7 +19,10 @@ import os
 import socket
 import traceback
 
-_PRELOAD = ["torch", "torch.distributed", "minizero", "minizero.engine", "tests.launcher"]
+# torch._dynamo: torch.optim's constructor imports it (sympy and more), ~2.5 s per rank
+# per run if the forkserver has not already paid for it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minizero", "minizero.engine",
+            "minizero.model", "tests.launcher"]
 try:  # deepspeed is an optional (dev) dependency
     import importlib.util
 
