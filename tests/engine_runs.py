@@ -1,0 +1,429 @@
+"""Shared multi-rank training runs for the engine tests (test_engine, test_comm_volume,
+test_memory, test_overflow).
+
+Every run function here is module level (the forkserver pickles it by reference) and
+returns plain Python / CPU tensors. `get(spec)` caches results per spec in the pytest
+process, so one run feeds every assertion (in any test file) that needs it.
+
+A spec is a dict (see DEFAULTS). Data: each optimizer step has a global batch of
+`global_batch` rows, cut into `gas` micro-batches of `global_batch // gas` rows; on
+micro-step m rank r takes rows [r*mb, (r+1)*mb) of micro-batch m. A single process
+(world 1) therefore sees exactly the same rows per optimizer step as N ranks do.
+The rows are learnable (token_t = (a + b*t) mod V), so the loss really falls.
+Dropout is off, so ranks and world sizes compute the same function.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.nn as nn
+
+from tests import launcher
+from tests.launcher import run_ranks
+
+# Let the forkserver import this module too (only possible before it starts), so ranks
+# forked for these runs start with it loaded.
+if launcher._ctx is None and "tests.engine_runs" not in launcher._PRELOAD:
+    launcher._PRELOAD.append("tests.engine_runs")
+
+DEFAULTS = dict(
+    preset="micro", model="gpt", stage=0, dtype="fp32", world=2, steps=10, gas=1,
+    global_batch=8, seq=16, lr=1e-2, eps=1e-6, clip=None, zero=(), fp16=(),
+)
+
+NO_DROPOUT = dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+
+
+def spec_of(**kw) -> dict:
+    unknown = set(kw) - set(DEFAULTS)
+    assert not unknown, unknown
+    s = dict(DEFAULTS, **kw)
+    s["zero"] = tuple(sorted(dict(s["zero"]).items()))
+    s["fp16"] = tuple(sorted(dict(s["fp16"]).items()))
+    return s
+
+
+# ----------------------------------------------------------------------------- model, data, config
+
+class GPTWithUnused(nn.Module):
+    """The GPT plus parameters that get no gradient:
+
+    - `extra` (its own ZeRO-3 unit, an nn.ModuleList child) is never called;
+    - `side` (in the root unit) is used on even optimizer steps only (set `use_side`),
+      so on odd steps it has momentum but no gradient: the case where DeepSpeed's ZeRO-3
+      reapplies a stale gradient (DEEPSPEED_FACTS). Missing must mean zero.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gpt = __import__("minizero.model", fromlist=["GPT"]).GPT(cfg)
+        self.extra = nn.ModuleList([nn.Linear(cfg.n_embd, cfg.n_embd)])
+        self.side = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.use_side = True
+
+    def forward(self, idx, targets):
+        logits, loss = self.gpt(idx, targets)
+        if self.use_side:
+            e = self.gpt.tok_emb(idx)
+            loss = loss + self.side(e).float().pow(2).mean()
+        return logits, loss
+
+
+def build_model(spec):
+    from minizero.model import GPT, get_preset
+    torch.manual_seed(0)
+    cfg = get_preset(spec["preset"], **NO_DROPOUT)
+    model = GPT(cfg) if spec["model"] == "gpt" else GPTWithUnused(cfg)
+    return model
+
+
+def param_groups(model, wd=0.1):
+    """Linear weights decay, everything else does not (minGPT's split, any model)."""
+    decay = {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules()
+             for pn, _ in m.named_parameters(recurse=False)
+             if isinstance(m, nn.Linear) and pn == "weight"}
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def vocab(spec):
+    from minizero.model import get_preset
+    return get_preset(spec["preset"]).vocab_size
+
+
+def global_batch(spec, step):
+    """(x, y) of the whole optimizer step: global_batch rows of seq tokens."""
+    g = torch.Generator().manual_seed(1000 + step)
+    B, T, V = spec["global_batch"], spec["seq"], vocab(spec)
+    a = torch.randint(0, V, (B, 1), generator=g)
+    b = torch.randint(1, 4, (B, 1), generator=g)
+    seq = (a + b * torch.arange(T + 1)) % V
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def micro_rows(spec, m, rank, world):
+    rows = spec["global_batch"] // spec["gas"]
+    mb = rows // world
+    lo = m * rows + rank * mb
+    return lo, lo + mb
+
+
+def ds_config(spec, world):
+    rows = spec["global_batch"] // spec["gas"]
+    assert rows % world == 0
+    cfg = {"train_micro_batch_size_per_gpu": rows // world,
+           "gradient_accumulation_steps": spec["gas"],
+           "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "eps": spec["eps"], "torch_adam": True}},
+           "zero_optimization": {"stage": spec["stage"], **dict(spec["zero"])}}
+    if spec["clip"] is not None:
+        cfg["gradient_clipping"] = spec["clip"]
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if spec["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True, **dict(spec["fp16"])}
+    return cfg
+
+
+# ----------------------------------------------------------------------------- probes
+
+def _storage_key(t):
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def measured_bytes(engine) -> dict:
+    """Walk the live tensors of the model state (as DEEPSPEED_FACTS counts DeepSpeed's),
+    deduplicated by storage: what this rank really holds right now."""
+    z = engine.zero
+    seen = set()
+
+    def count(tensors):
+        tot = 0
+        for t in tensors:
+            if t is None:
+                continue
+            k = _storage_key(t)
+            if k[1] == 0 or k in seen:
+                continue
+            seen.add(k)
+            tot += k[1]
+        return tot
+
+    params = count([f.full for f in z.flat_params] + [f.shard for f in z.flat_params])
+    grads = count([p.grad for f in z.flat_params for p in f.params] + [f.grad_shard for f in z.flat_params])
+    master = count(z.masters) if z.mixed else 0
+    opt = count([v for st in z.optimizer.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim() > 0])
+    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
+
+
+def _ledger_delta(before, after):
+    out = {}
+    for k, v in after.items():
+        b = before.get(k, {})
+        d = {kk: vv - b.get(kk, 0) for kk, vv in v.items()}
+        if any(d.values()):
+            out[k] = d
+    return out
+
+
+def _ledger_state():
+    from minizero import comm
+    return ({op: dict(v) for op, v in comm.ledger.stats.items()},
+            {k: dict(v) for k, v in comm.ledger.by_label.items()})
+
+
+def _patch_dist(record):
+    """Wrap torch.distributed's collectives (as comm.py calls them) to record the byte size
+    of the tensors actually handed over, independently of the ledger."""
+    import torch.distributed as dist
+
+    def wrap(name, op, pick):
+        orig = getattr(dist, name)
+
+        def f(*a, **k):
+            t = pick(a, k)
+            record[op]["calls"] += 1
+            record[op]["bytes"] += t.numel() * t.element_size()
+            return orig(*a, **k)
+        setattr(dist, name, f)
+
+    wrap("all_reduce", "all_reduce", lambda a, k: a[0] if a else k["tensor"])
+    wrap("broadcast", "broadcast", lambda a, k: a[0] if a else k["tensor"])
+    wrap("all_gather_into_tensor", "all_gather", lambda a, k: a[0] if a else k["output_tensor"])
+    wrap("reduce_scatter_tensor", "reduce_scatter", lambda a, k: a[1] if len(a) > 1 else k["input"])
+
+
+# ----------------------------------------------------------------------------- the run
+
+def train_run(spec: dict) -> dict:
+    """Train `steps` optimizer steps; return losses, norms, final fp32 weights and probes."""
+    import minizero
+    from minizero import comm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    dist_record = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")}
+    if world > 1:
+        _patch_dist(dist_record)
+    comm.ledger.reset()
+    model = build_model(spec)
+    engine, *_ = minizero.initialize(model=model, model_parameters=param_groups(model),
+                                     config=ds_config(spec, world))
+    z = engine.zero
+    out = {"rank": rank, "world": world, "losses": [], "norms": [], "scales": [], "skipped": [],
+           "flats": [dict(label=f.label, numel=f.numel, padded=f.padded_numel, shard=f.shard_numel,
+                          keep_full=f.keep_full, elem=f.full.element_size()) for f in z.flat_params],
+           "memory_breakdown_init": engine.memory_breakdown()}
+
+    # live full-gradient elements, seen from hooks registered after the engine's own
+    all_params = [p for f in z.flat_params for p in f.params]
+    live = {"max": 0}
+
+    def on_grad(_p):
+        live["max"] = max(live["max"], sum(p.grad.numel() for p in all_params if p.grad is not None))
+    for p in all_params:
+        p.register_post_accumulate_grad_hook(on_grad)
+
+    # ZeRO-3: how many partitioned FlatParams are gathered at once during forward
+    gathered_fwd = {"max": 0}
+    if spec["stage"] == 3:
+        def count_gathered(*_):
+            gathered_fwd["max"] = max(gathered_fwd["max"],
+                                      sum(1 for f in z.flat_params if not f.keep_full and f.full_is_allocated()))
+        for u in z.units:
+            u.module.register_forward_pre_hook(count_gathered)
+
+    for step in range(spec["steps"]):
+        if step == spec["steps"] - 1:
+            ledger_before = _ledger_state()
+        if spec["model"] != "gpt":
+            model.use_side = step % 2 == 0
+        x, y = global_batch(spec, step)
+        tot = 0.0
+        for m in range(spec["gas"]):
+            lo, hi = micro_rows(spec, m, rank, world)
+            loss = engine(x[lo:hi], y[lo:hi])[1]
+            engine.backward(loss)
+            if step == 0 and m == spec["gas"] - 1:
+                out["after_backward"] = dict(
+                    p_grad_none=all(p.grad is None for p in all_params),
+                    p_grad_numel=sum(p.grad.numel() for p in all_params if p.grad is not None),
+                    grad_shards=[None if f.grad_shard is None else f.grad_shard.numel() for f in z.flat_params])
+            if step == spec["steps"] - 1 and m == spec["gas"] - 1:
+                out["measured_after_backward"] = measured_bytes(engine)
+            engine.step()
+            tot += float(loss.detach())
+        out["losses"].append(tot / spec["gas"])
+        out["norms"].append(engine.get_global_grad_norm())
+        out["scales"].append(engine.loss_scale)
+        out["skipped"].append(engine.skipped_steps)
+    ledger_after = _ledger_state()
+    out["comm_last_step"] = {"stats": _ledger_delta(ledger_before[0], ledger_after[0]),
+                             "by_label": _ledger_delta(ledger_before[1], ledger_after[1])}
+    out["max_live_grad_numel"] = live["max"]
+    out["z3_max_gathered_fwd"] = gathered_fwd["max"]
+    out["memory_breakdown"] = engine.memory_breakdown()
+    out["measured_after_step"] = measured_bytes(engine)
+    if spec["stage"] == 3:
+        part = [f for f in z.flat_params if not f.keep_full]
+        out["z3_between_steps"] = dict(
+            n_partitioned=len(part),
+            full_nbytes=[f.full.untyped_storage().nbytes() for f in part],
+            param_numels=[p.numel() for f in part for p in f.params],
+            shard_states=[u.shard_state.name for u in z.units])
+    out["ledger_total"] = comm.ledger.snapshot()
+    out["dist_record"] = {op: dict(v) for op, v in dist_record.items()}
+    out["global_steps"] = engine.global_steps
+    state = engine.full_fp32_state_dict()
+    out["state"] = state if rank == 0 else None
+    return out
+
+
+def reference_run(spec: dict) -> dict:
+    """Plain single-process PyTorch: the same model, data and AdamW, the whole global batch
+    per step (mean loss), torch.nn.utils.clip_grad_norm_, and a zero gradient for every
+    parameter that got none (what ZeRO must do). Norms are of the unclipped gradient."""
+    model = build_model(spec)
+    groups = param_groups(model)
+    opt = torch.optim.AdamW(groups, lr=spec["lr"], eps=spec["eps"])
+    params = [p for g in groups for p in g["params"]]
+    out = {"losses": [], "norms": []}
+    for step in range(spec["steps"]):
+        if spec["model"] != "gpt":
+            model.use_side = step % 2 == 0
+        x, y = global_batch(spec, step)
+        loss = model(x, y)[1]
+        loss.backward()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in params]))
+        clip = 1.0 if spec["clip"] is None else spec["clip"]
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(float(loss.detach()))
+        out["norms"].append(float(norm))
+    out["state"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def overflow_run(stage: int) -> dict:
+    """fp16, N ranks: step 0 clean; step 1 rank 1's loss is multiplied by inf; step 2 one
+    element of rank 1's reduced gradient (grad_shard, right after zero.reduce_gradients) is
+    set to inf; step 3 clean. Per step: did the fp32 weights move,
+    loss scale, counters, optimizer step counts, and the "minizero" log lines emitted."""
+    import logging
+
+    import minizero
+    from minizero import comm
+
+    msgs = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            msgs.append(record.getMessage())
+    logging.getLogger("minizero").addHandler(Capture())
+
+    spec = spec_of(stage=stage, dtype="fp16", steps=4, zero=Z3P0 if stage == 3 else {})
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = build_model(spec)
+    engine, *_ = minizero.initialize(model=model, model_parameters=param_groups(model),
+                                     config=ds_config(spec, world))
+    z = engine.zero
+    log = []
+    for step in range(spec["steps"]):
+        x, y = global_batch(spec, step)
+        lo, hi = micro_rows(spec, 0, rank, world)
+        before = engine.full_fp32_state_dict()
+        loss = engine(x[lo:hi], y[lo:hi])[1]
+        if step == 1 and rank == 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        if step == 2 and rank == 1:
+            # poison rank 1's *reduced* gradient right after the engine's reduction, so only
+            # rank 1 can see it (at stage 0 nothing else is all-reduced: only the vote tells rank 0)
+            orig = z.reduce_gradients
+
+            def poisoned():
+                orig()
+                next(f for f in z.flat_params if f.grad_shard is not None).grad_shard[-1 if stage == 0 else 0] = float("inf")
+            z.reduce_gradients = poisoned
+        n = len(msgs)
+        engine.step()
+        z.__dict__.pop("reduce_gradients", None)
+        after = engine.full_fp32_state_dict()
+        log.append(dict(
+            loss=float(loss.detach()),
+            changed=max_abs_diff(before, after),
+            scale=engine.loss_scale, skipped=engine.skipped_steps, global_steps=engine.global_steps,
+            opt_steps=sorted({float(st["step"]) for st in z.optimizer.state.values()}),
+            grads_left=sum(1 for f in z.flat_params for p in f.params if p.grad is not None)
+            + sum(1 for f in z.flat_params if f.grad_shard is not None),
+            norm=engine.get_global_grad_norm(),
+            msgs=[m for m in msgs[n:]]))
+    return {"rank": rank, "log": log}
+
+
+Z3P0 = {"stage3_param_persistence_threshold": 0}
+
+
+# ----------------------------------------------------------------------------- cache
+
+_cache: dict = {}
+
+
+def _key(spec):
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+def get(**kw) -> list[dict]:
+    """Per-rank results of train_run for this spec (cached for the pytest session)."""
+    spec = spec_of(**kw)
+    k = _key(spec)
+    if k not in _cache:
+        if spec["world"] == 1:
+            _cache[k] = run_ranks(train_run, 1, args=(spec,), env={"MINIZERO_FORCE_PG": "1"})
+        else:
+            _cache[k] = run_ranks(train_run, spec["world"], args=(spec,))
+    return _cache[k]
+
+
+def get_overflow(stage: int) -> list[dict]:
+    k = f"overflow:{stage}"
+    if k not in _cache:
+        _cache[k] = run_ranks(overflow_run, 2, args=(stage,))
+    return _cache[k]
+
+
+def get_reference(**kw) -> dict:
+    spec = spec_of(**kw)
+    k = "ref:" + _key(spec)
+    if k not in _cache:
+        _cache[k] = run_ranks(reference_run, 1, args=(spec,))[0]
+    return _cache[k]
+
+
+# ----------------------------------------------------------------------------- helpers for tests
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (set(a) ^ set(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def global_losses(results) -> list[float]:
+    """Mean over ranks of each rank's per-step loss = the loss over the global batch."""
+    n = len(results)
+    return [sum(r["losses"][i] for r in results) / n for i in range(len(results[0]["losses"]))]
+
+
+def max_list_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def isfinite_all(xs) -> bool:
+    return all(math.isfinite(x) for x in xs)
