@@ -114,7 +114,10 @@ def fake_bin(tmp_path: Path) -> Path:
 
 
 def run_sbatch(name, tmp_path):
-    env = dict(os.environ, PATH=f"{fake_bin(tmp_path)}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    # A job starts with a clean environment: drop any rendezvous variables an earlier test
+    # in this process exported (a 1-rank gloo group sets MASTER_ADDR/MASTER_PORT).
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env = dict(base, PATH=f"{fake_bin(tmp_path)}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                SLURM_JOB_NODELIST="gpu-a[01-02]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
                SLURM_SUBMIT_DIR=str(ROOT), FAKE_LOG=str(tmp_path / "argv"),
                HOSTFILE=str(tmp_path / "hostfile"), JOB_CONFIG=str(tmp_path / "job_config.json"))
