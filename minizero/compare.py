@@ -28,8 +28,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBS = ("minizero", "deepspeed")
 STAGES = (0, 1, 2, 3)
 CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
+# So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
+# (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
+# and, with max_live/reuse_distance at 1e9, keeps a small model gathered from forward into
+# backward (one all-gather per step instead of the paper's two; measured in docs/agreement.md).
 COMPARE_DEFAULTS = {"memory_efficient_linear": False, "stage3_param_persistence_threshold": 0,
-                    "reduce_bucket_size": 500_000}
+                    "reduce_bucket_size": 500_000, "stage3_max_live_parameters": 0,
+                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
 
 
 class CompareError(Exception):

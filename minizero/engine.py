@@ -68,6 +68,7 @@ class Engine(torch.nn.Module):
         self.global_samples = 0
         self._global_grad_norm = None
         self._configure_activation_checkpointing()
+        self._explain_ignored_performance_knobs()
 
     # ------------------------------------------------------------------ config accessors
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -191,6 +192,21 @@ class Engine(torch.nn.Module):
         if path is None:
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return path, client
+
+    # Accepted so DeepSpeed configs load unchanged, but they tune *when* DeepSpeed moves data
+    # (overlap, prefetch, keeping parameters gathered for reuse), not *what* ZeRO computes.
+    # minizero always gathers a unit right before use and releases it right after.
+    PERFORMANCE_KNOBS = ("overlap_comm", "contiguous_gradients", "allgather_bucket_size", "reduce_scatter",
+                         "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                         "stage3_max_reuse_distance", "sub_group_size", "memory_efficient_linear")
+
+    def _explain_ignored_performance_knobs(self) -> None:
+        zero = self.config.raw.get("zero_optimization") or {}
+        knobs = [k for k in zero if k in self.PERFORMANCE_KNOBS or f"stage3_{k}" in self.PERFORMANCE_KNOBS]
+        if knobs and self.global_rank == 0:
+            logger.info(f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility; they tune "
+                        f"overlap/prefetch/reuse, which minizero does not do (it gathers each unit on use and "
+                        f"releases it after; see docs/zero.md)")
 
     # ------------------------------------------------------------------ activation checkpointing
     def _configure_activation_checkpointing(self) -> None:
