@@ -190,11 +190,13 @@ def note(args) -> str:
         "- Wire bytes: DeepSpeed's ZeRO-1/2 \"reduce-scatter\" is an all-reduce (`average_tensor` pre-divides "
         "the bucket and calls `all_reduce`; each rank keeps its slice): 2Ψ for gradients plus Ψ for the "
         "parameter all-gather, 1.5x the paper's 2Ψ that minizero moves. At ZeRO-3 minizero all-gathers in "
-        "forward and again in backward (the paper's 3Ψ); DeepSpeed's may skip the backward re-gather.",
-        "- Memory: in fp32, DeepSpeed's ZeRO keeps a duplicate fp32 master copy; its ZeRO-2 gradient partition "
-        "holds whole parameters that straddle a slice boundary; ZeRO-1/2 pad the flat buffer to a multiple of "
-        "2N elements; at stage 0 it frees .grad in step (minizero keeps it); its ZeRO-3 params can include full "
-        "parameters left gathered by the end-of-run sampling. On CPU, peak MB is the process RSS.",
+        "forward and again in backward (the paper's 3Ψ); so does DeepSpeed with the settings below (with its "
+        "defaults it keeps a small model gathered from forward into backward and gathers once).",
+        "- Memory: minizero's grads are what a rank holds at the end of backward (the paper's accounting); "
+        "DeepSpeed's numbers are read after the last step, when its stages 0-2 have freed their gradients "
+        "(ZeRO-3 keeps a persistent gradient partition). In fp32, DeepSpeed's ZeRO keeps a duplicate fp32 "
+        "master copy; ZeRO-1/2 pad the flat buffer to a multiple of 2N elements. On CPU, peak MB is the "
+        "process RSS.",
         f"- This comparison adds {json.dumps(COMPARE_DEFAULTS)} to `zero_optimization` unless the config sets "
         "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
         "in bf16/fp16), keep parameters under 1e5 elements unpartitioned (a small model would show no ZeRO-3 "
