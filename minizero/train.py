@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from minizero import comm, runlog
+from minizero.checkpoint import CheckpointError
 from minizero.config import ConfigError, load_config, resolve_batch_size
 from minizero.data import (DATASETS, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
                            build_datasets, make_loader)
@@ -251,7 +252,7 @@ MINIZERO = Library(
 )
 
 USER_ERRORS = (UserError, ConfigError, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
-               ModelConfigError, UnknownPresetError)
+               ModelConfigError, UnknownPresetError, CheckpointError)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -169,3 +169,14 @@ def test_bad_input_one_clear_line(tmp_path):
         assert len(lines) == 1, f"{k}: expected one error line, got:\n{err}"
         for needle in cases[k][1]:
             assert needle in lines[0], f"{k}: {needle!r} not in {lines[0]!r}"
+
+
+def test_resume_from_another_model_is_one_clear_line(single_run):
+    """A checkpoint of the micro model resumed into the tiny model: one line, no traceback."""
+    save, _ = single_run
+    args = [a if a != "micro" else "tiny" for a in SMALL]
+    p = subprocess.run([PY, "-m", "minizero.train", *args, "--resume", save, "--save-dir", save + "-tiny"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "different model" in lines[0], p.stderr
