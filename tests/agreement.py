@@ -1,0 +1,270 @@
+"""minizero's half of the agreement tests: `run_minizero` mirrors reference/ds_run.py's
+`run_deepspeed`, so the two can be compared number for number.
+
+Same model (`torch.manual_seed(seed)` right before `model_fn()`), same param groups with
+the weight decay DeepSpeed would apply (`default_weight_decay`), same JSON config (both
+libraries get `prepare_ds_config(config)`: torch_adam inside optimizer.params, ZeRO-3
+memory_efficient_linear off), same batches (`get_batch`), same loss bookkeeping (mean over
+micro-batches, fp64 all_reduce, divided by the world size).
+
+The test modules share one cache (`cached_ds`, `cached_mz`, a dict in this module that
+lives for the whole pytest session), so each configuration is trained once per library.
+
+    DS_ACCELERATOR=cpu .venv/bin/python -m tests.agreement      # prints docs/agreement.md's tables
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from minizero.model import GPT, get_preset  # noqa: E402
+from reference.ds_run import (SyntheticBatches, default_weight_decay, get_batch,  # noqa: E402
+                              prepare_ds_config)
+
+N = 2
+STEPS = 20
+MICRO_BS = 4
+LR = 1e-3
+BUCKET = 20_000          # reduce_bucket_size: keeps DS's ZeRO-3 bucket (allocated at init) small
+ENV = {"DS_ACCELERATOR": "cpu"}
+STAGES = (0, 1, 2, 3)
+DTYPES = ("fp32", "bf16", "fp16")
+
+MODEL_CFG = get_preset("tiny")  # 108,801 params, dropout 0.1 everywhere (on: RNG must replay)
+MODEL_FN = functools.partial(GPT, MODEL_CFG)
+BATCHES = SyntheticBatches(MODEL_CFG.vocab_size, MODEL_CFG.block_size, MICRO_BS, seed=11)
+
+CKPT_SECTION = {"partition_activations": True, "contiguous_memory_optimization": False,
+                "cpu_checkpointing": False, "number_checkpoints": None,
+                "synchronize_checkpoint_boundary": False, "profile": False}
+
+
+def make_config(stage: int, dtype: str = "fp32", ckpt: bool = False, clip: Optional[float] = None) -> Dict[str, Any]:
+    """One config for both libraries. gradient_clipping is left at DeepSpeed's default (1.0)
+    unless `clip` is given (the gradient norm of this run is 0.85-0.98, so at 1.0 clipping
+    never fires; at 0.5 the first 10 of 20 steps clip)."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BS,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
+                              "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10 ** 9,
+    }
+    if dtype != "fp32":
+        cfg[dtype] = {"enabled": True}
+    if ckpt:
+        cfg["activation_checkpointing"] = dict(CKPT_SECTION)
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
+    return cfg
+
+
+# ----------------------------------------------------------------------------- the run
+
+def _flat_layout(engine) -> List[Dict[str, Any]]:
+    z = engine.zero
+    return [{"label": f.label, "group": g, "numel": f.numel, "padded": f.padded_numel,
+             "shard": f.shard_numel, "keep_full": bool(f.keep_full), "n_params": len(f.params)}
+            for f, g in zip(z.flat_params, z.flat_group)]
+
+
+def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
+                 capture_memory: bool = False, seed: int = 0, weight_decay: Optional[float] = None,
+                 return_final_state: bool = True) -> Dict[str, Any]:
+    """Train `steps` optimizer steps with minizero on this rank; the same keys as run_deepspeed
+    (losses, local_losses, loss_scales, grad_norms, lrs, skipped_steps, global_steps,
+    final_state, memory, init_seconds, step_seconds, rank, world_size, zero_stage, config)
+    plus `comm` (the ledger's by_label since initialize, before the final-state gather) and
+    `layout` (one dict per FlatParam)."""
+    import minizero
+    from minizero import comm
+
+    cfg = prepare_ds_config(config)
+    torch.manual_seed(seed)
+    model = model_fn()
+    if hasattr(model, "configure_param_groups"):
+        if weight_decay is None:
+            weight_decay = default_weight_decay(cfg)
+        model_parameters = model.configure_param_groups(weight_decay)
+    else:
+        model_parameters = model.parameters()
+
+    t0 = time.perf_counter()
+    engine, _, _, _ = minizero.initialize(model=model, model_parameters=model_parameters, config=cfg)
+    init_seconds = time.perf_counter() - t0
+    comm.ledger.reset()
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    gas = engine.gradient_accumulation_steps()
+    memory = None
+    if capture_memory:
+        memory = {"after_init": engine.memory_breakdown(), "after_backward": [], "after_step": []}
+
+    engine.train()
+    losses, local_losses, scales, norms, lrs, step_seconds = [], [], [], [], [], []
+    for step in range(steps):
+        ts = time.perf_counter()
+        acc = 0.0
+        for micro in range(gas):
+            x, y = get_batch(batches, step, micro, rank, world)
+            x, y = x.to(engine.device), y.to(engine.device)
+            loss = engine(x, y)[1]
+            engine.backward(loss)
+            acc += float(loss.detach().float().item())
+            if memory is not None and micro == gas - 1:
+                memory["after_backward"].append(engine.memory_breakdown())
+            engine.step()
+        step_seconds.append(time.perf_counter() - ts)
+        local = acc / gas
+        t = torch.tensor([local], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(float(t.item()) / world)
+        local_losses.append(local)
+        scales.append(float(engine.loss_scale))
+        gn = engine.get_global_grad_norm()
+        norms.append(None if gn is None else float(gn))
+        lrs.append([float(v) for v in engine.get_lr()])
+        if memory is not None:
+            memory["after_step"].append(engine.memory_breakdown())
+
+    out = {
+        "losses": losses, "local_losses": local_losses, "loss_scales": scales, "grad_norms": norms,
+        "lrs": lrs, "skipped_steps": int(engine.skipped_steps), "global_steps": int(engine.global_steps),
+        "init_seconds": init_seconds, "step_seconds": step_seconds, "rank": rank, "world_size": world,
+        "zero_stage": int(engine.zero_optimization_stage()), "config": cfg,
+        "comm": {k: dict(v) for k, v in comm.ledger.by_label.items()},
+        "layout": _flat_layout(engine),
+        "n_blocks": len(getattr(model, "blocks", [])),
+    }
+    if return_final_state:
+        out["final_state"] = {k: v.detach().cpu().clone() for k, v in engine.full_fp32_state_dict().items()}
+    if memory is not None:
+        out["memory"] = memory
+    return out
+
+
+def run_minizero_many(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Several run_minizero calls in the same rank processes (one fork for many configs).
+    Safe because minizero patches nothing process-wide: every run builds a fresh model, and
+    the comm ledger is reset after each initialize. (DeepSpeed runs each get their own
+    processes: ZeRO-3 patches torch process-wide.)"""
+    return [run_minizero(**job) for job in jobs]
+
+
+# ----------------------------------------------------------------------------- session cache
+
+_CACHE: Dict[Any, Any] = {}
+
+
+def _key(stage, dtype, ckpt=False, clip=None):
+    return (stage, dtype, bool(ckpt), clip)
+
+
+def cached_ds(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None) -> List[Dict[str, Any]]:
+    """DeepSpeed's per-rank results for one configuration, trained once per session."""
+    key = ("ds",) + _key(stage, dtype, ckpt, clip)
+    if key not in _CACHE:
+        from reference.ds_run import run_deepspeed
+        from tests.launcher import run_ranks
+
+        _CACHE[key] = run_ranks(run_deepspeed, world_size=N,
+                                args=(MODEL_FN, make_config(stage, dtype, ckpt, clip), BATCHES, STEPS),
+                                kwargs={"capture_memory": True}, env=ENV, timeout=600)
+    return _CACHE[key]
+
+
+def prefetch_mz(keys) -> None:
+    """Train every not-yet-cached minizero configuration in `keys` in ONE pair of rank processes."""
+    from tests.launcher import run_ranks
+
+    todo = [k for k in dict.fromkeys(_key(*k) for k in keys) if ("mz",) + k not in _CACHE]
+    if not todo:
+        return
+    jobs = [{"model_fn": MODEL_FN, "config": make_config(*k), "batches": BATCHES, "steps": STEPS,
+             "capture_memory": True} for k in todo]
+    per_rank = run_ranks(run_minizero_many, world_size=N, args=(jobs,), env=ENV, timeout=600)
+    for i, k in enumerate(todo):
+        _CACHE[("mz",) + k] = [per_rank[r][i] for r in range(N)]
+
+
+def cached_mz(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None) -> List[Dict[str, Any]]:
+    prefetch_mz([(stage, dtype, ckpt, clip)])
+    return _CACHE[("mz",) + _key(stage, dtype, ckpt, clip)]
+
+
+CLIP_ACTIVE = 0.5
+CLIP_STAGES = (1, 3)
+# Every minizero configuration any agreement test needs: trained in ONE pair of processes.
+ALL_MZ_KEYS = ([(s, d, False, None) for d in DTYPES for s in STAGES]
+               + [(s, d, False, CLIP_ACTIVE) for d in ("fp32", "bf16") for s in CLIP_STAGES]
+               + [(0, "fp32", True, None), (3, "fp32", True, None), (3, "bf16", True, None)])
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+def max_abs_diff(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def state_max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def ds_inter_stage_weight_drift(dtype: str, stages=(0, 1, 2, 3), clip: Optional[float] = None) -> float:
+    W = {s: cached_ds(s, dtype, clip=clip)[0]["final_state"] for s in stages}
+    return max(state_max_diff(W[s], W[t]) for s in stages for t in stages)
+
+
+def ds_inter_stage_drift(dtype: str, stages=(0, 1, 2, 3), clip: Optional[float] = None) -> float:
+    """max over stages s,t of max_step |loss_ds[s] - loss_ds[t]|: DeepSpeed's own disagreement."""
+    L = {s: cached_ds(s, dtype, clip=clip)[0]["losses"] for s in stages}
+    return max(max_abs_diff(L[s], L[t]) for s in stages for t in stages)
+
+
+# ----------------------------------------------------------------------------- the table
+
+def gap_table() -> str:
+    prefetch_mz([(s, d, False) for d in DTYPES for s in STAGES])
+    lines = ["| dtype | stage | max_step abs(loss_mz - loss_ds) | max abs(w_mz - w_ds) | "
+             "DS inter-stage drift (stages 1-3; 0-3) | final loss DS |",
+             "|---|---|---|---|---|---|"]
+    for d in DTYPES:
+        drift13 = ds_inter_stage_drift(d, (1, 2, 3))
+        drift03 = ds_inter_stage_drift(d)
+        for s in STAGES:
+            ds, mz = cached_ds(s, d)[0], cached_mz(s, d)[0]
+            lines.append(f"| {d} | {s} | {max_abs_diff(mz['losses'], ds['losses']):.3e} | "
+                         f"{state_max_diff(mz['final_state'], ds['final_state']):.3e} | "
+                         f"{drift13:.3e}; {drift03:.3e} | {ds['losses'][-1]:.6f} |")
+    return "\n".join(lines)
+
+
+def memory_table() -> str:
+    lines = ["| stage | rank | category | minizero bwd / step | DeepSpeed bwd / step |", "|---|---|---|---|---|"]
+    for s in STAGES:
+        for r in range(N):
+            mz, ds = cached_mz(s, "bf16")[r]["memory"], cached_ds(s, "bf16")[r]["memory"]
+            for c in ("params", "master_params", "optimizer_states", "grads"):
+                lines.append(f"| {s} | {r} | {c} | {mz['after_backward'][-1][c]:,} / {mz['after_step'][-1][c]:,} | "
+                             f"{ds['after_backward'][-1][c]:,} / {ds['after_step'][-1][c]:,} |")
+            lines.append(f"| {s} | {r} | buffers (DS) | - | {ds['after_backward'][-1]['buffers']:,} / "
+                         f"{ds['after_step'][-1]['buffers']:,} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    print(gap_table())
+    print()
+    print(memory_table())
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
