@@ -164,3 +164,28 @@ def test_clipping_active_loss_within_deepspeeds_own_drift(stage, dtype):
     assert gap <= drift
     mz_other = [_r0(A.cached_mz(s, dtype, clip=A.CLIP_ACTIVE))["losses"] for s in A.CLIP_STAGES]
     assert all(m == mz_other[0] for m in mz_other)
+
+
+def _grow_config():
+    cfg = A.make_config(1, "fp16")
+    cfg["fp16"] = {"enabled": True, "loss_scale_window": 4, "initial_scale_power": 10}
+    return cfg
+
+
+def test_deepspeed_unscales_by_the_grown_loss_scale():
+    """A DeepSpeed quirk, pinned. `DeepSpeedZeroOptimizer.step` (stage_1_and_2.py) calls
+    `_update_scale(overflow)` *before* `unscale_and_clip_grads`, which reads
+    `self.loss_scale` -- already the new value. On a step where the dynamic scale grows
+    (every `loss_scale_window` clean steps) the gradients, computed with scale S, are
+    divided by 2S: that step's gradient is halved. minizero unscales by the scale the
+    backward used. With a window of 4: both agree bitwise through step 4 (the scale grows
+    at the end of step index 4), then differ; the scale trajectories stay identical."""
+    from reference.ds_run import run_deepspeed
+    from tests.launcher import run_ranks
+
+    cfg, steps = _grow_config(), 7
+    ds = run_ranks(run_deepspeed, world_size=A.N, args=(A.MODEL_FN, cfg, A.BATCHES, steps), env=A.ENV)[0]
+    mz = run_ranks(A.run_minizero, world_size=A.N, args=(A.MODEL_FN, cfg, A.BATCHES, steps), env=A.ENV)[0]
+    assert ds["loss_scales"] == mz["loss_scales"] and ds["loss_scales"][4] == 2 * ds["loss_scales"][3]
+    assert ds["losses"][:5] == mz["losses"][:5]
+    assert abs(ds["losses"][5] - mz["losses"][5]) > 1e-4   # measured 5.1e-4
