@@ -74,7 +74,7 @@ def check_args(args) -> None:
 
 def base_config(args) -> dict:
     """The config both libraries get: --config or train.py's default, plus COMPARE_DEFAULTS."""
-    from minizero.train import DEFAULT_CONFIG, UserError, read_config_file
+    from minizero.train_args import DEFAULT_CONFIG, UserError, read_config_file
     try:
         cfg = read_config_file(args.config) if args.config else copy.deepcopy(DEFAULT_CONFIG)
     except UserError as e:   # no such file / not JSON / not an object

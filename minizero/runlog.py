@@ -1,6 +1,6 @@
 """What both training scripts (minizero/train.py and reference/train.py) share besides
 the model and the data: memory readout, the metrics line and files, comm-byte windows,
-and minGPT's image sampling.
+the test loss, and minGPT's image sampling.
 
 Everything here is library-neutral: it never imports deepspeed, and it talks to the
 process group through torch.distributed directly, so the DeepSpeed reference can use it
@@ -168,6 +168,22 @@ class StepCommWindow:
         return out
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(engine, loader, device) -> float:
+    """Mean test loss over this rank's slice of the held-out split, averaged over ranks.
+    Collective (ZeRO-3 gathers parameters in forward): every rank runs len(loader) forwards."""
+    engine.eval()
+    total, n = 0.0, 0
+    for x, y in loader:
+        _, loss = engine(x.to(device), y.to(device))
+        total += float(loss.float().item())
+        n += 1
+    engine.train()
+    return mean_across_ranks(total / max(n, 1), device)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 def first_token_probs(train_ds, ncluster: int, nest: int = 5000, seed: int = 0) -> torch.Tensor:
@@ -215,3 +231,11 @@ def save_image_grid(tokens: torch.Tensor, codebook: torch.Tensor, image_size: in
     if scale > 1:
         imgs = torch.nn.functional.interpolate(imgs, scale_factor=scale, mode="nearest")
     vutils.save_image(imgs, path, nrow=nrow, padding=2, pad_value=1.0)
+
+
+def write_samples(engine, probs, args, codebook, device, path) -> None:
+    """minGPT play_image sampling; collective (all ranks sample, rank 0 writes)."""
+    tokens = sample_tokens(engine.module, probs, args.num_samples, args.image_size, device,
+                           top_k=args.top_k, seed=args.seed)
+    if rank_world()[0] == 0:
+        save_image_grid(tokens, codebook, args.image_size, path)

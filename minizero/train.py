@@ -7,6 +7,8 @@
 
 The same script, with the same flags and output files, runs under real DeepSpeed as
 reference/train.py (it imports this module's parser and loop, and swaps the engine).
+The command line and the config dict are in minizero/train_args.py; the helpers both
+scripts share (test loss, sampling, metrics files) in minizero/runlog.py.
 
 A run writes into --save-dir (default runs/minizero-<stage>-<dtype>), on rank 0:
 
@@ -31,9 +33,7 @@ Honest notes:
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
-import json
 import logging
 import math
 import os
@@ -46,174 +46,17 @@ import torch
 
 from minizero import comm, runlog
 from minizero.checkpoint import CheckpointError
-from minizero.config import ConfigError, load_config, resolve_batch_size
-from minizero.data import (DATASETS, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
-                           build_datasets, make_loader)
+from minizero.config import ConfigError, load_config
+from minizero.data import DataConfigError, DatasetNotFoundError, UnknownDatasetError, build_datasets, make_loader
 from minizero.lr_schedules import MinGPTSchedule
-from minizero.model import GPT, PRESETS, ModelConfigError, UnknownPresetError, get_preset
-
-# A first run on a CPU: plain data parallelism (stage 0), fp32, minGPT play_image's
-# optimizer (lr 3e-3, betas (0.9, 0.95)) with weight decay 0.1 on the Linear weights.
-# torch_adam inside optimizer.params: DeepSpeed would otherwise build its JIT FusedAdam.
-DEFAULT_CONFIG = {
-    "train_micro_batch_size_per_gpu": 8,
-    "gradient_accumulation_steps": 1,
-    "optimizer": {"type": "AdamW",
-                  "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                             "torch_adam": True}},
-    "gradient_clipping": 1.0,
-    "steps_per_print": 10,
-    "zero_optimization": {"stage": 0},
-}
-
-# What --checkpoint-activations adds when the config has no such section (DeepSpeed's defaults).
-ACTIVATION_CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False,
-                            "contiguous_memory_optimization": False, "number_checkpoints": None,
-                            "synchronize_checkpoint_boundary": False, "profile": False}
+from minizero.model import GPT, ModelConfigError, UnknownPresetError, get_preset
+# The command line (flags, checks, CPU/GPU defaults) and the config dict: train_args.py.
+from minizero.train_args import (UserError, build_config, build_parser, check_args, dtype_of,
+                                 find_checkpoint, stage_of)
+from minizero.train_args import ACTIVATION_CHECKPOINTING, DEFAULT_CONFIG, read_config_file  # noqa: F401
 
 # minGPT play_image warms up for 1 epoch out of 20: 5% of the run's tokens.
 WARMUP_FRACTION = 0.05
-
-
-class UserError(Exception):
-    """Bad input: reported as one line, no traceback."""
-
-
-# ----------------------------------------------------------------------------- command line
-
-def build_parser(prog: str = "python -m minizero.train", description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("engine (DeepSpeed config and overrides)")
-    g.add_argument("--config", metavar="JSON", default=None,
-                   help="a DeepSpeed JSON config; default: a built-in CPU config (stage 0, fp32, "
-                        "micro-batch 8, AdamW lr 3e-3)")
-    g.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
-    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="override the fp16/bf16 sections")
-    g.add_argument("--micro-batch", type=int, metavar="N", help="override train_micro_batch_size_per_gpu")
-    g.add_argument("--grad-accum", type=int, metavar="N", help="override gradient_accumulation_steps")
-    g.add_argument("--checkpoint-activations", action="store_true",
-                   help="add an activation_checkpointing section (recompute each block in backward)")
-    g.add_argument("--lr-schedule", choices=["mingpt", "config"], default=None,
-                   help="mingpt: minGPT's token schedule (5%% linear warmup, cosine to 10%% of the "
-                        "config's lr); config: the config's scheduler section (constant lr if none). "
-                        "Default: config if the config has a scheduler, else mingpt")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", choices=list(PRESETS), help="GPT preset (default: tiny on CPU, tutorial on GPU)")
-    g.add_argument("--dataset", choices=list(DATASETS),
-                   help="default: synthetic on CPU (works offline), cifar10 on GPU")
-    g.add_argument("--data-dir", default="./data", help="where CIFAR-10 and the codebook cache live")
-    g.add_argument("--image-size", type=int, choices=[8, 16, 32], help="default: 8 on CPU, 32 on GPU")
-    g.add_argument("--ncluster", type=int, metavar="K",
-                   help="colour codebook size = vocab (default: 512 for cifar10, the preset's vocab for synthetic)")
-    g.add_argument("--synthetic-train", type=int, default=10000, metavar="N", help="synthetic training images")
-    g.add_argument("--synthetic-test", type=int, default=1000, metavar="N", help="synthetic test images")
-    g = p.add_argument_group("run")
-    g.add_argument("--epochs", type=int, help="epochs to train (default 1 when --max-steps is not given)")
-    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps in total")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--save-dir", help="default: runs/<library>-<stage>-<dtype>")
-    g.add_argument("--save-every", type=int, default=0, metavar="STEPS", help="checkpoint every N steps; 0 = only at the end")
-    g.add_argument("--resume", metavar="DIR", help="a checkpoint dir (a previous --save-dir): continue from it")
-    g.add_argument("--eval-every", type=int, default=0, metavar="STEPS",
-                   help="test loss every N steps (it is always computed at the end of each epoch)")
-    g.add_argument("--sample-every", type=int, default=0, metavar="STEPS",
-                   help="also write samples-step<N>.png every N steps (samples.png is always written at the end)")
-    g.add_argument("--num-samples", type=int, default=32, metavar="N", help="images in a sample grid")
-    g.add_argument("--top-k", type=int, default=100, help="sample from the k most likely colours (play_image: 100)")
-    return p
-
-
-def check_args(parser: argparse.ArgumentParser, args) -> None:
-    """Argument values argparse cannot check by itself; fill in the device-dependent defaults."""
-    for name in ("micro_batch", "grad_accum", "epochs", "max_steps", "ncluster", "synthetic_train",
-                 "synthetic_test", "num_samples", "top_k"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("save_every", "eval_every", "sample_every"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = off)")
-    cuda = torch.cuda.is_available()
-    args.chosen = []   # defaults we picked, printed at start
-    if args.dataset is None:
-        args.dataset = "cifar10" if cuda else "synthetic"
-        args.chosen.append(f"--dataset {args.dataset}")
-    if args.model is None:
-        args.model = "tutorial" if cuda else "tiny"
-        args.chosen.append(f"--model {args.model}")
-    if args.image_size is None:
-        args.image_size = 32 if cuda else 8
-        args.chosen.append(f"--image-size {args.image_size}")
-    if args.ncluster is None:
-        args.ncluster = 512 if args.dataset == "cifar10" else PRESETS[args.model].vocab_size
-        args.chosen.append(f"--ncluster {args.ncluster}")
-    if args.epochs is None and args.max_steps is None:
-        args.epochs = 1
-        args.chosen.append("--epochs 1")
-
-
-# ----------------------------------------------------------------------------- config
-
-def read_config_file(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UserError(f"--config {path}: no such file")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--config {path} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"--config {path} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
-def dtype_of(cfg: dict) -> str:
-    if (cfg.get("fp16") or {}).get("enabled"):
-        return "fp16"
-    if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
-        return "bf16"
-    return "fp32"
-
-
-def stage_of(cfg: dict) -> int:
-    z = cfg.get("zero_optimization")
-    if isinstance(z, bool):        # DeepSpeed's deprecated form: true = stage 1
-        return int(z)
-    return int((z or {}).get("stage", 0))
-
-
-def build_config(args, world_size: int) -> dict:
-    """The DeepSpeed config dict this run uses: --config (or DEFAULT_CONFIG) + the overrides."""
-    cfg = read_config_file(args.config) if args.config else copy.deepcopy(DEFAULT_CONFIG)
-    if args.stage is not None:
-        z = cfg.get("zero_optimization")
-        z = dict(z) if isinstance(z, dict) else {}
-        z["stage"] = args.stage
-        cfg["zero_optimization"] = z
-    if args.dtype is not None:
-        cfg.pop("bfloat16", None)
-        cfg["fp16"] = dict(cfg.get("fp16") or {}, enabled=args.dtype == "fp16")
-        cfg["bf16"] = dict(cfg.get("bf16") or {}, enabled=args.dtype == "bf16")
-    if args.micro_batch is not None or args.grad_accum is not None:
-        # Resolve the three batch numbers first (as DeepSpeed would), then override and
-        # write all three, so both libraries read the same, consistent triple. With both
-        # flags given the file's numbers are not consulted: a config written for another
-        # world size (the tutorial's 64 = 16 x 2 x 2) still runs on 8 ranks.
-        if args.micro_batch is not None and args.grad_accum is not None:
-            m, g = args.micro_batch, args.grad_accum
-        else:
-            _, m, g = resolve_batch_size(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
-                                         cfg.get("gradient_accumulation_steps"), world_size)
-        m = args.micro_batch or m
-        g = args.grad_accum or g
-        cfg.update(train_batch_size=m * g * world_size, train_micro_batch_size_per_gpu=m,
-                   gradient_accumulation_steps=g)
-    if args.checkpoint_activations and "activation_checkpointing" not in cfg:
-        cfg["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
-    if args.lr_schedule == "mingpt" and "scheduler" in cfg:
-        cfg.pop("scheduler")   # the token schedule replaces it
-    return cfg
 
 
 # ----------------------------------------------------------------------------- the library
@@ -253,44 +96,6 @@ MINIZERO = Library(
 
 USER_ERRORS = (UserError, ConfigError, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
                ModelConfigError, UnknownPresetError, CheckpointError)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-@torch.no_grad()
-def evaluate(engine, loader, device) -> float:
-    """Mean test loss over this rank's slice of the held-out split, averaged over ranks.
-    Collective (ZeRO-3 gathers parameters in forward): every rank runs len(loader) forwards."""
-    engine.eval()
-    total, n = 0.0, 0
-    for x, y in loader:
-        _, loss = engine(x.to(device), y.to(device))
-        total += float(loss.float().item())
-        n += 1
-    engine.train()
-    return runlog.mean_across_ranks(total / max(n, 1), device)
-
-
-def find_checkpoint(path: str) -> None:
-    """Refuse --resume early, with one line, unless `path` holds a saved checkpoint."""
-    if not os.path.isdir(path):
-        raise UserError(f"--resume {path}: no such directory")
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        raise UserError(f"--resume {path}: no checkpoint found (no 'latest' file); "
-                        f"point it at the --save-dir of a run that saved one")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(path, tag)):
-        raise UserError(f"--resume {path}: 'latest' names tag {tag!r} but {os.path.join(path, tag)} is missing")
-
-
-def write_samples(engine, probs, args, codebook, device, path) -> None:
-    """minGPT play_image sampling; collective (all ranks sample, rank 0 writes)."""
-    tokens = runlog.sample_tokens(engine.module, probs, args.num_samples, args.image_size, device,
-                                  top_k=args.top_k, seed=args.seed)
-    if comm.get_rank() == 0:
-        runlog.save_image_grid(tokens, codebook, args.image_size, path)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -444,13 +249,13 @@ def train(args, lib: Library) -> None:
 
                 end_of_epoch = i + 1 == steps_per_epoch * gas
                 if (args.eval_every and step % args.eval_every == 0) or end_of_epoch or step == max_steps:
-                    test_loss, last_eval_step = evaluate(engine, test_loader, device), step
+                    test_loss, last_eval_step = runlog.evaluate(engine, test_loader, device), step
                     if rank == 0:
                         pbar.write(f"step={step:>4d} test_loss={test_loss:.4f} (epoch {epoch}"
                                    f"{', end' if end_of_epoch else ''})")
                 if args.sample_every and step % args.sample_every == 0:
-                    write_samples(engine, probs, args, codebook, device,
-                                  os.path.join(save_dir, f"samples-step{step}.png"))
+                    runlog.write_samples(engine, probs, args, codebook, device,
+                                         os.path.join(save_dir, f"samples-step{step}.png"))
                 if (args.save_every and step % args.save_every == 0) or step == max_steps:
                     pos = (epoch + 1, 0) if end_of_epoch else (epoch, i + 1)
                     state.update(step=step, epoch=pos[0], batch_in_epoch=pos[1], losses=losses, rows=rows,
@@ -469,8 +274,8 @@ def train(args, lib: Library) -> None:
     # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
     model_state = runlog.gather_objects(lib.model_state_bytes(engine))
     if test_loss is None or last_eval_step != step:   # e.g. resumed at the very end
-        test_loss = evaluate(engine, test_loader, device)
-    write_samples(engine, probs, args, codebook, device, os.path.join(save_dir, "samples.png"))
+        test_loss = runlog.evaluate(engine, test_loader, device)
+    runlog.write_samples(engine, probs, args, codebook, device, os.path.join(save_dir, "samples.png"))
     peaks = runlog.gather_objects(runlog.memory_mb(device)[1])
     if rank == 0:
         runlog.write_metrics_csv(os.path.join(save_dir, "metrics.csv"), rows)
