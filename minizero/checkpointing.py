@@ -36,19 +36,23 @@ No model-parallel RNG tracker: DeepSpeed also saves/restores Megatron's
 draw different dropout masks inside sharded layers. minizero is pure data parallelism:
 there are no sharded layers, every rank draws from its own default generator, and saving
 that generator is all that is needed.
+
+Layout: this file is the mechanism and the one owner of module state (config, contiguous
+buffers, timings). The options (keys, precedence, checks, meaning under pure data
+parallelism) are in checkpointing_config.py, the bytes-held-for-backward measuring tool in
+saved_bytes.py; their public names are re-exported here (minizero.checkpointing.configure).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import time
 import warnings
-from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
+
+from .checkpointing_config import CheckpointConfig, _describe, _is_rank0, resolve
+from .saved_bytes import SavedBytes, count_saved_bytes, saved_bytes_for_backward
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +63,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- configuration
-
-@dataclass
-class CheckpointConfig:
-    """The `activation_checkpointing` section of a DeepSpeed config, same keys and defaults
-    (deepspeed/runtime/activation_checkpointing/config.py)."""
-    partition_activations: bool = False
-    contiguous_memory_optimization: bool = False
-    cpu_checkpointing: bool = False
-    number_checkpoints: int | None = None
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
-
-
-_KEYS = {f.name for f in fields(CheckpointConfig)}
 
 _cfg = CheckpointConfig()
 _configured = False
@@ -86,32 +76,6 @@ _timings = {"calls": 0, "forward_s": 0.0, "recompute_s": 0.0, "backward_s": 0.0}
 _recompute_depth = 0  # > 0 while a backward recomputes a block and backprops through it
 
 
-def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _read_section(deepspeed_config) -> dict:
-    """The `activation_checkpointing` dict of a config given as a dict or a JSON path."""
-    if isinstance(deepspeed_config, (str, os.PathLike)):
-        with open(deepspeed_config) as f:
-            deepspeed_config = json.load(f)
-    if not isinstance(deepspeed_config, dict):
-        raise TypeError(f"deepspeed_config must be a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
-    section = deepspeed_config.get("activation_checkpointing", {})
-    unknown = sorted(set(section) - _KEYS)
-    if unknown:  # DeepSpeed ignores unknown keys silently; a typo there silently turns a feature off
-        raise ValueError(f"activation_checkpointing: unknown key(s) {unknown}; minizero implements {sorted(_KEYS)}")
-    return section
-
-
-def _mp_world_size(mpu) -> int:
-    if mpu is None:
-        return 1
-    if hasattr(mpu, "get_tensor_model_parallel_world_size"):
-        return mpu.get_tensor_model_parallel_world_size()
-    return mpu.get_model_parallel_world_size()
-
-
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
               num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None):
     """Set the activation checkpointing options, with `deepspeed.checkpointing.configure`'s
@@ -122,56 +86,14 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
     (minizero is data-parallel only).
     """
     global _cfg, _configured, _mpu
-    cfg = CheckpointConfig()
     mpu = mpu_ if mpu_ is not None else _mpu  # as DeepSpeed: configure(None, ...) keeps an earlier mpu
-    if _mp_world_size(mpu) > 1:
-        raise NotImplementedError("activation checkpointing: minizero is data-parallel only; an mpu with "
-                                  "model-parallel world size > 1 would need activation partitioning across it")
-    if deepspeed_config is not None:
-        for k, v in _read_section(deepspeed_config).items():
-            setattr(cfg, k, v)
-    for name, value in (("partition_activations", partition_activations),
-                        ("contiguous_memory_optimization", contiguous_checkpointing),
-                        ("number_checkpoints", num_checkpoints), ("cpu_checkpointing", checkpoint_in_cpu),
-                        ("synchronize_checkpoint_boundary", synchronize), ("profile", profile)):
-        if value is not None:
-            setattr(cfg, name, value)
-
-    # DeepSpeed's two assertions in configure(), word for word.
-    if cfg.contiguous_memory_optimization:
-        assert cfg.partition_activations, "Contiguous Checkpointing is only available with partitioned activations. Set partitioned activations to true in deepspeed config"
-    if cfg.contiguous_memory_optimization:
-        assert cfg.number_checkpoints is not None, "Must specify the number of layers with contiguous memory checkpointing"
-
+    cfg = resolve(mpu, deepspeed_config, partition_activations=partition_activations,
+                  contiguous_checkpointing=contiguous_checkpointing, num_checkpoints=num_checkpoints,
+                  checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize, profile=profile)
     _cfg, _configured, _mpu = cfg, True, mpu
     reset()
     if _is_rank0():
         logger.info(_describe(cfg))
-
-
-def _describe(cfg: CheckpointConfig) -> str:
-    """What each option does in *this* run, said once (at configure, on rank 0)."""
-    on_cuda = torch.cuda.is_available()
-    lines = [f"activation checkpointing (Chen et al. 2016): {cfg}"]
-    if cfg.partition_activations:
-        lines.append("  partition_activations: splits each checkpointed input across the *model-parallel* group; "
-                     "pure data parallelism has one model-parallel rank, so there is nothing to split: no-op here "
-                     "(DeepSpeed makes a full flat copy of the input and empties the original)")
-    if cfg.cpu_checkpointing:
-        lines.append("  cpu_checkpointing: saved block inputs move to CPU memory" +
-                     (" (pinned) and back to their device in backward" if on_cuda else
-                      "; here they already are in CPU memory, so the move runs but copies nothing"))
-    if cfg.contiguous_memory_optimization:
-        lines.append(f"  contiguous_memory_optimization: saved inputs are copied into one preallocated buffer of "
-                     f"{cfg.number_checkpoints} slots per input position (fights allocator fragmentation on GPU; "
-                     f"on CPU it is only an extra copy)")
-    if cfg.synchronize_checkpoint_boundary:
-        lines.append("  synchronize_checkpoint_boundary: " + ("torch.cuda.synchronize() at each checkpoint's "
-                     "forward/backward start and end" if on_cuda else "device synchronize is a no-op on CPU"))
-    if cfg.profile:
-        lines.append("  profile: forward, recompute and backward of every checkpoint timed with "
-                     "time.perf_counter and logged; totals in minizero.checkpointing.timings()")
-    return "\n".join(lines)
 
 
 def is_configured() -> bool:
@@ -434,67 +356,3 @@ def checkpoint(function, *args, **kwargs):
         return flat[0]
     it = iter(flat)
     return tuple(next(it) if o is None else o for o in spec.template)
-
-
-# ----------------------------------------------------------------------------- measuring
-
-class SavedBytes:
-    """Bytes of the distinct storages autograd holds for backward.
-
-    Deduplicated by (device, untyped_storage().data_ptr()): a view and its base, or one
-    tensor saved by two ops, are held once. `exclude` storages (pass model.parameters())
-    are not counted: parameters live anyway, they are not activations.
-    """
-
-    def __init__(self, exclude=()):
-        self.storages: dict[tuple, int] = {}
-        self._exclude = {self._key(p) for p in exclude}
-        # While counting we keep every counted storage alive: if a saved tensor's graph died
-        # mid-forward, the allocator could hand its address to a later tensor, which the
-        # data_ptr dedup would then wrongly merge with it. (Such a tensor is still counted.)
-        self._alive: list = []
-
-    @staticmethod
-    def _key(t):
-        return (str(t.device), t.untyped_storage().data_ptr())
-
-    def add(self, t) -> None:
-        if not torch.is_tensor(t) or t.is_meta or t.layout != torch.strided:
-            return
-        k = self._key(t)
-        if k not in self._exclude and k not in self.storages:
-            self.storages[k] = t.untyped_storage().nbytes()
-            self._alive.append(t.untyped_storage())
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-@contextlib.contextmanager
-def count_saved_bytes(exclude=()):
-    """Count what is saved for backward inside the block, via saved_tensors_hooks:
-
-        with count_saved_bytes(exclude=model.parameters()) as c:
-            loss = model(x, y)[1]
-        c.bytes
-    """
-    counter = SavedBytes(exclude)
-
-    def pack(t):
-        counter.add(t)
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield counter
-    finally:
-        counter._alive.clear()
-
-
-def saved_bytes_for_backward(model_fn, exclude=()) -> int:
-    """Bytes held for backward by the graph `model_fn()` builds (see count_saved_bytes)."""
-    with count_saved_bytes(exclude) as c:
-        out = model_fn()
-    del out
-    return c.bytes
