@@ -17,7 +17,6 @@ The names and the semantics of every public member follow DeepSpeed's `DeepSpeed
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch.profiler import record_function
@@ -137,6 +136,9 @@ class Engine(torch.nn.Module):
             comm.all_reduce(sq, label="grad_norm")
         local_bad = not bool(torch.isfinite(sq))
         overflow = overflow_across_ranks(local_bad) if self.loss_scaler is not None else False   # 3
+        # Unscale below by the scale this backward used. DeepSpeed's ZeRO step reads the
+        # scale *after* updating it, so on a step where it grows the gradient is halved
+        # (measured and pinned in tests/test_agreement_loss.py, docs/agreement.md).
         prev_scale = scale
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
