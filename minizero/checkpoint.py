@@ -7,12 +7,17 @@ Layout (DeepSpeed's names, so the folders look familiar):
                                                         scaler, client_state, the layout
     <save_dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt
                                                         rank r: its fp32 master shards, its
-                                                        low-precision shards, its Adam
-                                                        state, its RNG state
+                                                        low-precision shards, its Adam state
+    <save_dir>/<tag>/rng_rank_<r>.pt                    rank r: its RNG state (dropout)
 
-Under ZeRO each rank owns 1/N of the optimizer state, so each rank writes its own file,
-in parallel, and nobody ever materialises the full state (DeepSpeed does the same).
-Stage 0 holds everything everywhere: only rank 0's file is written.
+The names are DeepSpeed-like (DeepSpeed also prefixes bf16 optimizer files with `bf16_`
+and writes per-rank model-state files at ZeRO-3). Under ZeRO each rank owns 1/N of the
+optimizer state, so each rank writes its own file, in parallel, and nobody ever
+materialises the full state (DeepSpeed does the same). Stage 0 holds the same optimizer
+state everywhere: only rank 0 writes an optimizer file (every rank writes its RNG).
+
+Checkpoints are taken at a gradient-accumulation boundary, where no partial gradient
+exists, so gradients are never saved; loading drops any gradient the engine holds.
 
 Atomic: everything goes into `<tag>.tmp` first; after a barrier rank 0 renames the folder
 to `<tag>` and only then rewrites `latest` (via a temp file and `os.replace`). A crash
@@ -64,6 +69,10 @@ def _set_rng_state(st: dict) -> None:
 
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
          save_latest: bool = True) -> str:
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        raise CheckpointError(f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient-"
+                              f"accumulation window of {engine.gradient_accumulation_steps()}: the partial "
+                              f"gradients would be lost; save right after the engine.step() that steps")
     tag = tag or f"global_step{engine.global_steps}"
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
@@ -126,6 +135,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     meta = torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=False)
     zero = engine.zero
     _check_compatible(meta, engine, path)
+    zero.zero_grad()  # a resumed step starts with no gradient, as the saved one did
     rank = engine.global_rank
     src = rank if zero.stage > 0 else 0
     shard_state = torch.load(os.path.join(path, optim_file(src)), map_location="cpu", weights_only=False)
