@@ -39,6 +39,7 @@ class Engine(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, model_parameters=None, config=None, lr_scheduler=None):
         super().__init__()
         comm.init_distributed()
+        self._comm_start = comm.ledger.snapshot()   # comm_stats() counts this engine's traffic only
         self.world_size, self.global_rank = comm.get_world_size(), comm.get_rank()
         self.local_rank, self.device = comm.get_local_rank(), comm.get_device()
         self.config = load_config(config, self.world_size)
@@ -130,17 +131,20 @@ class Engine(torch.nn.Module):
 
     def _take_model_step(self) -> None:
         self.zero.reduce_gradients()                                    # 1
+        # The scale this step's backward used. Unscale by it even after updating the
+        # scaler below: DeepSpeed's ZeRO step reads the scale *after* updating it, so on a
+        # step where it grows the gradient is halved (pinned in tests/test_agreement_loss.py).
         scale = self.loss_scale
         sq = self.zero.local_grad_sq()                                  # 2
         if self.zero.grads_partitioned():
             comm.all_reduce(sq, label="grad_norm")
-        local_bad = not bool(torch.isfinite(sq))
-        overflow = overflow_across_ranks(local_bad) if self.loss_scaler is not None else False   # 3
-        # Unscale below by the scale this backward used. DeepSpeed's ZeRO step reads the
-        # scale *after* updating it, so on a step where it grows the gradient is halved
-        # (measured and pinned in tests/test_agreement_loss.py, docs/agreement.md).
-        prev_scale = scale
+        # 3. The explicit overflow vote, as DeepSpeed's `has_overflow` (all-reduce MAX). At
+        # stages 1-3 the summed norm above already carries an inf from any rank, and at
+        # stage 0 every rank holds the same all-reduced gradient; the vote is what makes
+        # "every rank skips together" true by construction rather than by arithmetic.
+        overflow = False
         if self.loss_scaler is not None:
+            overflow = overflow_across_ranks(not bool(torch.isfinite(sq)))
             self.loss_scaler.update_scale(overflow)
         if overflow:  # the scaler logged DeepSpeed's "OVERFLOW! Rank 0 Skipping step..." line
             self.zero.zero_grad()
@@ -150,14 +154,14 @@ class Engine(torch.nn.Module):
             # DeepSpeed's unscale_and_clip_grads, in fp32 tensor arithmetic as it does it:
             # norm is of the *scaled* gradient; clip = max(1, (norm/S + 1e-6) / clip_value).
             norm = sq.sqrt().float()
-            combined = torch.tensor(prev_scale, dtype=torch.float32, device=norm.device)
+            combined = torch.tensor(scale, dtype=torch.float32, device=norm.device)
             clip_value = self.config.gradient_clipping
             if clip_value > 0:
-                clip = torch.clamp(((norm / prev_scale) + 1e-6) / clip_value, min=1.0)
-                combined = clip * prev_scale
+                clip = torch.clamp(((norm / scale) + 1e-6) / clip_value, min=1.0)
+                combined = clip * scale
             self.zero.step(combined)                                    # 4, 5
             self.zero.zero_grad()
-            self._global_grad_norm = float(norm) / prev_scale
+            self._global_grad_norm = float(norm) / scale
             if self.lr_scheduler is not None:                           # 6
                 self.lr_scheduler.step()
         self.global_steps += 1
@@ -172,7 +176,11 @@ class Engine(torch.nn.Module):
         return self.zero.memory_breakdown()
 
     def comm_stats(self) -> dict:
-        return comm.ledger.snapshot()
+        """Calls, payload bytes and ring wire bytes per collective since this engine was
+        created (its initial broadcast of the weights included). At world size 1 calls are
+        still counted; wire_bytes are 0."""
+        now = comm.ledger.snapshot()
+        return {op: {k: now[op][k] - self._comm_start[op][k] for k in now[op]} for op in now}
 
     def full_fp32_state_dict(self) -> dict:
         """Every parameter's full fp32 (master) value; a collective: call on every rank."""
@@ -181,14 +189,17 @@ class Engine(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
-        """Every rank writes its own shard; a `latest` file names the tag (checkpoint.py)."""
+        """Every rank writes its own shard; a `latest` file names the tag (checkpoint.py).
+        Must be called at a gradient-accumulation boundary. Returns the tag's folder
+        (DeepSpeed returns True)."""
         from . import checkpoint
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
         """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
-        (as DeepSpeed does)."""
+        (as DeepSpeed does). `path` is the tag's folder (DeepSpeed returns the path of the
+        model-states file inside it)."""
         from . import checkpoint
         path, client = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
@@ -234,6 +245,8 @@ def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:
         groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in items]
     else:
         groups = [{"params": [p for p in items if p.requires_grad]}]
+    if not any(g["params"] for g in groups):
+        raise ValueError("minizero: the model has no trainable parameters (requires_grad=True) to optimize")
     seen, owned = set(), {id(p) for p in model.parameters()}
     for g in groups:
         for p in g["params"]:
