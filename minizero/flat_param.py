@@ -17,8 +17,10 @@ usual, and a collective on `full` updates every parameter at once:
   are needed (`unshard`). The parameter views survive the resize, so tensors that
   autograd saved for backward (e.g. `weight.t()`) read valid data again once the buffer
   is re-gathered. This is FSDP's storage-resize trick; it means a gathered copy is never
-  kept alive between forward and backward. Touching a parameter while resharded reads
-  freed memory: the state enum in zero3.py exists to make that impossible.
+  kept alive between forward and backward. While resharded, each parameter points at a
+  zero-size placeholder, so a stray read fails with a size error instead of reading the
+  freed buffer (a view kept from before, e.g. by autograd, must not be read until the
+  unit is unsharded again: the hooks in zero3.py guarantee that for forward/backward).
 
 Gradients follow the same layout: `flat_grad` lays each `p.grad` into a padded buffer
 whose chunk r is exactly rank r's shard, ready for `reduce_scatter_tensor`.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .partition import padded_numel, pieces_in_shard, shard_range
+from .partition import padded_numel, shard_range
 
 
 class FlatParam:
@@ -116,12 +118,6 @@ class FlatParam:
     def grad_numel(self) -> int:
         """Elements of full gradient currently held in `.grad` of this group's parameters."""
         return sum(p.grad.numel() for p in self.params if p.grad is not None)
-
-    # -- mapping the shard back to parameters ---------------------------------------------
-    def shard_pieces(self):
-        """(name, shape, lo, hi, shard_offset) of each parameter piece in this rank's shard."""
-        return [(self.names[pc.index], self.shapes[pc.index], pc.lo, pc.hi, pc.shard_offset)
-                for pc in pieces_in_shard(self.numels, self.shard_start, self.shard_end)]
 
     def __repr__(self) -> str:
         return (f"FlatParam({self.label}: {len(self.params)} params, Ψ={self.numel}, "

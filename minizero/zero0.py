@@ -49,9 +49,8 @@ class DataParallel:
         for gi, g in enumerate(param_groups):
             hp = {k: v for k, v in g.items() if k not in ("params", "names")}
             groups.append({**hp, "params": [m for m, fg in zip(self.masters, self.flat_group) if fg == gi]})
-        self.optimizer = optimizer_factory([g for g in groups if g["params"]])
+        self.optimizer = optimizer_factory(groups)   # empty groups kept: get_lr() has one entry per group
         init_optimizer_states(self.optimizer)
-        self.last_grad_norm = None
 
     # ------------------------------------------------------------------ layout (per stage)
     def shard_world(self) -> int:
@@ -83,7 +82,7 @@ class DataParallel:
 
         The gradient is flattened into one padded buffer per group so there is one
         collective per group rather than one per parameter: this is the "flat gradient"
-        the ledger counts (2Ψ(N-1)/N bytes on the wire per rank, the ring all-reduce).
+        the ledger counts (2Ψ(N-1)/N elements on the wire per rank, the ring all-reduce).
         """
         for f in self.flat_params:
             buf = f.flat_grad(divide_by=self.world_size)

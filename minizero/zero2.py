@@ -16,9 +16,13 @@ Mechanics:
   gradient of a bucket lands, the bucket is reduce-scattered into the rank's persistent
   `grad_shard` (accumulated across micro-steps) and the bucket's `p.grad`s are dropped.
 - After backward returns, any bucket still incomplete (a parameter that got no gradient
-  this step, e.g. an unused branch) is reduced with zeros for the missing gradients, in a
-  fixed order, so every rank issues the same collectives. Missing gradients are zero,
-  not stale (DEEPSPEED_FACTS: DeepSpeed's ZeRO-3 reapplies a stale gradient; we do not).
+  this step, e.g. an unused branch) is reduced with zeros for the missing gradients, in
+  bucket order. Missing gradients are zero, not stale (DEEPSPEED_FACTS: DeepSpeed's
+  ZeRO-3 reapplies a stale gradient; we do not).
+- Collectives must line up across ranks, so every rank must use the same parameters in
+  a step (a parameter unused on *all* ranks is fine). A data-dependent branch taken on
+  one rank only would reduce buckets in a different order per rank; DeepSpeed's hooks
+  have the same requirement.
 
 Communication is ZeRO-1's: reduce-scatter + all-gather = one all-reduce's volume.
 """
@@ -38,12 +42,11 @@ class Zero2(Zero1):
             for bi, idx in enumerate(bucketize([p.numel() for p in params], bucket)):
                 members = [params[i] for i in idx][::-1]
                 self._add_flat(gi, members, f"group{gi}.bucket{bi}", keep_full=True)
-        self._hooks = []
         self._bucket_of = {}
         for fi, f in enumerate(self.flat_params):
             for p in f.params:
                 self._bucket_of[id(p)] = fi
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._arrived = [0] * len(self.flat_params)
         self._reduced = [False] * len(self.flat_params)
 

@@ -98,10 +98,14 @@ class _PreBackward(torch.autograd.Function):
 
 
 def find_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every element of every nn.ModuleList (the transformer blocks), then the root."""
+    """Every element of every outermost nn.ModuleList (the transformer blocks), then the
+    root for the parameters no block owns. A ModuleList inside a block stays part of that
+    block. Each parameter belongs to exactly one unit: tied weights shared by two units
+    are not supported."""
     units = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList):
+        inside = any(name.startswith(u + ".") for u, _ in units)
+        if isinstance(m, nn.ModuleList) and not inside:
             units += [(f"{name}.{i}", child) for i, child in enumerate(m)]
     return units + [("root", model)]
 
@@ -115,7 +119,7 @@ class Zero3(Zero2):
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         owner = {}  # parameter -> the innermost unit containing it
         self.units = [Unit(n, m) for n, m in find_units(self.module)]
-        for u in self.units:  # blocks before the root, so inner units claim their params first
+        for u in self.units:  # blocks before the root, so the root gets only what is left
             for p in u.module.parameters():
                 owner.setdefault(id(p), u)
         self._unit_of = {}
