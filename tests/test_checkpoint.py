@@ -142,3 +142,33 @@ def test_crash_mid_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path, m
     assert not (tmp_path / "bad").exists()
     monkeypatch.undo()
     assert engine.load_checkpoint(str(tmp_path))[0].endswith("good")
+
+
+def test_save_inside_an_accumulation_window_is_refused_and_load_drops_held_grads(tmp_path):
+    from minizero.model import GPT, get_preset
+    torch.manual_seed(0)
+    model = GPT(get_preset("micro"))
+    cfg = dict(_config(1, "fp32"), gradient_accumulation_steps=2)
+    engine, *_ = minizero.initialize(model=model, config=cfg)
+    x = torch.randint(0, 62, (MB, 64), generator=torch.Generator().manual_seed(0))
+    engine.save_checkpoint(str(tmp_path))                      # at a boundary: fine
+    engine.backward(engine(x[:, :-1], x[:, 1:])[1])
+    engine.step()                                              # micro-step 1 of 2
+    with pytest.raises(CheckpointError, match="accumulation"):
+        engine.save_checkpoint(str(tmp_path), tag="mid")
+    assert any(p.grad is not None for p in model.parameters())
+    engine.load_checkpoint(str(tmp_path))
+    assert all(p.grad is None for p in model.parameters())     # the held gradient is gone
+
+
+def test_empty_param_group_keeps_its_lr_and_comm_stats_are_per_engine():
+    from minizero import comm
+    from minizero.model import GPT, get_preset
+    model = GPT(get_preset("micro"))
+    groups = [{"params": list(model.parameters()), "lr": 1e-2}, {"params": [], "lr": 5e-3}]
+    comm.all_reduce(torch.zeros(3), label="someone-else")      # traffic before the engine exists
+    cfg = _config(0, "fp32")
+    cfg.pop("scheduler")                                       # WarmupLR would start both at 0
+    engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
+    assert engine.get_lr() == [1e-2, 5e-3]
+    assert engine.comm_stats()["all_reduce"]["calls"] == 0
