@@ -222,6 +222,19 @@ def full_fp32_state_dict(engine) -> "PortableTensorDict":
 
 # ----------------------------------------------------------------------------- the run
 
+def build_model(model_fn, cfg: dict, seed: int, weight_decay=None):
+    """The model and its param groups, built identically for either library: seed, then
+    `model_fn()`, then minGPT's decay/no-decay groups with DeepSpeed's default weight
+    decay for this optimizer config (`default_weight_decay`)."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    if not hasattr(model, "configure_param_groups"):
+        return model, model.parameters()
+    if weight_decay is None:
+        weight_decay = default_weight_decay(cfg)
+    return model, model.configure_param_groups(weight_decay)
+
+
 def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
                   fp16_cpu_patch: bool = True, capture_memory: bool = False, zero3_exact: bool = True,
                   seed: int = 0, weight_decay: Optional[float] = None,
@@ -262,15 +275,7 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
     if fp16_cpu_patch and (cfg.get("fp16") or {}).get("enabled", False):
         patch_cpu_fp16()
 
-    torch.manual_seed(seed)
-    model = model_fn()
-
-    if hasattr(model, "configure_param_groups"):
-        if weight_decay is None:
-            weight_decay = default_weight_decay(cfg)
-        model_parameters = model.configure_param_groups(weight_decay)
-    else:
-        model_parameters = model.parameters()
+    model, model_parameters = build_model(model_fn, cfg, seed, weight_decay)
 
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=cfg)

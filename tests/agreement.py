@@ -25,7 +25,7 @@ import torch.distributed as dist
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from minizero.model import GPT, get_preset  # noqa: E402
-from reference.ds_run import (SyntheticBatches, default_weight_decay, get_batch,  # noqa: E402
+from reference.ds_run import (SyntheticBatches, build_model, get_batch,  # noqa: E402
                               prepare_ds_config)
 
 N = 2
@@ -88,14 +88,7 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     from minizero import comm
 
     cfg = prepare_ds_config(config)
-    torch.manual_seed(seed)
-    model = model_fn()
-    if hasattr(model, "configure_param_groups"):
-        if weight_decay is None:
-            weight_decay = default_weight_decay(cfg)
-        model_parameters = model.configure_param_groups(weight_decay)
-    else:
-        model_parameters = model.parameters()
+    model, model_parameters = build_model(model_fn, cfg, seed, weight_decay)
 
     t0 = time.perf_counter()
     engine, _, _, _ = minizero.initialize(model=model, model_parameters=model_parameters, config=cfg)
