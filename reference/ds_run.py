@@ -235,6 +235,47 @@ def build_model(model_fn, cfg: dict, seed: int, weight_decay=None):
     return model, model.configure_param_groups(weight_decay)
 
 
+def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None) -> dict:
+    """The measured loop, shared by run_deepspeed and tests.agreement.run_minizero so both
+    libraries see the same batches and report losses the same way: `steps` optimizer
+    steps of `gradient_accumulation_steps` micro-batches; per step the mean micro-batch
+    loss (local, and averaged over ranks in fp64), loss scale (`loss_scale(engine)`),
+    global grad norm, lrs and wall time; `probe(engine)` into `memory` after the last
+    backward and after each step."""
+    up = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
+    gas = engine.gradient_accumulation_steps()
+    engine.train()
+    losses, local_losses, scales, norms, lrs, step_seconds = [], [], [], [], [], []
+    for step in range(steps):
+        ts = time.perf_counter()
+        acc = 0.0
+        for micro in range(gas):
+            x, y = get_batch(batches, step, micro, rank, world)
+            x, y = x.to(engine.device), y.to(engine.device)
+            loss = engine(x, y)[1]
+            engine.backward(loss)
+            acc += float(loss.detach().float().item())
+            if memory is not None and micro == gas - 1:
+                memory["after_backward"].append(probe(engine))
+            engine.step()
+        step_seconds.append(time.perf_counter() - ts)
+        local = acc / gas
+        t = torch.tensor([local], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(float(t.item()) / world)
+        local_losses.append(local)
+        scales.append(loss_scale(engine))
+        gn = engine.get_global_grad_norm()
+        norms.append(None if gn is None else float(gn))
+        lrs.append([float(v) for v in engine.get_lr()])
+        if memory is not None:
+            memory["after_step"].append(probe(engine))
+    return {"losses": losses, "local_losses": local_losses, "loss_scales": scales, "grad_norms": norms,
+            "lrs": lrs, "step_seconds": step_seconds}
+
+
 def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
                   fp16_cpu_patch: bool = True, capture_memory: bool = False, zero3_exact: bool = True,
                   seed: int = 0, weight_decay: Optional[float] = None,
@@ -290,7 +331,6 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         engine.module.checkpoint_fn = deepspeed.checkpointing.checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    gas = engine.gradient_accumulation_steps()
     probe = None
     memory = None
     if capture_memory:
@@ -300,49 +340,17 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         memory = {"after_init": probe(engine), "after_backward": [], "after_step": [],
                   "transient_buckets": track_transient_buckets(engine)}
 
-    engine.train()
-    losses, local_losses, scales, norms, lrs, step_seconds = [], [], [], [], [], []
-    for step in range(steps):
-        ts = time.perf_counter()
-        acc = 0.0
-        for micro in range(gas):
-            x, y = get_batch(batches, step, micro, rank, world)
-            x, y = x.to(engine.device), y.to(engine.device)
-            loss = engine(x, y)[1]
-            engine.backward(loss)
-            acc += float(loss.detach().float().item())
-            if memory is not None and micro == gas - 1:
-                memory["after_backward"].append(probe(engine))
-            engine.step()
-        step_seconds.append(time.perf_counter() - ts)
-        local = acc / gas
-        t = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(float(t.item()) / world)
-        local_losses.append(local)
-        scales.append(_loss_scale(engine))
-        gn = engine.get_global_grad_norm()
-        norms.append(None if gn is None else float(gn))
-        lrs.append([float(v) for v in engine.get_lr()])
-        if memory is not None:
-            memory["after_step"].append(probe(engine))
-
-    out = {
-        "losses": losses,
-        "local_losses": local_losses,
-        "loss_scales": scales,
-        "grad_norms": norms,
-        "lrs": lrs,
+    out = train_steps(engine, batches, steps, _loss_scale, probe, memory)
+    out.update({
         "skipped_steps": int(engine.skipped_steps),
         "global_steps": int(engine.global_steps),
         "init_seconds": init_seconds,
-        "step_seconds": step_seconds,
         "rank": rank,
         "world_size": world,
         "optimizer_kind": type(engine.optimizer).__name__,
         "zero_stage": int(engine.zero_optimization_stage()),
         "config": cfg,
-    }
+    })
     if return_final_state:
         out["final_state"] = full_fp32_state_dict(engine)
     if memory is not None:

@@ -20,13 +20,12 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from minizero.model import GPT, get_preset  # noqa: E402
-from reference.ds_run import (SyntheticBatches, build_model, get_batch,  # noqa: E402
-                              prepare_ds_config)
+from reference.ds_run import (SyntheticBatches, build_model, prepare_ds_config,  # noqa: E402
+                              train_steps)
 
 N = 2
 STEPS = 20
@@ -96,48 +95,19 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     comm.ledger.reset()
 
     rank, world = comm.get_rank(), comm.get_world_size()
-    gas = engine.gradient_accumulation_steps()
     memory = None
     if capture_memory:
         memory = {"after_init": engine.memory_breakdown(), "after_backward": [], "after_step": []}
-
-    engine.train()
-    losses, local_losses, scales, norms, lrs, step_seconds = [], [], [], [], [], []
-    for step in range(steps):
-        ts = time.perf_counter()
-        acc = 0.0
-        for micro in range(gas):
-            x, y = get_batch(batches, step, micro, rank, world)
-            x, y = x.to(engine.device), y.to(engine.device)
-            loss = engine(x, y)[1]
-            engine.backward(loss)
-            acc += float(loss.detach().float().item())
-            if memory is not None and micro == gas - 1:
-                memory["after_backward"].append(engine.memory_breakdown())
-            engine.step()
-        step_seconds.append(time.perf_counter() - ts)
-        local = acc / gas
-        t = torch.tensor([local], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(float(t.item()) / world)
-        local_losses.append(local)
-        scales.append(float(engine.loss_scale))
-        gn = engine.get_global_grad_norm()
-        norms.append(None if gn is None else float(gn))
-        lrs.append([float(v) for v in engine.get_lr()])
-        if memory is not None:
-            memory["after_step"].append(engine.memory_breakdown())
-
-    out = {
-        "losses": losses, "local_losses": local_losses, "loss_scales": scales, "grad_norms": norms,
-        "lrs": lrs, "skipped_steps": int(engine.skipped_steps), "global_steps": int(engine.global_steps),
-        "init_seconds": init_seconds, "step_seconds": step_seconds, "rank": rank, "world_size": world,
+    out = train_steps(engine, batches, steps, lambda e: float(e.loss_scale),
+                      lambda e: e.memory_breakdown(), memory)
+    out.update({
+        "skipped_steps": int(engine.skipped_steps), "global_steps": int(engine.global_steps),
+        "init_seconds": init_seconds, "rank": rank, "world_size": world,
         "zero_stage": int(engine.zero_optimization_stage()), "config": cfg,
         "comm": {k: dict(v) for k, v in comm.ledger.by_label.items()},
         "layout": _flat_layout(engine),
         "n_blocks": len(getattr(model, "blocks", [])),
-    }
+    })
     if return_final_state:
         out["final_state"] = {k: v.detach().cpu().clone() for k, v in engine.full_fp32_state_dict().items()}
     if memory is not None:
