@@ -138,6 +138,8 @@ class FP16Config:
 @dataclass
 class BF16Config:
     enabled: bool = False
+    # DeepSpeed >= 0.16: skip a step whose gradient norm is inf/NaN (as fp16 does), default on.
+    check_grad_overflow: bool = True
 
 
 @dataclass
@@ -230,7 +232,7 @@ _FP16 = {
     "fp16_master_weights_and_grads": (False, _only(False, "master weights are always fp32")),
 }
 
-_BF16 = {"enabled": (False, _bool)}
+_BF16 = {"enabled": (False, _bool), "check_grad_overflow": (True, _bool)}
 
 
 def _offload(v, path):

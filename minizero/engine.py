@@ -142,11 +142,21 @@ class Engine(torch.nn.Module):
         # stages 1-3 the summed norm above already carries an inf from any rank, and at
         # stage 0 every rank holds the same all-reduced gradient; the vote is what makes
         # "every rank skips together" true by construction rather than by arithmetic.
-        overflow = False
+        finite = bool(torch.isfinite(sq))
         if self.loss_scaler is not None:
-            overflow = overflow_across_ranks(not bool(torch.isfinite(sq)))
-            self.loss_scaler.update_scale(overflow)
-        if overflow:  # the scaler logged DeepSpeed's "OVERFLOW! Rank 0 Skipping step..." line
+            overflow = overflow_across_ranks(not finite)
+            self.loss_scaler.update_scale(overflow)   # logs DeepSpeed's "OVERFLOW! ... Skipping step" line
+        else:
+            # bf16 and fp32: skip a step whose gradient norm is inf/NaN instead of writing
+            # NaN into every weight. DeepSpeed's ZeRO optimizers do the same (bf16 with
+            # bf16.check_grad_overflow, its default; fp32 always); docs/agreement.md. sq is
+            # the same on every rank (all-reduced above, or the all-reduced stage-0
+            # gradient), so every rank skips together without a vote.
+            overflow = not finite and (self.dtype == torch.float32 or self.config.bf16.check_grad_overflow)
+            if overflow and self.global_rank == 0:
+                logger.warning(f"step {self.global_steps}: the gradient norm is {float(sq.sqrt())}; skipping the "
+                               f"step (weights and optimizer state unchanged)")
+        if overflow:
             self.zero.zero_grad()
             self.skipped_steps += 1
             self._global_grad_norm = float("inf")
