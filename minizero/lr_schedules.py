@@ -214,10 +214,17 @@ class MinGPTSchedule:
         return self._last_lr
 
     def state_dict(self):
-        return {"tokens": self.tokens}
+        # The shape of the schedule too, not only the position: a run resumed with another
+        # --max-steps keeps the schedule it started with (an uninterrupted run would have).
+        return {"tokens": self.tokens, "learning_rate": self.learning_rate,
+                "warmup_tokens": self.warmup_tokens, "final_tokens": self.final_tokens}
 
     def load_state_dict(self, sd):
         self.tokens = sd["tokens"]
+        for k in ("learning_rate", "warmup_tokens", "final_tokens"):   # absent in older checkpoints
+            if k in sd:
+                setattr(self, k, sd[k])
+        self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
 
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}

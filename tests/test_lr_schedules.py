@@ -167,3 +167,19 @@ def test_mingpt_schedule_state_dict():
         assert _lrs(opt_a) == _lrs(opt_b)
     with pytest.raises(ValueError):
         mz.MinGPTSchedule(opt_a, 3e-3, warmup_tokens=10, final_tokens=10)
+
+
+def test_mingpt_schedule_resumes_with_its_saved_shape():
+    """A run resumed with a larger --max-steps builds a schedule for the new length; loading
+    the saved state must bring back the old shape (and the lr it had), not jump the lr."""
+    opt_a, opt_b = _optimizer(), _optimizer()
+    a = mz.MinGPTSchedule(opt_a, 3e-3, warmup_tokens=256, final_tokens=4096)
+    for _ in range(70):
+        a.step(tokens=64)
+    assert _lrs(opt_a) == [3e-3 * 0.1]                       # past the end: the 10% floor
+    b = mz.MinGPTSchedule(opt_b, 3e-3, warmup_tokens=512, final_tokens=8192)   # "--max-steps" doubled
+    b.load_state_dict(a.state_dict())
+    assert (b.warmup_tokens, b.final_tokens) == (256, 4096) and _lrs(opt_b) == _lrs(opt_a)
+    a.step(tokens=64)
+    b.step(tokens=64)
+    assert _lrs(opt_a) == _lrs(opt_b)
