@@ -76,6 +76,23 @@ def overflow_across_ranks(local_overflow: bool) -> bool:
     return bool(flag.item() > 0)
 
 
+class MinLossScaleError(RuntimeError):
+    """fp16 overflowed again at the minimum loss scale: the run cannot go on.
+
+    The first sentence is DeepSpeed's, word for word, so logs read alike. Its own advice
+    (lower min_loss_scale) rarely helps: gradients that overflow at a scale of 1 are
+    non-finite *unscaled*, which almost always means the loss itself is inf/NaN, i.e.
+    training diverged. The message says that instead.
+    """
+
+    def __init__(self, min_scale: float):
+        super().__init__(
+            f"Current loss scale already at minimum - cannot decrease scale anymore. Exiting run. The gradients "
+            f"overflowed even at the minimum loss scale {min_scale:g} (fp16.min_loss_scale), so they are inf/NaN "
+            f"unscaled: training diverged (or the loss itself is inf/NaN). A smaller scale cannot help; lower the "
+            f"learning rate, set gradient_clipping, or train in bf16, from the last good checkpoint")
+
+
 class LossScaler:
     """A fixed loss scale (`"loss_scale": S > 0` in the fp16 section; 1.0 without fp16).
 
@@ -138,9 +155,7 @@ class DynamicLossScaler(LossScaler):
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
                 if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
-                    raise RuntimeError("Current loss scale already at minimum - cannot decrease scale anymore. "
-                                       "Exiting run. (Lower fp16.min_loss_scale, or find the source of the "
-                                       "inf/NaN gradients.)")
+                    raise MinLossScaleError(self.min_scale)
                 next_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
                 if comm.get_rank() == 0:
                     logger.info(overflow_message(self.cur_scale, next_scale, 0, self.dtype))
