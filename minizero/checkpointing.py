@@ -50,6 +50,7 @@ import time
 import warnings
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .checkpointing_config import CheckpointConfig, _describe, _is_rank0, resolve
 from .saved_bytes import SavedBytes, count_saved_bytes, saved_bytes_for_backward
@@ -220,11 +221,35 @@ def _stash(position: int, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _as_deepspeed_returns(outputs):
+    """The top level of what checkpoint returns, by DeepSpeed's rules (checkpoint collects
+    the members of a tuple/list into a tuple and returns the member itself when there is one).
+    A dict stays a dict: DeepSpeed iterates it and returns its keys, a bug not copied."""
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    if torch.is_tensor(outputs) or isinstance(outputs, dict):
+        return outputs
+    raise TypeError(f"checkpoint: the function must return a tensor, or a tuple, list or dict (of tensors "
+                    f"and other values), got {type(outputs).__name__}")
+
+
 class _Outputs:
-    """Carries the output structure out of Function.forward (which may only return
-    tensors) so checkpoint() can put non-tensor outputs back where they were."""
-    single = True
-    template: list = []
+    """Carries the output structure out of Function.forward, which may only return a flat
+    tuple of tensors, so checkpoint() can put every other member back in its place.
+
+    The tensors are found at any depth (pytree leaves): DeepSpeed only passes the top-level
+    ones through its Function, so a tensor inside a nested tuple comes back detached and its
+    gradient is silently lost. Here it stays connected; structure and values are DeepSpeed's."""
+
+    def flatten(self, outputs) -> list:
+        leaves, self.treedef = tree_flatten(_as_deepspeed_returns(outputs))
+        self.is_tensor = [torch.is_tensor(x) for x in leaves]
+        self.others = [x for x in leaves if not torch.is_tensor(x)]
+        return [x for x in leaves if torch.is_tensor(x)]
+
+    def rebuild(self, tensors):
+        tensors, others = iter(tensors), iter(self.others)
+        return tree_unflatten([next(tensors) if t else next(others) for t in self.is_tensor], self.treedef)
 
 
 # ----------------------------------------------------------------------------- the Function
@@ -255,14 +280,7 @@ class CheckpointFunction(torch.autograd.Function):
         # saved_tensors_hooks: count those by hand when comparing bytes held for backward.
         ctx.save_for_backward(*[_stash(i, t) for i, t in enumerate(tensors)])
 
-        if torch.is_tensor(outputs):
-            out_spec.single, flat = True, [outputs]
-        elif isinstance(outputs, (tuple, list)):
-            out_spec.single = False
-            out_spec.template = [None if torch.is_tensor(o) else o for o in outputs]
-            flat = [o for o in outputs if torch.is_tensor(o)]
-        else:
-            raise TypeError(f"checkpoint: the function must return a tensor or a tuple/list, got {type(outputs).__name__}")
+        flat = out_spec.flatten(outputs)
         ctx.mark_non_differentiable(*[o for o in flat if not o.is_floating_point()])
 
         _synchronize(tensors)
@@ -307,12 +325,12 @@ class CheckpointFunction(torch.autograd.Function):
                 _set_rng_state(bwd_rng)  # training RNG continues as if no recompute happened
             t1 = time.perf_counter()
 
-            outputs = [outputs] if torch.is_tensor(outputs) else [o for o in outputs if torch.is_tensor(o)]
+            outputs = [o for o in tree_leaves(outputs) if torch.is_tensor(o)]  # in forward's order
             pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-            if not pairs:
-                raise RuntimeError("checkpoint: none of the recomputed outputs requires grad (do the block's "
-                                   "inputs or parameters require grad?)")
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            # No pair: no output depends on anything that requires grad. As DeepSpeed, the
+            # inputs then get no gradient (torch.utils.checkpoint raises instead).
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
             _recompute_depth -= 1
 
@@ -332,9 +350,11 @@ class CheckpointFunction(torch.autograd.Function):
 def checkpoint(function, *args, **kwargs):
     """`function(*args, **kwargs)`, keeping only the inputs for backward.
 
-    Returns what `function` returns: a tensor, or a tuple (a list becomes a tuple, as in
-    DeepSpeed) whose non-tensor items are passed through. Gradients for tensor inputs and
-    for parameters used inside `function` are identical to not checkpointing.
+    Returns what DeepSpeed's checkpoint returns: `function`'s output, except that a tuple or
+    list comes back as a tuple, and a one-member one as that member. Non-tensor members
+    (None, numbers, strings, nested tuples) come back unchanged in their places. Gradients
+    for tensor inputs, for tensors at any depth of the output and for parameters used inside
+    `function` are identical to not checkpointing.
     """
     if kwargs:  # keyword tensors take part in autograd like positional ones (as DeepSpeed)
         run, keys, n = function, tuple(kwargs), len(args)
@@ -345,14 +365,10 @@ def checkpoint(function, *args, **kwargs):
         args = args + tuple(kwargs.values())
 
     if not torch.is_grad_enabled():
-        return function(*args)  # no backward will come: nothing to keep, nothing to recompute
+        return _as_deepspeed_returns(function(*args))  # no backward will come: nothing to keep or recompute
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         warnings.warn("checkpoint: no input requires grad, so the block's parameters will get no gradient "
                       "(the reentrant checkpoint's output is only connected to the graph through its inputs)")
 
     spec = _Outputs()
-    flat = CheckpointFunction.apply(function, spec, *args)
-    if spec.single:
-        return flat[0]
-    it = iter(flat)
-    return tuple(next(it) if o is None else o for o in spec.template)
+    return spec.rebuild(CheckpointFunction.apply(function, spec, *args))
