@@ -30,7 +30,7 @@ if launcher._ctx is None and "tests.engine_runs" not in launcher._PRELOAD:
 
 DEFAULTS = dict(
     preset="micro", model="gpt", stage=0, dtype="fp32", world=2, steps=10, gas=1,
-    global_batch=8, seq=16, lr=1e-2, eps=1e-6, clip=None, zero=(), fp16=(),
+    global_batch=8, seq=16, lr=1e-2, eps=1e-6, clip=None, zero=(), fp16=(), perm=(),
 )
 
 NO_DROPOUT = dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
@@ -42,6 +42,7 @@ def spec_of(**kw) -> dict:
     s = dict(DEFAULTS, **kw)
     s["zero"] = tuple(sorted(dict(s["zero"]).items()))
     s["fp16"] = tuple(sorted(dict(s["fp16"]).items()))
+    s["perm"] = tuple(s["perm"])
     return s
 
 
@@ -53,7 +54,8 @@ class GPTWithUnused(nn.Module):
     - `extra` (its own ZeRO-3 unit, an nn.ModuleList child) is never called;
     - `side` (in the root unit) is used on even optimizer steps only (set `use_side`),
       so on odd steps it has momentum but no gradient: the case where DeepSpeed's ZeRO-3
-      reapplies a stale gradient (DEEPSPEED_FACTS). Missing must mean zero.
+      reapplies a stale gradient (README.md, "How minizero and DeepSpeed differ"). Missing
+      must mean zero.
     """
 
     def __init__(self, cfg):
@@ -105,8 +107,12 @@ def global_batch(spec, step):
 
 
 def micro_rows(spec, m, rank, world):
+    """Rows of micro-batch m that `rank` trains on; with `perm`, those of rank perm[rank]
+    (the same rows per step, handed to the ranks in another order)."""
     rows = spec["global_batch"] // spec["gas"]
     mb = rows // world
+    if spec["perm"]:
+        rank = spec["perm"][rank]
     lo = m * rows + rank * mb
     return lo, lo + mb
 
@@ -134,7 +140,7 @@ def _storage_key(t):
 
 
 def measured_bytes(engine) -> dict:
-    """Walk the live tensors of the model state (as DEEPSPEED_FACTS counts DeepSpeed's),
+    """Walk the live tensors of the model state (as reference/ds_memory.py counts DeepSpeed's),
     deduplicated by storage: what this rank really holds right now."""
     z = engine.zero
     seen = set()
@@ -282,30 +288,73 @@ def train_run(spec: dict) -> dict:
 
 
 def reference_run(spec: dict) -> dict:
-    """Plain single-process PyTorch: the same model, data and AdamW, the whole global batch
-    per step (mean loss), torch.nn.utils.clip_grad_norm_, and a zero gradient for every
-    parameter that got none (what ZeRO must do). Norms are of the unclipped gradient."""
+    """Plain single-process PyTorch, one tensor per parameter, written from the spec and not
+    from minizero, in the engine's order of operations so the two compare BITWISE.
+
+    Same model, data and AdamW. Each optimizer step's gradient is built from the
+    micro-batches the spec's ranks see: g[r][m] = grad(loss[r][m] / gas) (a parameter that
+    got none: zeros), summed in the order of the engine's collectives -- stages 0/1
+    accumulate each rank's gradient over its micro-steps and then average the ranks,
+    ZeRO-2/3 average the ranks every micro-step and then accumulate. An average of N = 2 ranks
+    is a/2 + b/2: one addition, commutative, so the all-reduce and every reduce-scatter
+    round alike; world 1 divides by nothing. (N > 2: gloo's ring adds in an order that
+    depends on the chunk, which this does not copy.) Clipping as DeepSpeed does it:
+    norm = sqrt(fp64 sum of squares, param group by group) rounded to fp32, factor
+    clamp((norm + 1e-6) / clip, min=1), gradient * (1 / factor).
+    `norms` are those fp32 norms; `norms64` the fp64 norm of the per-parameter fp64 norms,
+    an order-independent check of them."""
+    N, gas = spec["world"], spec["gas"]
+    assert N <= 2, "the reference copies the reduction order of at most 2 ranks"
     model = build_model(spec)
     groups = param_groups(model)
     opt = torch.optim.AdamW(groups, lr=spec["lr"], eps=spec["eps"])
     params = [p for g in groups for p in g["params"]]
-    out = {"losses": [], "norms": []}
+    clip = 1.0 if spec["clip"] is None else spec["clip"]
+    out = {"losses": [], "norms": [], "norms64": []}
     for step in range(spec["steps"]):
         if spec["model"] != "gpt":
             model.use_side = step % 2 == 0
         x, y = global_batch(spec, step)
-        loss = model(x, y)[1]
-        loss.backward()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in params]))
-        clip = 1.0 if spec["clip"] is None else spec["clip"]
+        g = [[None] * gas for _ in range(N)]      # g[r][m]: one list of per-parameter grads
+        local = [0.0] * N
+        for m in range(gas):
+            for r in range(N):
+                lo, hi = micro_rows(spec, m, r, N)
+                loss = model(x[lo:hi], y[lo:hi])[1]
+                got = torch.autograd.grad(loss.float() / gas, params, allow_unused=True)
+                g[r][m] = [torch.zeros_like(p) if t is None else t for p, t in zip(params, got)]
+                local[r] += float(loss.detach())
+
+        def avg(ts):                               # the ranks' average, as the collectives do it
+            return ts[0] if N == 1 else ts[0] / N + ts[1] / N
+
+        def acc(ts):                               # accumulation over micro-steps, in order
+            total = ts[0]
+            for t in ts[1:]:
+                total = total + t
+            return total
+        if spec["stage"] <= 1:
+            grads = [avg([acc([g[r][m][i] for m in range(gas)]) for r in range(N)]) for i in range(len(params))]
+        else:
+            grads = [acc([avg([g[r][m][i] for r in range(N)]) for m in range(gas)]) for i in range(len(params))]
+        out["norms64"].append(float(torch.linalg.vector_norm(torch.stack([t.double().norm() for t in grads]))))
+        sq = torch.zeros((), dtype=torch.float64)
+        k = 0
+        for grp in groups:
+            n = len(grp["params"])
+            if n:
+                sq += torch.cat([t.reshape(-1) for t in grads[k:k + n]]).double().pow(2).sum()
+            k += n
+        norm = sq.sqrt().float()
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            factor = torch.clamp(((norm / 1.0) + 1e-6) / clip, min=1.0) * 1.0
+            for t in grads:
+                t.mul_(1.0 / factor)
+        for p, t in zip(params, grads):
+            p.grad = t
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out["losses"].append(float(loss.detach()))
+        out["losses"].append(sum(lr / gas for lr in local) / N)
         out["norms"].append(float(norm))
     out["state"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out

@@ -4,30 +4,34 @@ Runs come from tests/engine_runs.py (cached per spec, shared with the other engi
 files). Model: the "micro" GPT (15,099 params; dropout off), learnable synthetic rows,
 AdamW lr 1e-2, eps 1e-6, 10 optimizer steps, global batch 8 rows of 16 tokens.
 
-Tolerances (fp32), and why they are what they are:
+Tolerances, and why (docs/agreement.md lists every tolerance in tests/):
 
-- Across stages at N = 2 we assert *bitwise* equality. With two ranks every gradient
+- fp32 at N = 2 is asserted BITWISE everywhere, against the other stages and against
+  plain per-parameter PyTorch (engine_runs.reference_run). With two ranks every gradient
   reduction is one fp32 addition g0/2 + g1/2 (commutative, so the all-reduce of stage 0,
-  the reduce-scatter of ZeRO-1/2/3, any bucketing and any unit grouping round identically),
-  and Adam is element-wise, so no stage has a way to round differently. Measured: 0.0.
-- N ranks against ONE process over the same global batch are not bitwise: the single
-  process sums the loss over 8 rows in one reduction, the ranks over 4 rows each and
-  then add. That is fp32 reduction-order noise, ~1e-7 relative in each gradient. Adam
-  then divides by sqrt(v) + eps, so a gradient perturbation d moves an update by up to
-  lr * d / eps; with lr 1e-2 and eps 1e-6 (chosen for that reason: eps 1e-8 amplifies the
-  same noise 100x, measured 9.4e-5 in the weights) that is ~1e-6 per step. Measured
-  after 10 steps: losses 6e-7, weights 2.3e-6, grad norms 1.4e-6 (norms ~1).
-  Asserted: LOSS_TOL 5e-6, W_TOL 2e-5, NORM_RTOL 1e-5 (about 10x the measurement).
+  the reduce-scatter of ZeRO-1/2/3, any bucketing and any unit grouping round alike),
+  and Adam is element-wise. The reference forms each step's gradient from the same
+  micro-batches in the same order of additions (and clips as DeepSpeed does), so it does
+  the same roundings on any CPU. Likewise N = 2 equals ONE process that accumulates the
+  same two halves of the batch (gas 2): (g0/2) + (g1/2) is what both compute.
+- Not compared: N ranks against one process over the WHOLE batch in one backward. That
+  sums the batch in another order -- a difference of PyTorch's reductions, not of
+  minizero, and the reason the previous tolerances (5e-6 / 2e-5 / 1e-5) existed.
+- N = 4: gloo's ring adds the four ranks' terms in an order that depends on the chunk, so
+  stage 0 and ZeRO-2 round differently; the bound there comes from the spread of the same
+  kind of reordering (test_world_size_4_tiny_stage2_small_buckets_equals_stage0).
 """
+import math
+
 import pytest
 import torch
 
 from tests import engine_runs as er
 
 Z3P0 = er.Z3P0
-LOSS_TOL = 5e-6
-W_TOL = 2e-5
-NORM_RTOL = 1e-5
+U32 = 2.0 ** -24          # fp32 unit roundoff
+U64 = 2.0 ** -53          # fp64 unit roundoff
+LR = er.DEFAULTS["lr"]
 
 STAGE_RUNS = {  # name -> zero_optimization extras
     "stage0": dict(stage=0), "stage1": dict(stage=1), "stage2": dict(stage=2),
@@ -46,6 +50,19 @@ def assert_states_equal(a, b):
         assert torch.equal(a[k], b[k]), (k, float((a[k] - b[k]).abs().max()))
 
 
+def assert_same_run(run, ref):
+    """Engine run (per-rank results) == reference run, bitwise: losses, norms, weights."""
+    assert er.global_losses(run) == ref["losses"]
+    assert run[0]["norms"] == ref["norms"]
+    assert_states_equal(state(run), ref["state"])
+
+
+def moved(results) -> float:
+    """Largest distance any weight travelled from its initial value."""
+    init = er.get_reference(steps=0)["state"]
+    return er.max_abs_diff(state(results), init)
+
+
 # ----------------------------------------------------------------------------- (a) stages agree, = one process
 
 @pytest.mark.parametrize("name", [n for n in STAGE_RUNS if n != "stage0"])
@@ -58,58 +75,62 @@ def test_fp32_stages_bitwise_equal_at_n2(name):
         assert r["global_steps"] == 10
 
 
-def test_fp32_n2_equals_single_process():
-    two, one = er.get(stage=0), er.get(world=1)
+def test_fp32_n2_equals_one_process_over_the_same_micro_batches():
+    """2 ranks x 4 rows == 1 process x 2 micro-batches of the same 4 rows (gas 2), bitwise:
+    the ranks compute g0/2 + g1/2 in the all-reduce, the one process (g0/2) + (g1/2) by
+    accumulating loss/2's gradients in p.grad -- the same numbers and one same addition."""
+    two, one = er.get(stage=0), er.get(world=1, gas=2)
     assert one[0]["world"] == 1 and two[0]["world"] == 2
-    dl = er.max_list_diff(er.global_losses(two), one[0]["losses"])
-    dw = er.max_abs_diff(state(two), state(one))
-    dn = max(abs(a - b) / b for a, b in zip(two[0]["norms"], one[0]["norms"]))
-    print(f"\nN=2 vs 1 process: loss {dl:.3g}, weights {dw:.3g}, norm rel {dn:.3g}")
-    assert dl <= LOSS_TOL and dw <= W_TOL and dn <= NORM_RTOL
-    # and training did something: the weights moved by far more than the tolerance
-    init = er.get_reference(steps=0)["state"]
-    assert er.max_abs_diff(state(one), init) > 1000 * W_TOL
+    assert er.global_losses(two) == er.global_losses(one)
+    assert two[0]["norms"] == one[0]["norms"]
+    assert_states_equal(state(two), state(one))
+    # and training did something. Adam moves every weight whose gradient is well above eps
+    # by ~lr on the first step alone (m/sqrt(v) = g/|g|), so after 10 steps the most-pushed
+    # weight has moved more than lr; the loss falls by far more than any rounding (1e-3).
+    assert moved(one) > LR
     assert one[0]["losses"][-1] < one[0]["losses"][0] - 0.3
 
 
-def test_single_process_engine_equals_plain_pytorch():
-    """World size 1 engine vs torch AdamW + clip_grad_norm_ on the same model and data."""
-    one, ref = er.get(world=1), er.get_reference()
-    dl = er.max_list_diff(one[0]["losses"], ref["losses"])
-    dw = er.max_abs_diff(state(one), ref["state"])
-    dn = max(abs(a - b) / b for a, b in zip(one[0]["norms"], ref["norms"]))
-    print(f"\n1-process engine vs torch: loss {dl:.3g}, weights {dw:.3g}, norm rel {dn:.3g}")
-    assert dl <= LOSS_TOL and dw <= W_TOL and dn <= NORM_RTOL
+@pytest.mark.parametrize("world", [1, 2])
+def test_engine_equals_plain_pytorch(world):
+    """The engine (stage 0; the others equal it, above) against plain per-parameter PyTorch
+    AdamW forming the same gradient in the same order and clipping as DeepSpeed does
+    (engine_runs.reference_run): bitwise, with clipping active on 6 of the 10 steps."""
+    run, ref = er.get(world=world), er.get_reference(world=world)
+    print(f"\n{world} process(es): engine vs torch: loss {er.max_list_diff(er.global_losses(run), ref['losses']):.3g}, "
+          f"weights {er.max_abs_diff(state(run), ref['state']):.3g}")
+    assert sum(n > 1.0 for n in ref["norms"]) >= 3
+    assert_same_run(run, ref)
 
 
 # ----------------------------------------------------------------------------- (b) accumulation
 
 @pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3_p0"])
-def test_grad_accumulation_2_equals_doubled_micro_batch(name):
-    """gas 2 x micro-batch 2 per rank against gas 1 x micro-batch 4: same 8 rows per step.
-    Not bitwise (the loss is summed over 2 rows + 2 rows instead of 4 rows): same noise
-    argument and tolerances as against one process."""
+def test_grad_accumulation_2_equals_plain_pytorch_over_the_same_micro_batches(name):
+    """gas 2 x micro-batch 2 per rank against plain PyTorch accumulating the same micro-
+    batches (loss / 2 each) in the stage's order of sums, bitwise. (Against gas 1 x micro-
+    batch 4 it is not bitwise: 2 rows + 2 rows is another order of the same sum.)"""
     kw = STAGE_RUNS[name]
-    acc, big = er.get(gas=2, **kw), er.get(**kw)
-    dl = er.max_list_diff(er.global_losses(acc), er.global_losses(big))
-    dw = er.max_abs_diff(state(acc), state(big))
-    dn = max(abs(a - b) / b for a, b in zip(acc[0]["norms"], big[0]["norms"]))
-    print(f"\n{name} gas2 vs doubled micro-batch: loss {dl:.3g}, weights {dw:.3g}, norm rel {dn:.3g}")
-    assert dl <= LOSS_TOL and dw <= W_TOL and dn <= NORM_RTOL
+    acc, ref = er.get(gas=2, **kw), er.get_reference(gas=2, **kw)
+    assert_same_run(acc, ref)
     assert acc[0]["global_steps"] == 10
+    big = er.get(**kw)
+    print(f"\n{name} gas2 vs doubled micro-batch (another order, not asserted): "
+          f"weights {er.max_abs_diff(state(acc), state(big)):.3g}")
 
 
 def test_grad_accumulation_order_of_sums_per_stage():
     """Stages 0/1 accumulate the full gradient in p.grad over the micro-steps and reduce
     once ((g0 + g0') / 2 + (g1 + g1') / 2); ZeRO-2/3 reduce every micro-step in backward
     and accumulate the shard ((g0/2 + g1/2) + (g0'/2 + g1'/2)). So 0 == 1 and 2 == 3
-    bitwise, and the two families differ only by fp32 rounding."""
+    bitwise, each equals plain PyTorch summing in its order (test above), and the two
+    orders are really different computations (fp32 addition is not associative)."""
     runs = {n: er.get(gas=2, **STAGE_RUNS[n]) for n in ("stage0", "stage1", "stage2", "stage3_p0")}
     assert_states_equal(state(runs["stage0"]), state(runs["stage1"]))
     assert_states_equal(state(runs["stage2"]), state(runs["stage3_p0"]))
     dw = er.max_abs_diff(state(runs["stage0"]), state(runs["stage2"]))
     print(f"\ngas2 stage0 vs stage2: weights {dw:.3g}")
-    assert dw <= W_TOL
+    assert dw > 0.0
 
 
 # ----------------------------------------------------------------------------- (c) clipping / norms
@@ -117,28 +138,30 @@ def test_grad_accumulation_order_of_sums_per_stage():
 @pytest.mark.parametrize("clip", [None, 0.0])   # None = the default, 1.0
 @pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3_p0"])
 def test_global_grad_norm_is_the_full_unscaled_gradient_norm(name, clip):
-    """engine.get_global_grad_norm() against the norm of the full gradient of the same
-    weights computed by plain PyTorch in one process (before clipping), every step; and
-    the weights follow torch's clip_grad_norm_ trajectory (or the unclipped one)."""
-    run, ref = er.get(clip=clip, **STAGE_RUNS[name]), er.get_reference(clip=clip)
+    """engine.get_global_grad_norm() against plain PyTorch on the same gradient, every step:
+    equal bitwise to the reference's fp32 norm, and within ONE fp32 rounding of the fp64
+    norm of its per-parameter fp64 norms (an order-independent computation): relative gap
+    <= u = 2^-24, plus the fp64 sums' own rounding (15,099 squares, worst case 15,099 *
+    2^-53 each side). The weights follow the clipped (or unclipped) trajectory bitwise."""
+    run, ref = er.get(clip=clip, **STAGE_RUNS[name]), er.get_reference(clip=clip, **STAGE_RUNS[name])
     for r in run:   # every rank reports the same, global, norm
         assert r["norms"] == run[0]["norms"]
-    dn = max(abs(a - b) / b for a, b in zip(run[0]["norms"], ref["norms"]))
-    dn0 = abs(run[0]["norms"][0] - ref["norms"][0]) / ref["norms"][0]
-    dw = er.max_abs_diff(state(run), ref["state"])
-    print(f"\n{name} clip={clip}: norm rel max {dn:.3g} (step 0: {dn0:.3g}), weights vs torch {dw:.3g}")
-    assert dn0 <= 1e-6      # identical weights at step 0: only the gradient reduction differs
-    assert dn <= NORM_RTOL and dw <= W_TOL
+    psi = sum(f["numel"] for f in run[0]["flats"])
+    dn = max(abs(a - b) / b for a, b in zip(run[0]["norms"], ref["norms64"]))
+    print(f"\n{name} clip={clip}: norm vs fp64 norm {dn / U32:.2f} u")
+    assert dn <= U32 + 2 * psi * U64
+    assert_same_run(run, ref)
 
 
 def test_clipping_changes_the_trajectory():
-    """The clip really is applied: with clip 1.0 (6 of 10 norms are above 1) the weights are
-    far (vs W_TOL) from the unclipped run's."""
+    """The clip really is applied: with clip 1.0 (6 of 10 norms are above 1) the run differs
+    from the unclipped one, and each equals plain PyTorch with / without clipping bitwise
+    (test above), so the difference is the clipping."""
     on, off = er.get(stage=0), er.get(stage=0, clip=0.0)
     assert sum(n > 1.0 for n in on[0]["norms"]) >= 3
     gap = er.max_abs_diff(state(on), state(off))
     print(f"\nclip on vs off: weights differ by {gap:.3g}")
-    assert gap > 50 * W_TOL
+    assert gap > 0.0
 
 
 # ----------------------------------------------------------------------------- (d) no gradient = zero gradient
@@ -151,38 +174,57 @@ def test_unused_parameters_are_zero_gradients_at_every_stage():
     zero (DeepSpeed's ZeRO-3 reapplies a stale one): the never-used weight only decays
     (AdamW: w * (1 - lr*wd) per step, exactly as torch does it), its bias never moves, and
     `side` (momentum but no gradient on odd steps) follows plain PyTorch with zero grads."""
-    ref = er.get_reference(model="unused")
     init = er.get_reference(model="unused", steps=0)["state"]
+    decayed = init["extra.0.weight"].clone()
+    for _ in range(10):
+        decayed.mul_(1 - 1e-2 * 0.1)   # torch AdamW's decoupled decay, the same op 10 times
     runs = {n: er.get(model="unused", **STAGE_RUNS[n]) for n in UNUSED_STAGES}
     for name, run in runs.items():
         st = state(run)
         assert torch.equal(st["extra.0.bias"], init["extra.0.bias"]), name
-        assert torch.equal(st["extra.0.weight"], ref["state"]["extra.0.weight"]), name
+        assert torch.equal(st["extra.0.weight"], decayed), name
         assert not torch.equal(st["extra.0.weight"], init["extra.0.weight"])   # it did decay
-        decayed = init["extra.0.weight"] * (1 - 1e-2 * 0.1) ** 10
-        assert torch.allclose(st["extra.0.weight"], decayed, rtol=1e-6, atol=0)
-        dw = er.max_abs_diff(st, ref["state"])
-        print(f"\nunused params {name}: weights vs torch {dw:.3g}")
-        assert dw <= W_TOL
+        assert_same_run(run, er.get_reference(model="unused", **STAGE_RUNS[name]))
     for name in UNUSED_STAGES[1:]:
         assert_states_equal(state(runs["stage0"]), state(runs[name]))
 
 
 # ----------------------------------------------------------------------------- (e) uneven sizes
 
+N4 = dict(preset="tiny", world=4, steps=3, global_batch=4)
+N4_PERMS = [(1, 2, 3, 0), (2, 3, 0, 1), (3, 0, 1, 2)]
+
+
+def ulp32(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 23)
+
+
 def test_world_size_4_tiny_stage2_small_buckets_equals_stage0():
     """108,801 parameters over 4 ranks (decay group 99,162 = 2 mod 4, no-decay 9,639 odd):
-    ZeRO-2 with 3,000-element buckets (each padded to a multiple of 4) against stage 0."""
-    kw = dict(preset="tiny", world=4, steps=3, global_batch=4)
-    z0, z2 = er.get(stage=0, **kw), er.get(stage=2, zero={"reduce_bucket_size": 3000}, **kw)
+    ZeRO-2 with 3,000-element buckets (each padded to a multiple of 4) against stage 0.
+
+    Not bitwise: gloo's ring adds the 4 ranks' terms in an order that depends on where an
+    element falls among the chunks, and ZeRO-2's buckets move the chunk boundaries. The
+    bound comes from the same kind of reordering measured in this session: stage 0 with
+    the same rows handed to the ranks in another order (N4_PERMS: every element's 4-term
+    sum is added in another order, nothing else changes). noise = the largest loss /
+    weight gap of those runs from stage 0; bound = 2 * noise (the gap is one more draw of
+    the same kind; measured here: perms 1.2e-7 / 2.2e-6 at most, ZeRO-2 6.0e-8 / 4.1e-7),
+    and never below one fp32 ulp of the loss, the smallest nonzero loss difference."""
+    z0, z2 = er.get(stage=0, **N4), er.get(stage=2, zero={"reduce_bucket_size": 3000}, **N4)
     assert any(f["padded"] != f["numel"] for f in z2[0]["flats"])
     assert len(z2[0]["flats"]) > 10
-    dl = er.max_list_diff(er.global_losses(z0), er.global_losses(z2))
+    perms = [er.get(stage=0, perm=p, **N4) for p in N4_PERMS]
+    l0 = er.global_losses(z0)
+    noise_l = max(er.max_list_diff(l0, er.global_losses(p)) for p in perms)
+    noise_w = max(er.max_abs_diff(state(z0), state(p)) for p in perms)
+    dl = er.max_list_diff(l0, er.global_losses(z2))
     dw = er.max_abs_diff(state(z0), state(z2))
-    print(f"\nN=4 tiny stage 2 (bucket 3000) vs stage 0: loss {dl:.3g}, weights {dw:.3g}")
-    # 4-rank sums are not associative-safe across collectives (all-reduce vs reduce-scatter
-    # may add the 4 terms in different orders): same noise argument as above.
-    assert dl <= LOSS_TOL and dw <= W_TOL
+    print(f"\nN=4 tiny stage 2 (bucket 3000) vs stage 0: loss {dl:.3g}, weights {dw:.3g}; "
+          f"reordering noise: loss {noise_l:.3g}, weights {noise_w:.3g}")
+    assert noise_w > 0.0           # the reordering does reach the weights
+    assert dl <= max(2 * noise_l, ulp32(max(l0)))
+    assert dw <= 2 * noise_w
 
 
 def test_small_buckets_n2_bitwise_equal_stage0():
@@ -269,7 +311,17 @@ def test_low_precision_stages_agree(dtype):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_low_precision_close_to_fp32(dtype):
+    """A sanity bound, first order in the rounding: bf16 keeps 8 significant bits (unit
+    roundoff u = 2^-9), fp16 11 (u = 2^-12). Rounding every weight by at most u relative
+    moves the loss by at most u * sum_i |w_i dL/dw_i| <= u * |w|_2 * |grad|_2 (Cauchy-
+    Schwarz); rounding each layer's input once moves it by at most as much again (for a
+    linear layer, sum_j |x_j dL/dx_j| <= sum_ij |W_ij x_j dL/dy_i|). Bound: 2 u |w|_2 max|grad|_2,
+    from the run's own final weights and reported norms (bf16 ~0.065, fp16 ~0.008; measured
+    gaps 3.9e-3 and 2.5e-3)."""
     lp, fp = er.get(dtype=dtype, stage=1), er.get(stage=1)
+    u = {"bf16": 2.0 ** -9, "fp16": 2.0 ** -12}[dtype]
+    w = float(sum(t.double().pow(2).sum() for t in state(lp).values()).sqrt())
+    bound = 2 * u * w * max(lp[0]["norms"] + fp[0]["norms"])
     dl = er.max_list_diff(er.global_losses(lp), er.global_losses(fp))
-    print(f"\n{dtype} vs fp32 losses: {dl:.3g}")
-    assert dl < (0.05 if dtype == "bf16" else 0.01)
+    print(f"\n{dtype} vs fp32 losses: {dl:.3g} (bound {bound:.3g})")
+    assert dl <= bound
