@@ -24,14 +24,28 @@ to `<tag>` and only then rewrites `latest` (via a temp file and `os.replace`). A
 mid-save leaves a `.tmp` folder behind and `latest` still pointing at the previous
 complete checkpoint.
 
+A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
+rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
+
+Damaged files are refused with one line instead of loaded half-way:
+
+- Damaged files. Every read goes through `_load_file`: a truncated, garbled or missing
+  file becomes "<file>: damaged or incomplete checkpoint file (...)" with the list of the
+  other complete checkpoints. Only the rank that reads the damaged file sees the damage, so
+  all ranks agree (a MAX all-reduce of a failure flag, then the message is gathered) before
+  the engine is touched: every rank raises the same error, and none waits in a collective.
+
 Resume is bit-exact: the shards, Adam's moments and step counts, the LR scheduler, the
 loss scaler, the step counters and every rank's RNG state are restored, and the trainer
 keeps its data position in `client_state`.
+
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import zipfile
 
 import torch
 
@@ -67,13 +81,143 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
+# ----------------------------------------------------------------------------- listing
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag `latest` names, or None when there is no `latest` file."""
+    try:
+        with open(os.path.join(save_dir, "latest")) as fh:
+            return fh.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _needed_files(meta: dict) -> list[tuple[str, ...]]:
+    """The per-rank files a checkpoint cannot resume without (each: one of these names),
+    from its model-states file."""
+    if "layout" in meta:   # minizero: every rank's optimizer file (stage 0: rank 0's) and RNG
+        n = meta["world_size"]
+        return [(optim_file(r),) for r in range(n if meta["stage"] > 0 else 1)] + \
+               [(f"rng_rank_{r}.pt",) for r in range(n)]
+    # DeepSpeed (the reference trainer resumes its own folders through complete_tags too):
+    # ZeRO writes one optimizer file per rank (bf16_-prefixed in bf16), ZeRO-3 also one
+    # model-states file per rank; stage 0 keeps the optimizer in the model-states file.
+    ds = meta.get("ds_config") or {}
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0) or 0)
+    n = int(meta.get("dp_world_size", 1))
+    need = []
+    if stage > 0:
+        need += [(optim_file(r), "bf16_" + optim_file(r)) for r in range(n)]
+    if stage == 3:
+        need += [(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",) for r in range(n)]
+    return need
+
+
+def _complete_step(folder: str) -> int | None:
+    """The checkpoint's global step if `folder` is a complete checkpoint, else None."""
+    if folder.endswith(".tmp") or not os.path.isdir(folder):
+        return None
+    names = set(os.listdir(folder))
+    model = next((m for m in (MODEL_FILE, "zero_pp_rank_0_mp_rank_00_model_states.pt") if m in names), None)
+    if model is None:
+        return None
+    try:   # mmap: a DeepSpeed model-states file holds the weights; read only the small entries
+        meta = torch.load(os.path.join(folder, model), map_location="cpu", weights_only=False, mmap=True)
+        need = _needed_files(meta)
+    except Exception:   # truncated or not a checkpoint: not complete
+        return None
+    if not all(any(name in names for name in options) for options in need):
+        return None
+    return int(meta.get("global_steps", -1))
+
+
+def complete_tags(save_dir: str) -> list[str]:
+    """Tags of the complete checkpoints in save_dir (see the module docstring), oldest first
+    (by the saved global step, then by name). [] when save_dir does not exist. Complete means
+    every file is there (the model-states file is read); a file damaged inside is found on load."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = []
+    for name in os.listdir(save_dir):
+        step = _complete_step(os.path.join(save_dir, name))
+        if step is not None:
+            found.append((step, _natural(name), name))
+    return [name for *_, name in sorted(found)]
+
+
+def _natural(name: str) -> list:
+    # global_step9 before global_step10 when two folders hold the same step
+    return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", name)]
+
+
+def describe_tags(save_dir: str, exclude: str | None = None) -> str:
+    """One clause naming the complete checkpoints in save_dir other than `exclude`."""
+    tags = [t for t in complete_tags(save_dir) if t != exclude]
+    other = "other " if exclude is not None else ""
+    if not tags:
+        return f"no {other}complete checkpoint in {save_dir}"
+    return f"{other}complete checkpoints in {save_dir}: {', '.join(tags)} (pick one with --tag TAG)"
+
+
+def describe_missing_latest(save_dir: str) -> str:
+    """What to say when save_dir has no `latest` file, e.g. "'latest' is missing; complete
+    checkpoints here: global_step20, global_step40; pass --tag global_step40 to resume one"."""
+    tags = complete_tags(save_dir)
+    if not tags:
+        return "'latest' is missing and there is no complete checkpoint here"
+    return f"'latest' is missing; complete checkpoints here: {', '.join(tags)}; pass --tag {tags[-1]} to resume one"
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _load_file(save_dir: str, tag: str, name: str):
+    """torch.load one checkpoint file; any failure is a one-line CheckpointError naming it."""
+    path = os.path.join(save_dir, tag, name)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:   # truncated zip, EOF, unpickling error, missing file, ...
+        raise CheckpointError(f"{path}: damaged or incomplete checkpoint file ({_why(path, e)}); "
+                              f"{describe_tags(save_dir, exclude=tag)}") from None
+
+
+def _why(path: str, e: Exception) -> str:
+    """A few words on why torch.load failed (its own messages name no file, and a truncated
+    file can surface as a bare '[Errno 22] Invalid argument')."""
+    if isinstance(e, FileNotFoundError):
+        return "missing"
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):   # torch.save writes a zip archive
+        return f"truncated or overwritten: not a complete zip archive, {os.path.getsize(path)} bytes"
+    first = (str(e).split(". ")[0].splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"[:160]
+
+
+def _agree(engine, err: str | None) -> None:
+    """Collective. If any rank failed (err is its message), every rank raises the first
+    failing rank's message, so rank 0, which prints, names the file even when another
+    rank's file is the damaged one, and no rank goes on into a later collective."""
+    flag = torch.tensor([0.0 if err is None else 1.0], device=engine.device)
+    comm.all_reduce(flag, op="max", label="checkpoint_ok")
+    if flag.item() > 0:
+        errs = comm.all_gather_object(err)
+        raise CheckpointError(next(e for e in errs if e is not None))
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    return tag if tag is not None else read_latest(load_dir)
+
+
+# ----------------------------------------------------------------------------- save
+
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
          save_latest: bool = True) -> str:
     if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
         raise CheckpointError(f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient-"
                               f"accumulation window of {engine.gradient_accumulation_steps()}: the partial "
                               f"gradients would be lost; save right after the engine.step() that steps")
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = str(tag or f"global_step{engine.global_steps}")
+    if tag.endswith(".tmp"):
+        raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
+                              f"unfinished saves)")
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
     rank, zero = engine.global_rank, engine.zero
@@ -103,42 +247,58 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank_{rank}.pt"))
     comm.barrier()
     if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if save_latest:
-            with open(os.path.join(save_dir, "latest.tmp"), "w") as fh:
-                fh.write(tag)
-            os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+        _publish(save_dir, tag, save_latest)
     comm.barrier()
     return final
 
 
-def resolve_tag(load_dir: str, tag: str | None) -> str | None:
-    if tag is not None:
-        return tag
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as fh:
-        return fh.read().strip()
+def _write_latest(save_dir: str, tag: str) -> None:
+    tmp = os.path.join(save_dir, "latest.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(tag)
+    os.replace(tmp, os.path.join(save_dir, "latest"))
 
+
+def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
+    final = os.path.join(save_dir, tag)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(final + ".tmp", final)
+    if save_latest:
+        _write_latest(save_dir, tag)
+
+
+# ----------------------------------------------------------------------------- load
 
 def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True):
+    """Collective. Returns (tag folder, client_state), or (None, None) when there is no
+    `latest` and no tag. Every file is read and checked on every rank before the engine is
+    touched; a damaged file or an incompatible checkpoint raises CheckpointError on all ranks."""
     tag = resolve_tag(load_dir, tag)
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
-    if not os.path.isfile(os.path.join(path, MODEL_FILE)):
-        raise CheckpointError(f"no minizero checkpoint at {path} (missing {MODEL_FILE})")
-    meta = torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=False)
-    zero = engine.zero
-    _check_compatible(meta, engine, path)
-    zero.zero_grad()  # a resumed step starts with no gradient, as the saved one did
-    rank = engine.global_rank
+    rank, zero = engine.global_rank, engine.zero
     src = rank if zero.stage > 0 else 0
-    shard_state = torch.load(os.path.join(path, optim_file(src)), map_location="cpu", weights_only=False)
+    rng_name = f"rng_rank_{rank}.pt"
+    meta = shard_state = rng = None
+    err = None
+    try:
+        if not os.path.isdir(path):
+            named = " ('latest' names it)" if tag == read_latest(load_dir) else ""
+            raise CheckpointError(f"{path}: no such checkpoint{named}; {describe_tags(load_dir)}")
+        meta = _load_file(load_dir, tag, MODEL_FILE)
+        _check_compatible(meta, engine, path)
+        shard_state = _load_file(load_dir, tag, optim_file(src))
+        # A stage-0 checkpoint may be resumed on more ranks than saved it: those start their own RNG.
+        if rank < meta["world_size"]:
+            rng = _load_file(load_dir, tag, rng_name)
+    except CheckpointError as e:
+        err = str(e)
+    _agree(engine, err)
+
+    zero.zero_grad()  # a resumed step starts with no gradient, as the saved one did
     with torch.no_grad():
         for f, m, saved_m, saved_s in zip(zero.flat_params, zero.masters, shard_state["masters"], shard_state["shards"]):
             m.copy_(saved_m)
@@ -153,13 +313,14 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
     engine.micro_steps, engine.global_samples = meta["micro_steps"], meta["global_samples"]
-    rng_file = os.path.join(path, f"rng_rank_{rank}.pt")
-    if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    if rng is not None:
+        _set_rng_state(rng)
     return path, meta["client_state"]
 
 
 def _check_compatible(meta: dict, engine, path: str) -> None:
+    if "layout" not in meta:
+        raise CheckpointError(f"{path} is not a minizero checkpoint (no layout in {MODEL_FILE}; saved by DeepSpeed?)")
     ours = _layout(engine)
     saved = meta["layout"]
     saved_names = [(n, tuple(s)) for f in saved for n, s in zip(f["names"], f["shapes"])]
@@ -181,6 +342,8 @@ def _check_compatible(meta: dict, engine, path: str) -> None:
                               f"reduce_bucket_size / stage3_param_persistence_threshold); use the saved config")
 
 
+# ----------------------------------------------------------------------------- consolidate
+
 def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
     """Full fp32 state dict (name -> tensor) from a sharded checkpoint, on one process.
 
@@ -189,18 +352,26 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
     shape: the exact inverse of the partitioning in flat_param.py. Loadable by a plain
     `GPT` with `model.load_state_dict(sd)`. (DeepSpeed's equivalent is zero_to_fp32.py.)
     """
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir}: no such directory")
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir} (no 'latest' file; pass a tag)")
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir} ('latest' is missing); {describe_tags(checkpoint_dir)}")
     path = os.path.join(checkpoint_dir, tag)
-    meta = torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=False)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")
+    meta = _load_file(checkpoint_dir, tag, MODEL_FILE)
+    if "layout" not in meta:
+        raise CheckpointError(f"{path} is not a minizero checkpoint (saved by DeepSpeed? use the zero_to_fp32.py "
+                              f"DeepSpeed saves next to its tag folders)")
     n = meta["world_size"] if meta["stage"] > 0 else 1
-    ranks = [torch.load(os.path.join(path, optim_file(r)), map_location="cpu", weights_only=False)
-             for r in range(n)]
+    ranks = [_load_file(checkpoint_dir, tag, optim_file(r)) for r in range(n)]
     out = {}
     for i, f in enumerate(meta["layout"]):
         full = torch.cat([r["masters"][i].float() for r in ranks])
-        assert full.numel() == f["padded_numel"], (f["label"], full.numel(), f["padded_numel"])
+        if full.numel() != f["padded_numel"]:
+            raise CheckpointError(f"{path}: the shards of {f['label']} hold {full.numel()} values, the layout says "
+                                  f"{f['padded_numel']}; the optimizer files are not from one checkpoint")
         off = 0
         for name, shape in zip(f["names"], f["shapes"]):
             k = int(torch.Size(shape).numel())

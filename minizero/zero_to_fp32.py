@@ -1,27 +1,40 @@
 """`python -m minizero.zero_to_fp32 CHECKPOINT_DIR OUT.pt [--tag TAG]`
 
 Turn a sharded minizero checkpoint into one fp32 state dict that a plain `GPT` loads
-with `load_state_dict` (the counterpart of DeepSpeed's zero_to_fp32.py)."""
+with `load_state_dict` (the counterpart of DeepSpeed's zero_to_fp32.py).
+
+A missing folder, a missing tag or a damaged file is one line on stderr and exit code 2."""
 import argparse
+import os
 import sys
 
 import torch
 
 from .checkpoint import CheckpointError, consolidate
 
+PROG = "python -m minizero.zero_to_fp32"
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minizero.zero_to_fp32", description=__doc__.split("\n\n")[1])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
     ap.add_argument("checkpoint_dir", help="folder with a 'latest' file and <tag>/ sub-folders")
     ap.add_argument("output", help="where to write the fp32 state dict (.pt)")
     ap.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     args = ap.parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):   # say so before the work, not after
+        print(f"{PROG}: error: cannot write {args.output}: {out_dir} is not a folder", file=sys.stderr)
+        return 2
     try:
         sd = consolidate(args.checkpoint_dir, args.tag)
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except CheckpointError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    torch.save(sd, args.output)
+    try:
+        torch.save(sd, args.output)
+    except (OSError, RuntimeError) as e:   # no permission, disk full, ...
+        print(f"{PROG}: error: cannot write {args.output}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     n = sum(t.numel() for t in sd.values())
     print(f"wrote {len(sd)} tensors, {n:,} fp32 parameters to {args.output}")
     return 0

@@ -172,3 +172,10 @@ def test_empty_param_group_keeps_its_lr_and_comm_stats_are_per_engine():
     engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
     assert engine.get_lr() == [1e-2, 5e-3]
     assert engine.comm_stats()["all_reduce"]["calls"] == 0
+
+
+def _one_step(engine, s):
+    x = torch.randint(0, 62, (MB, 64), generator=torch.Generator().manual_seed(1000 + s))
+    engine.backward(engine(x[:, :-1], x[:, 1:])[1])
+    engine.step()
+
