@@ -19,10 +19,18 @@ state everywhere: only rank 0 writes an optimizer file (every rank writes its RN
 Checkpoints are taken at a gradient-accumulation boundary, where no partial gradient
 exists, so gradients are never saved; loading drops any gradient the engine holds.
 
-Atomic: everything goes into `<tag>.tmp` first; after a barrier rank 0 renames the folder
-to `<tag>` and only then rewrites `latest` (via a temp file and `os.replace`). A crash
-mid-save leaves a `.tmp` folder behind and `latest` still pointing at the previous
-complete checkpoint.
+`latest` always names a complete checkpoint. A kill -9 of any rank, or of the whole job,
+at any instant (even mid-write) leaves it on one:
+
+1. Everything goes into `<tag>.tmp` first. After a barrier rank 0 publishes it: the old
+   `<tag>` folder, if any, is renamed to `<tag>.old.tmp` and deleted (a rename is atomic;
+   a half-deleted folder only ever carries a `.tmp` name), `<tag>.tmp` is renamed to
+   `<tag>`, and only then `latest` is rewritten (a temp file and `os.replace`).
+2. Saving a tag that `latest` already names (a fixed tag, or the same step twice) would
+   leave `latest` on a missing folder between those two renames. So first rank 0 hard-links
+   the old files into `<tag>.prev` (no data is copied) and points `latest` there; after
+   the swap `latest` names `<tag>` again and `<tag>.prev` goes. A crash in between leaves
+   `latest` on `<tag>.prev`, a complete checkpoint that resumes like any other.
 
 A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
 rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
@@ -259,13 +267,42 @@ def _write_latest(save_dir: str, tag: str) -> None:
     os.replace(tmp, os.path.join(save_dir, "latest"))
 
 
+def _discard(path: str) -> None:
+    """Delete a checkpoint folder so that no half-deleted folder ever has a non-.tmp name."""
+    trash = path + ".old.tmp"
+    shutil.rmtree(trash, ignore_errors=True)   # left by a crash mid-delete
+    if not os.path.exists(path):
+        return
+    os.replace(path, trash)   # atomic: `path` is whole until this instant, gone after it
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)     # a second name for the same bytes: instant, no extra disk
+    except OSError:           # a filesystem without hard links
+        shutil.copy2(src, dst)
+
+
 def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
+    """Rank 0, after every rank has written `<tag>.tmp`: make it `<tag>` and point `latest`
+    at it, such that at every instant `latest` names a complete checkpoint (module docstring)."""
     final = os.path.join(save_dir, tag)
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    aside_tag = tag + ".prev"
+    aside = os.path.join(save_dir, aside_tag)
+    named = read_latest(save_dir)
+    if named == tag and os.path.isdir(final):   # `latest` must not name the folder being replaced:
+        _discard(aside)                          # give it a second name first (a leftover of an
+        shutil.copytree(final, aside, copy_function=_link_or_copy)   # earlier crash goes: `latest` names `tag`)
+        _write_latest(save_dir, aside_tag)
+        named = aside_tag
+    _discard(final)
     os.replace(final + ".tmp", final)
-    if save_latest:
+    if save_latest or named == aside_tag:      # (the aside stood in for `tag`: hand `latest` back)
         _write_latest(save_dir, tag)
+        named = tag
+    if named != aside_tag:
+        _discard(aside)
 
 
 # ----------------------------------------------------------------------------- load

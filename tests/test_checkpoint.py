@@ -179,3 +179,74 @@ def _one_step(engine, s):
     engine.backward(engine(x[:, :-1], x[:, 1:])[1])
     engine.step()
 
+
+class _Killed(BaseException):
+    """A kill -9 stand-in: a BaseException, so no `except OSError` fallback in the code
+    under test can swallow it."""
+
+
+def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, monkeypatch):
+    """Save tag "t" (weights A), step (weights B), save "t" again while `latest` names it,
+    killed before the k-th rename / delete / link of the publish, for every k: `latest`
+    must name a complete checkpoint holding A or B, and the next save must clean up."""
+    import shutil
+    from minizero.checkpoint import complete_tags
+    engine, checker = _engine(1, "fp32"), _engine(1, "fp32")
+    base = str(tmp_path / "base")
+    for s in range(2):     # WarmupLR: the first two steps have lr 0
+        _one_step(engine, s)
+    engine.save_checkpoint(base, tag="t")
+    old = engine.full_fp32_state_dict()
+    _one_step(engine, 2)
+    new = engine.full_fp32_state_dict()
+    assert any(not torch.equal(old[k], new[k]) for k in old)
+
+    def resumes_to(d):
+        checker.load_checkpoint(d)
+        got = checker.full_fp32_state_dict()
+        same = [name for name, sd in (("old", old), ("new", new)) if all(torch.equal(got[k], sd[k]) for k in sd)]
+        assert len(same) == 1, d
+        return same[0]
+
+    real = {"replace": os.replace, "rmtree": shutil.rmtree, "link": os.link}
+    seen = []
+    for k in range(1, 100):
+        d = str(tmp_path / f"kill{k}")
+        shutil.copytree(base, d)
+        calls = [0]
+
+        def dying(name):
+            def op(*a, **kw):
+                calls[0] += 1
+                if calls[0] == k:
+                    if name == "rmtree" and os.path.isdir(a[0]):   # killed half-way through a delete
+                        for root, _, files in os.walk(a[0]):
+                            if files:
+                                os.remove(os.path.join(root, files[0]))
+                                break
+                    raise _Killed(f"{name} #{k}")
+                return real[name](*a, **kw)
+            return op
+
+        for name, mod in (("replace", os), ("rmtree", shutil), ("link", os)):
+            monkeypatch.setattr(mod, name, dying(name))
+        try:
+            engine.save_checkpoint(d, tag="t")
+            finished = True
+        except _Killed:
+            finished = False
+        monkeypatch.undo()
+        latest = open(os.path.join(d, "latest")).read()
+        assert latest in complete_tags(d), (k, latest, sorted(os.listdir(d)))
+        seen.append((latest, resumes_to(d)))   # it loads, and holds A or B
+        if finished:
+            assert seen[-1] == ("t", "new") and sorted(os.listdir(d)) == ["latest", "t"]
+            # cut at every step: before, while `latest` stood on the linked copy, after the swap
+            assert {("t", "old"), ("t.prev", "old"), ("t", "new")} <= set(seen), seen
+            break
+        engine.save_checkpoint(d, tag="t")   # the next save after a crash recovers fully
+        assert open(os.path.join(d, "latest")).read() == "t" and resumes_to(d) == "new", k
+        assert sorted(os.listdir(d)) == ["latest", "t"], (k, sorted(os.listdir(d)))
+    else:
+        raise AssertionError("the save never finished")
+
