@@ -35,8 +35,12 @@ at any instant (even mid-write) leaves it on one:
 A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
 rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
 
-Damaged files are refused with one line instead of loaded half-way:
+Two things are refused with one line instead of written or loaded half-way:
 
+- Non-finite weights. `save` checks every rank's master and low-precision shards and
+  agrees through one MAX all-reduce: if any rank holds an inf/NaN, every rank raises
+  CheckpointError before anything is written, and `latest` keeps naming the last good
+  checkpoint. (DeepSpeed saves whatever it holds.)
 - Damaged files. Every read goes through `_load_file`: a truncated, garbled or missing
   file becomes "<file>: damaged or incomplete checkpoint file (...)" with the list of the
   other complete checkpoints. Only the rank that reads the damaged file sees the damage, so
@@ -226,6 +230,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if tag.endswith(".tmp"):
         raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
                               f"unfinished saves)")
+    _refuse_non_finite(engine, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
     rank, zero = engine.global_rank, engine.zero
@@ -258,6 +263,22 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         _publish(save_dir, tag, save_latest)
     comm.barrier()
     return final
+
+
+def _refuse_non_finite(engine, save_dir: str, tag: str) -> None:
+    """Collective: every rank checks its own shards; one MAX all-reduce tells all which
+    ranks hold an inf/NaN, and then all of them refuse, before anything is written."""
+    zero = engine.zero
+    bad = any(not bool(torch.isfinite(t).all()) for t in [*zero.masters, *(f.shard for f in zero.flat_params)])
+    flags = torch.zeros(engine.world_size, device=engine.device)
+    flags[engine.global_rank] = float(bad)
+    comm.all_reduce(flags, op="max", label="checkpoint_finite")
+    ranks = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    if ranks:
+        prev = read_latest(save_dir)
+        kept = f"'latest' still names {prev}" if prev is not None else "there is no 'latest' yet"
+        raise CheckpointError(f"refusing to save checkpoint {tag}: the weights are non-finite (inf/NaN) on rank "
+                              f"{', '.join(map(str, ranks))}; nothing was written, {kept}")
 
 
 def _write_latest(save_dir: str, tag: str) -> None:

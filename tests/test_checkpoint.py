@@ -250,3 +250,30 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
     else:
         raise AssertionError("the save never finished")
 
+
+def _nan_on_rank1(d, where):
+    from minizero import comm
+    engine = _engine(1, "bf16")
+    _one_step(engine, comm.get_rank())
+    engine.save_checkpoint(d, tag="good")
+    if comm.get_rank() == 1:
+        t = engine.zero.masters[0] if where == "master" else engine.zero.flat_params[0].shard
+        t.view(-1)[3] = float("nan")
+    try:
+        engine.save_checkpoint(d, tag="bad")
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("where", ["master", "shard"])
+def test_non_finite_weights_on_one_rank_are_refused_everywhere(tmp_path, where):
+    d = str(tmp_path)
+    msgs = run_ranks(_nan_on_rank1, 2, (d, where), timeout=120)
+    for m in msgs:   # every rank refuses (none waits in the save's barrier)
+        assert m is not None and m.count("\n") == 0, m
+        assert "checkpoint bad" in m and "non-finite" in m and "on rank 1;" in m, m
+        assert "nothing was written" in m and "'latest' still names good" in m, m
+    assert sorted(os.listdir(d)) == ["good", "latest"]
+    assert open(os.path.join(d, "latest")).read() == "good"
+
