@@ -277,3 +277,40 @@ def test_non_finite_weights_on_one_rank_are_refused_everywhere(tmp_path, where):
     assert sorted(os.listdir(d)) == ["good", "latest"]
     assert open(os.path.join(d, "latest")).read() == "good"
 
+
+@pytest.mark.parametrize("saved,resumed", [("fp32", "fp16"), ("fp16", "bf16")])
+def test_resume_in_another_dtype_says_what_changed(tmp_path, saved, resumed):
+    """Allowed (the fp32 masters and Adam state carry over exactly), and said in one warning."""
+    import logging
+    engine = _engine(1, saved)
+    for s in range(3):
+        _one_step(engine, s)
+    engine.save_checkpoint(str(tmp_path))
+    live = engine.full_fp32_state_dict()
+    other = _engine(1, resumed)
+    said = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    h = Catch(logging.WARNING)
+    logging.getLogger("minizero").addHandler(h)
+    try:
+        other.load_checkpoint(str(tmp_path))
+    finally:
+        logging.getLogger("minizero").removeHandler(h)
+    assert len(said) == 1 and f"saved in {saved}, this run is {resumed}" in said[0], said
+    if resumed == "fp16":
+        assert "loss scale starts fresh at 256" in said[0] and other.loss_scale == 2 ** 8
+    else:
+        assert f"saved loss scale {engine.loss_scale:g} is dropped" in said[0]
+    got = other.full_fp32_state_dict()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[resumed]
+    for name, p in other.module.named_parameters():
+        assert torch.equal(got[name], live[name]), name                # masters: exact
+        assert p.dtype == dtype and torch.equal(p, live[name].to(dtype)), name   # weights: rounded masters
+    assert other.global_steps == 3
+    _one_step(other, 3)
+    assert other.skipped_steps == engine.skipped_steps and all(torch.isfinite(v).all() for v in
+                                                                 other.full_fp32_state_dict().values())
