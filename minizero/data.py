@@ -281,7 +281,10 @@ def compute_codebook(images, ncluster: int = 512, niter: int = 8, seed: int = 0,
         raise error
     if error_msg is not None:
         raise DataConfigError(f"rank 0 could not compute the codebook: {error_msg}")
-    return comm.broadcast(codebook, src=0, label="codebook")
+    # On the rank's device for the collective (NCCL moves only GPU tensors), and back:
+    # quantising and the dataset are CPU work.
+    codebook = codebook.to(comm.get_device())
+    return comm.broadcast(codebook, src=0, label="codebook").cpu()
 
 
 # ----------------------------------------------------------------------------- tokens

@@ -261,7 +261,9 @@ def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None
             engine.step()
         step_seconds.append(time.perf_counter() - ts)
         local = acc / gas
-        t = torch.tensor([local], dtype=torch.float64)
+        # On the engine's device (DeepSpeed's accelerator device, minizero's comm.get_device()):
+        # NCCL reduces only GPU tensors; on a CPU run it is the CPU.
+        t = torch.tensor([local], dtype=torch.float64, device=engine.device)
         if world > 1:
             dist.all_reduce(t)
         losses.append(float(t.item()) / world)
