@@ -1,5 +1,10 @@
 """Data pipeline: synthetic images, the k-means codebook (rank-0 compute + broadcast + disk
 cache), CIFAR's missing-files message, token shifting and per-rank loader slices."""
+import os
+import time
+import urllib.error
+
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -121,3 +126,113 @@ def test_make_loader_gives_disjoint_slices_per_rank():
 def test_make_loader_too_little_data_is_clear():
     with pytest.raises(data.DataConfigError, match="micro-batch"):
         data.make_loader(TensorDataset(torch.arange(3)), micro_batch=4)
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 fetch
+# No network here: torchvision's download is replaced by a fake that writes small files in
+# CIFAR's format, and torchvision's md5 check by "the file exists".
+
+CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+N_FAKE = 4  # images per fake batch file
+
+
+def _write_fake_cifar(folder, after_each_file=lambda: None):
+    import pickle
+
+    os.makedirs(folder)
+    for i, name in enumerate(CIFAR_FILES):
+        rows = np.full((N_FAKE, 3 * 32 * 32), i, dtype=np.uint8)
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump({"data": rows, "labels": [0] * N_FAKE}, f)
+        after_each_file()
+    with open(os.path.join(folder, "batches.meta"), "wb") as f:
+        pickle.dump({"label_names": [str(i) for i in range(10)]}, f)
+
+
+def _fake_torchvision(root, log, fail=False):
+    """Replace torchvision's download (wherever it is looked up) by one that appends
+    "<rank> <download_root>" to `log`, then fails or writes the files one by one, noting
+    "VISIBLE" if <root>/cifar-10-batches-py already exists while it writes (a reader
+    could see it half-written)."""
+    import torchvision.datasets.cifar as cifar
+    import torchvision.datasets.utils as utils
+
+    def download_and_extract_archive(url, download_root, filename=None, md5=None, **kw):
+        with open(log, "a") as f:
+            f.write(f"{comm.get_rank()} {download_root}\n")
+        if fail:
+            raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+        def check():
+            if os.path.exists(os.path.join(root, data.CIFAR_FOLDER)):
+                with open(log, "a") as f:
+                    f.write("VISIBLE\n")
+            time.sleep(0.05)  # a window for another rank to look
+        _write_fake_cifar(os.path.join(download_root, data.CIFAR_FOLDER), check)
+
+    utils.download_and_extract_archive = cifar.download_and_extract_archive = download_and_extract_archive
+    cifar.check_integrity = lambda fpath, md5=None: os.path.isfile(fpath)
+
+
+def _cifar_on_two_nodes(root, log, fail=False):
+    # Each rank plays a node of its own (LOCAL_RANK 0 on both) sharing `root`, as two nodes
+    # with one --data-dir on a shared file system.
+    os.environ["LOCAL_RANK"] = "0"
+    _fake_torchvision(root, log, fail)
+    try:
+        return tuple(data.load_cifar10(root, train=t).shape for t in (True, False))
+    except data.DatasetNotFoundError as e:
+        return str(e)
+
+
+def _log_lines(log):
+    return open(log).read().splitlines() if os.path.exists(log) else []
+
+
+def test_cifar_is_fetched_once_by_rank0_and_appears_whole(tmp_path):
+    root, log = tmp_path / "data", str(tmp_path / "downloads.log")
+    shapes = run_ranks(_cifar_on_two_nodes, world_size=2, args=(str(root), log), timeout=120)
+    assert shapes == [((5 * N_FAKE, 32, 32, 3), (N_FAKE, 32, 32, 3))] * 2
+    lines = _log_lines(log)
+    assert "VISIBLE" not in lines  # nobody could see the folder half-written
+    assert len(lines) == 1, lines  # one download for the job: not one per node, not one per split
+    rank, where = lines[0].split(" ", 1)
+    # rank 0, into a temporary folder beside the target, renamed into place when complete
+    assert rank == "0" and os.path.dirname(where) == str(root) and os.path.basename(where) != data.CIFAR_FOLDER
+    assert os.listdir(root) == [data.CIFAR_FOLDER]  # the temporary folder is gone
+    # The data is there now: nobody downloads again.
+    assert run_ranks(_cifar_on_two_nodes, world_size=2, args=(str(root), log), timeout=120) == shapes
+    assert len(_log_lines(log)) == 1
+
+
+def test_cifar_fetch_failure_is_the_same_clear_error_on_every_rank(tmp_path):
+    root, log = tmp_path / "data", str(tmp_path / "downloads.log")
+    msgs = run_ranks(_cifar_on_two_nodes, world_size=2, args=(str(root), log, True), timeout=120)
+    assert msgs[0] == msgs[1]  # rank 1 did not hang waiting for rank 0: it got rank 0's reason
+    assert "URLError" in msgs[0] and "cifar-10-batches-py" in msgs[0] and "--dataset synthetic" in msgs[0]
+    assert "\n" not in msgs[0]
+    assert [line.split()[0] for line in _log_lines(log)] == ["0"]  # one attempt, by rank 0
+    assert os.listdir(root) == []  # no half-written folder left behind
+
+
+def test_hand_placed_tarball_is_extracted_beside_and_renamed(tmp_path, monkeypatch):
+    import tarfile
+
+    import torchvision.datasets.cifar as cifar
+    import torchvision.datasets.utils as utils
+
+    _write_fake_cifar(str(tmp_path / "src" / data.CIFAR_FOLDER))
+    root = tmp_path / "data"
+    root.mkdir()
+    with tarfile.open(root / data.CIFAR_TARBALL, "w:gz") as tar:
+        tar.add(tmp_path / "src" / data.CIFAR_FOLDER, arcname=data.CIFAR_FOLDER)
+    real, seen = utils.extract_archive, []
+
+    def extract_archive(src, dest=None, **kw):
+        out = real(src, dest, **kw)
+        seen.append(os.path.exists(root / data.CIFAR_FOLDER))  # in place before it is complete?
+        return out
+    monkeypatch.setattr(utils, "extract_archive", extract_archive)
+    monkeypatch.setattr(cifar, "check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
+    assert data.load_cifar10(root, train=False, download=False).shape == (N_FAKE, 32, 32, 3)
+    assert seen == [False]  # extracted elsewhere, then renamed into place
+    assert sorted(os.listdir(root)) == sorted([data.CIFAR_FOLDER, data.CIFAR_TARBALL])
