@@ -417,8 +417,10 @@ def make_loader(dataset, micro_batch: int, shuffle: bool = True, seed: int = 0, 
     world, rank = comm.get_world_size(), comm.get_rank()
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
                                  seed=seed, drop_last=drop_last)
+    # Pinned batches on a GPU: the copy to the device can then be asynchronous
+    # (x.to(device, non_blocking=True)) and skips a staging copy.
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=drop_last,
-                        num_workers=num_workers)
+                        num_workers=num_workers, pin_memory=comm.get_device().type == "cuda")
     if len(loader) == 0:
         raise DataConfigError(f"{len(dataset)} samples give no full micro-batch of {micro_batch} on each of "
                               f"{world} rank(s): lower the micro-batch size or use more data")

@@ -128,6 +128,13 @@ def test_make_loader_too_little_data_is_clear():
         data.make_loader(TensorDataset(torch.arange(3)), micro_batch=4)
 
 
+def test_make_loader_pins_memory_only_for_a_gpu(monkeypatch):
+    ds = TensorDataset(torch.arange(8))
+    assert data.make_loader(ds, micro_batch=2).pin_memory is False  # CPU training: nothing to pin for
+    monkeypatch.setattr(comm, "get_device", lambda: torch.device("cuda", 0))
+    assert data.make_loader(ds, micro_batch=2).pin_memory is True
+
+
 # ----------------------------------------------------------------------------- CIFAR-10 fetch
 # No network here: torchvision's download is replaced by a fake that writes small files in
 # CIFAR's format, and torchvision's md5 check by "the file exists".
