@@ -34,8 +34,9 @@ def test_checkpointed_loss_agrees_with_deepspeed(stage, dtype):
     gap = A.max_abs_diff(mz["losses"], ds["losses"])
     wgap = A.state_max_diff(mz["final_state"], ds["final_state"])
     print(f"\nckpt {dtype} stage {stage}: max|dloss| {gap:.3e}, max|dw| {wgap:.3e}")
-    # Tolerance: that of test_agreement_loss for this (stage, dtype): 0, measured. Both
-    # libraries' checkpoint functions restore the CPU RNG state before the recompute (DS:
+    # Tolerance 0, as in test_agreement_loss for this (stage, dtype): the same ops in the
+    # same order on both sides. Both libraries' checkpoint functions restore the CPU RNG
+    # state before the recompute (DS:
     # CheckpointFunction.backward fwd_cpu_rng_state; minizero: checkpointing.py), so the
     # dropout masks of the recompute are those of the forward, and both leave the RNG
     # stream where no checkpointing would: each checkpointed run equals its own plain run.

@@ -71,7 +71,9 @@ def test_breakdown_is_paper_plus_padding(stage, n):
             "grads": Fraction(2 * pad, nn) if stage >= 2 else 0,
             "master_params": Fraction(4 * pad, nn), "optimizer_states": Fraction(8 * pad, nn)}
     paper = memory.paper_bytes(psi, n, stage)
-    got = {k: Fraction(v) - Fraction(paper[k]).limit_denominator(64) for k, v in r["memory_breakdown"].items()}
+    # Exact: paper_bytes divides integers below 2^53 by N = 2 or 4, so each float is a
+    # dyadic rational held exactly, and Fraction(float) recovers it without rounding.
+    got = {k: Fraction(v) - Fraction(paper[k]) for k, v in r["memory_breakdown"].items()}
     assert got == want, (got, want)
 
 
