@@ -70,6 +70,13 @@ def check_args(args) -> None:
         if importlib.util.find_spec(mod) is None:
             raise CompareError(f"{mod} is not installed: pip install -e .[dev]")
     args.out = os.path.abspath(args.out or os.path.join("reports", f"compare-{args.dtype}"))
+    # Never overwrite an earlier comparison (its training runs would refuse their folders anyway).
+    if os.path.isdir(args.out):
+        earlier = sorted(f for f in os.listdir(args.out)
+                         if f in ("report.md", "results.json") or f.startswith(tuple(f"{lib}-stage" for lib in LIBS)))
+        if earlier:
+            raise CompareError(f"{args.out} already holds a comparison ({', '.join(earlier[:3])}"
+                               f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
 
 
 def base_config(args) -> dict:
@@ -105,8 +112,6 @@ def run_one(cmd, save_dir, label) -> dict:
     """Run one training launch, its output into <save_dir>/run.log; return its summary.json."""
     os.makedirs(save_dir, exist_ok=True)
     log_path, summary_path = os.path.join(save_dir, "run.log"), os.path.join(save_dir, "summary.json")
-    if os.path.exists(summary_path):
-        os.remove(summary_path)   # a stale one from an earlier compare must not pass for this run's
     env = {"OMP_NUM_THREADS": "1", **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:

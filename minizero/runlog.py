@@ -28,7 +28,7 @@ import torch.distributed as dist
 METRICS_COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s",
                    "mem_mb", "peak_mem_mb", "elapsed_s"]
 
-SUMMARY_KEYS = ["library", "stage", "dtype", "world_size", "model", "params", "steps", "losses",
+SUMMARY_KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses",
                 "final_loss", "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s",
                 "comm_wire_bytes_per_step", "skipped_steps", "config"]
 
@@ -49,6 +49,16 @@ def mean_across_ranks(value: float, device) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item()) / world
+
+
+def broadcast_object(obj):
+    """Rank 0's picklable obj on every rank (control traffic; not in any comm count)."""
+    _, world = rank_world()
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather_objects(obj) -> list:
@@ -96,11 +106,14 @@ def metrics_line(row: dict) -> str:
 
 
 def write_metrics_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
+    """Rewritten whole at every logged step, atomically (a crash mid-write keeps the old file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=METRICS_COLUMNS)
         w.writeheader()
         for r in rows:
             w.writerow({k: r[k] for k in METRICS_COLUMNS})
+    os.replace(tmp, path)
 
 
 def median_throughput(rows: list[dict]) -> float | None:
@@ -235,7 +248,15 @@ def save_image_grid(tokens: torch.Tensor, codebook: torch.Tensor, image_size: in
 
 def write_samples(engine, probs, args, codebook, device, path) -> None:
     """minGPT play_image sampling; collective (all ranks sample, rank 0 writes)."""
-    tokens = sample_tokens(engine.module, probs, args.num_samples, args.image_size, device,
-                           top_k=args.top_k, seed=args.seed)
+    try:
+        tokens = sample_tokens(engine.module, probs, args.num_samples, args.image_size, device,
+                               top_k=args.top_k, seed=args.seed)
+    except RuntimeError as e:
+        # e.g. torch.multinomial on inf/NaN probabilities. Every rank holds the same weights
+        # and seed, so every rank fails at the same forward: no collective is left waiting.
+        if rank_world()[0] == 0:
+            print(f"warning: {os.path.basename(path)} not written: sampling failed ({str(e).splitlines()[0]})",
+                  file=sys.stderr)
+        return
     if rank_world()[0] == 0:
         save_image_grid(tokens, codebook, args.image_size, path)

@@ -11,6 +11,7 @@ import argparse
 import copy
 import json
 import os
+import re
 
 import torch
 
@@ -80,7 +81,13 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-dir", help="default: runs/<library>-<stage>-<dtype>")
     g.add_argument("--save-every", type=int, default=0, metavar="STEPS", help="checkpoint every N steps; 0 = only at the end")
-    g.add_argument("--resume", metavar="DIR", help="a checkpoint dir (a previous --save-dir): continue from it")
+    g.add_argument("--resume", metavar="DIR", help="a checkpoint dir (a previous --save-dir): continue from it "
+                                                  "(and save into it, unless --save-dir is given)")
+    g.add_argument("--tag", metavar="TAG", help="with --resume: the checkpoint to load (e.g. global_step40) instead "
+                                              "of the one 'latest' names")
+    g.add_argument("--max-nonfinite-steps", type=int, default=3, metavar="N",
+                   help="bf16/fp32: stop the run after N optimizer steps in a row with an inf/NaN loss or "
+                        "gradient norm (fp16: the loss scaler decides)")
     g.add_argument("--eval-every", type=int, default=0, metavar="STEPS",
                    help="test loss every N steps (it is always computed at the end of each epoch)")
     g.add_argument("--sample-every", type=int, default=0, metavar="STEPS",
@@ -93,13 +100,15 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument values argparse cannot check by itself; fill in the device-dependent defaults."""
     for name in ("micro_batch", "grad_accum", "epochs", "max_steps", "ncluster", "synthetic_train",
-                 "synthetic_test", "num_samples", "top_k"):
+                 "synthetic_test", "num_samples", "top_k", "max_nonfinite_steps"):
         v = getattr(args, name)
         if v is not None and v < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     for name in ("save_every", "eval_every", "sample_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = off)")
+    if args.tag is not None and args.resume is None:
+        parser.error("--tag needs --resume DIR (the folder holding that checkpoint)")
     cuda = torch.cuda.is_available()
     args.chosen = []   # defaults we picked, printed at start
     if args.dataset is None:
@@ -182,15 +191,34 @@ def build_config(args, world_size: int) -> dict:
     return cfg
 
 
-def find_checkpoint(path: str) -> None:
-    """Refuse --resume early, with one line, unless `path` holds a saved checkpoint."""
+def find_checkpoint(path: str, tag: str | None = None) -> str:
+    """The tag --resume loads: `tag`, or the one `latest` names. Refused early, with one
+    line that lists the complete checkpoints there, unless it is a complete checkpoint."""
+    from minizero.checkpoint import complete_tags
+
     if not os.path.isdir(path):
         raise UserError(f"--resume {path}: no such directory")
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        raise UserError(f"--resume {path}: no checkpoint found (no 'latest' file); "
-                        f"point it at the --save-dir of a run that saved one")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(path, tag)):
-        raise UserError(f"--resume {path}: 'latest' names tag {tag!r} but {os.path.join(path, tag)} is missing")
+    tags = complete_tags(path)
+    have = (f"complete checkpoints there: {', '.join(tags)} (pick one with --tag)" if tags
+            else "it holds no complete checkpoint; point --resume at the --save-dir of a run that saved one")
+    if tag is None:
+        latest = os.path.join(path, "latest")
+        if not os.path.isfile(latest):
+            raise UserError(f"--resume {path}: no checkpoint found ('latest' is missing); {have}")
+        with open(latest) as f:
+            tag = f.read().strip()
+        if tag not in tags:
+            raise UserError(f"--resume {path}: 'latest' names {tag!r}, which is not a complete checkpoint; {have}")
+    elif tag not in tags:
+        raise UserError(f"--resume {path} --tag {tag}: no complete checkpoint {tag!r}; {have}")
+    return tag
+
+
+def later_tags(save_dir: str, tag: str) -> list[str]:
+    """Complete checkpoints in save_dir saved after `tag` (a resumed run would overwrite them)."""
+    from minizero.checkpoint import complete_tags
+
+    def step(t):
+        m = re.fullmatch(r"global_step(\d+)", t)
+        return int(m.group(1)) if m else None
+    return [t for t in complete_tags(save_dir) if None not in (step(t), step(tag)) and step(t) > step(tag)]

@@ -24,7 +24,7 @@ SMALL = ["--model", "micro", "--image-size", "8", "--synthetic-train", "256", "-
          "--max-steps", "3", "--num-samples", "4"]
 COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mem_mb",
            "peak_mem_mb", "elapsed_s"]
-KEYS = ["library", "stage", "dtype", "world_size", "model", "params", "steps", "losses", "final_loss",
+KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses", "final_loss",
         "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s", "comm_wire_bytes_per_step",
         "skipped_steps", "config"]
 
@@ -68,7 +68,8 @@ def _check_run(save_dir, library, stage, world_size, steps=3):
     with open(os.path.join(save_dir, "summary.json")) as f:
         s = json.load(f)
     assert list(s) == KEYS
-    assert (s["library"], s["stage"], s["dtype"], s["world_size"], s["steps"]) == (library, stage, "fp32", world_size, steps)
+    assert (s["library"], s["status"], s["stage"], s["dtype"], s["world_size"], s["steps"]) == \
+        (library, "completed", stage, "fp32", world_size, steps)
     assert len(s["losses"]) == steps and all(math.isfinite(x) for x in s["losses"])
     assert s["final_loss"] == s["losses"][-1] and math.isfinite(s["test_loss"])
     assert len(s["model_state_bytes"]) == world_size and len(s["peak_mem_mb"]) == world_size
@@ -158,7 +159,8 @@ def test_bad_input_one_clear_line(tmp_path):
         "config": (["--config", str(bad_cfg)], ["gradient_cliping"]),
         "resume": (["--resume", str(empty)], [str(empty), "no checkpoint found"]),
     }
-    procs = {k: subprocess.Popen([PY, "-m", "minizero.train", *SMALL, *extra], cwd=ROOT, env=_env(),
+    procs = {k: subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", str(tmp_path / k), *extra],
+                                 cwd=ROOT, env=_env(),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for k, (extra, _) in cases.items()}   # side by side: the imports overlap
     for k, p in procs.items():
