@@ -17,6 +17,7 @@ The names and the semantics of every public member follow DeepSpeed's `DeepSpeed
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch.profiler import record_function
@@ -142,7 +143,10 @@ class Engine(torch.nn.Module):
         # stages 1-3 the summed norm above already carries an inf from any rank, and at
         # stage 0 every rank holds the same all-reduced gradient; the vote is what makes
         # "every rank skips together" true by construction rather than by arithmetic.
-        finite = bool(torch.isfinite(sq))
+        # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed
+        # syncs here too). Everything below that needs the norm on the host uses this value.
+        sq_host = float(sq)
+        finite = math.isfinite(sq_host)
         if self.loss_scaler is not None:
             overflow = overflow_across_ranks(not finite)
             self.loss_scaler.update_scale(overflow)   # logs DeepSpeed's "OVERFLOW! ... Skipping step" line
@@ -154,7 +158,7 @@ class Engine(torch.nn.Module):
             # gradient), so every rank skips together without a vote.
             overflow = not finite and (self.dtype == torch.float32 or self.config.bf16.check_grad_overflow)
             if overflow and self.global_rank == 0:
-                logger.warning(f"step {self.global_steps}: the gradient norm is {float(sq.sqrt())}; skipping the "
+                logger.warning(f"step {self.global_steps + 1}: the gradient norm is {math.sqrt(sq_host)}; skipping the "
                                f"step (weights and optimizer state unchanged)")
         if overflow:
             self.zero.zero_grad()
@@ -171,7 +175,9 @@ class Engine(torch.nn.Module):
                 combined = clip * scale
             self.zero.step(combined)                                    # 4, 5
             self.zero.zero_grad()
-            self._global_grad_norm = float(norm) / scale
+            # == float(norm) / scale, bit for bit, without a second sync: sqrt is correctly
+            # rounded in fp64 on every device, and the fp32 rounding is done on the host.
+            self._global_grad_norm = float(torch.tensor(math.sqrt(sq_host), dtype=torch.float32)) / scale
             if self.lr_scheduler is not None:                           # 6
                 self.lr_scheduler.step()
         self.global_steps += 1

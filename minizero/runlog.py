@@ -222,13 +222,15 @@ def sample_tokens(model, probs: torch.Tensor, n: int, image_size: int, device, t
     """
     from minizero.model import sample
 
-    g_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    # Sampling must not disturb the training RNG (dropout masks; exact resume): fork the
+    # CPU generator and the device's. torch.manual_seed reseeds every CUDA generator too,
+    # so restoring the CPU state alone would restart the GPU's dropout stream.
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                               device_type=device.type if device.type == "cuda" else "cuda"):
+        torch.manual_seed(seed)
         start = torch.multinomial(probs, n, replacement=True)[:, None].to(device)
         return sample(model, start, image_size * image_size - 1, temperature=1.0, top_k=top_k)
-    finally:
-        torch.random.set_rng_state(g_state)   # sampling does not disturb the training RNG
 
 
 def save_image_grid(tokens: torch.Tensor, codebook: torch.Tensor, image_size: int, path: str,
