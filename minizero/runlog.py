@@ -51,6 +51,22 @@ def mean_across_ranks(value: float, device) -> float:
     return float(t.item()) / world
 
 
+def mean_across_ranks_many(values: list, device) -> list[float]:
+    """The rank average of each of several scalar tensors, with one collective and one host sync.
+
+    All-gather, then sum in rank order on the host: the same float64 numbers as an
+    all-reduce of each value at 2 ranks, and the same result whatever the batch length
+    (an all-reduce's order of additions may depend on the message size)."""
+    local = torch.stack([v.detach().double().reshape(()) for v in values]).to(device)
+    _, world = rank_world()
+    if world == 1:
+        return local.tolist()
+    gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, local)
+    rows = gathered.view(world, len(values)).tolist()
+    return [sum(r[i] for r in rows) / world for i in range(len(values))]
+
+
 def broadcast_object(obj):
     """Rank 0's picklable obj on every rank (control traffic; not in any comm count)."""
     _, world = rank_world()

@@ -164,6 +164,7 @@ class Run:
     state: dict
     window: object = None
     probs: torch.Tensor | None = None
+    pending: list = field(default_factory=list)   # (step, loss on the device, grad norm) not yet read
 
 
 def setup(args, lib: Library) -> Run:
@@ -325,18 +326,16 @@ def train_loop(run: Run, guard: NonFiniteGuard) -> None:
                     if i % run.gas == 0:                        # a new optimizer step begins
                         run.window.open()
                         t0, acc = time.perf_counter(), 0.0
-                    _, loss = engine(x.to(device), y.to(device))
+                    _, loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                     engine.backward(loss)
                     skipped_before = engine.skipped_steps
                     engine.step()                           # the optimizer steps at the accumulation boundary
-                    acc += float(loss.detach().float().item())
+                    acc = acc + loss.detach().double()      # stays on the device: no host sync per micro-batch
                     if (i + 1) % run.gas:
                         continue
                     run.window.close()
                     step += 1
-                    timer["time"] += time.perf_counter() - t0
-                    timer["steps"] += 1
-                    after_step(run, guard, pbar, timer, step, epoch, i, acc / run.gas,
+                    after_step(run, guard, pbar, timer, step, epoch, i, acc / run.gas, t0,
                                stepped=engine.skipped_steps == skipped_before, t_run=t_run)
                     if step >= run.max_steps:
                         break
@@ -347,19 +346,35 @@ def train_loop(run: Run, guard: NonFiniteGuard) -> None:
 
 
 def after_step(run: Run, guard: NonFiniteGuard, pbar, timer: dict, step: int, epoch: int, i: int,
-               local_loss: float, stepped: bool, t_run: float) -> None:
-    """A finished optimizer step: LR schedule, metrics, non-finite guard, eval, samples, checkpoint."""
+               local_loss: torch.Tensor, t0: float, stepped: bool, t_run: float) -> None:
+    """A finished optimizer step: LR schedule, metrics, non-finite guard, eval, samples, checkpoint.
+
+    The step's loss stays on the device in `run.pending` until a step that needs it on the
+    host (a logged, evaluated, sampled or saved step, or the last): then the losses of all
+    pending steps cross ranks and reach the host together, one sync instead of one per step.
+    """
     engine, args, state, device = run.engine, run.args, run.state, comm.get_device()
     lr, scale = engine.get_lr()[0], run.lib.loss_scale(engine)   # the lr this step used
     if run.sched is not None and stepped:
         run.sched.step(tokens=run.batch * run.block_size)          # minGPT: the lr of the next step
-    loss = runlog.mean_across_ranks(local_loss, device)
-    state["losses"].append(loss)
+    run.pending.append((step, local_loss, engine.get_global_grad_norm()))
     pbar.update(1)
+    end_of_epoch = i + 1 == run.steps_per_epoch * run.gas
+    log = step % run.log_every == 0 or step == run.max_steps
+    evaluate = (args.eval_every and step % args.eval_every == 0) or end_of_epoch or step == run.max_steps
+    sample = args.sample_every and step % args.sample_every == 0
+    save = (args.save_every and step % args.save_every == 0) or step == run.max_steps
+    if not (log or evaluate or sample or save):
+        timer["time"] += time.perf_counter() - t0
+        timer["steps"] += 1
+        return
+    bad = flush_losses(run, guard)                 # raises TrainingDiverged at the guard's patience
+    timer["time"] += time.perf_counter() - t0      # after the sync: the device's work is counted too
+    timer["steps"] += 1
+    loss = state["losses"][-1]
     pbar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.1e}", scale=f"{scale:g}", refresh=False)
-    bad = guard.bad(step, loss, engine.get_global_grad_norm())    # raises TrainingDiverged at its patience
 
-    if step % run.log_every == 0 or step == run.max_steps:
+    if log:
         mem, peak = runlog.memory_mb(device)
         sps = timer["steps"] * run.batch / timer["time"]
         row = dict(step=step, epoch=epoch, loss=loss, lr=lr, loss_scale=scale, samples_per_s=sps,
@@ -372,21 +387,20 @@ def after_step(run: Run, guard: NonFiniteGuard, pbar, timer: dict, step: int, ep
             runlog.write_metrics_csv(os.path.join(run.save_dir, "metrics.csv"), state["rows"])
         timer["time"], timer["steps"] = 0.0, 0
 
-    end_of_epoch = i + 1 == run.steps_per_epoch * run.gas
     if bad:   # no evaluation, samples or checkpoint of a step whose numbers are inf/NaN
         if comm.get_rank() == 0:
             pbar.write(f"step={step:>4d} {guard.last_what}: not finite ({guard.streak} in a row, "
                        f"--max-nonfinite-steps {guard.patience})")
         return
-    if (args.eval_every and step % args.eval_every == 0) or end_of_epoch or step == run.max_steps:
+    if evaluate:
         state["test_loss"], state["eval_step"] = runlog.evaluate(engine, run.test_loader, device), step
         if comm.get_rank() == 0:
             pbar.write(f"step={step:>4d} test_loss={state['test_loss']:.4f} (epoch {epoch}"
                        f"{', end' if end_of_epoch else ''})")
-    if args.sample_every and step % args.sample_every == 0:
+    if sample:
         runlog.write_samples(engine, run.probs, args, run.codebook, device,
                              os.path.join(run.save_dir, f"samples-step{step}.png"))
-    if (args.save_every and step % args.save_every == 0) or step == run.max_steps:
+    if save:
         pos = (epoch + 1, 0) if end_of_epoch else (epoch, i + 1)
         state.update(step=step, epoch=pos[0], batch_in_epoch=pos[1],
                      elapsed_s=time.perf_counter() - t_run,
@@ -395,6 +409,18 @@ def after_step(run: Run, guard: NonFiniteGuard, pbar, timer: dict, step: int, ep
                      cuda_rng=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
         # Collective: every rank writes its shard (ZeRO) or rank 0 the whole (stage 0).
         engine.save_checkpoint(run.save_dir, client_state={"train_state": state})
+
+
+def flush_losses(run: Run, guard: NonFiniteGuard) -> bool:
+    """Pending steps' losses -> rank-averaged floats in state["losses"], through the guard.
+    Returns whether the newest step was bad (non-finite loss or gradient norm)."""
+    steps, losses, norms = zip(*run.pending)
+    run.pending.clear()
+    bad = False
+    for step, loss, norm in zip(steps, runlog.mean_across_ranks_many(losses, comm.get_device()), norms):
+        run.state["losses"].append(loss)
+        bad = guard.bad(step, loss, norm)
+    return bad
 
 
 def finish(run: Run, status: str) -> None:
