@@ -35,7 +35,14 @@ at any instant (even mid-write) leaves it on one:
 A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
 rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
 
-Two things are refused with one line instead of written or loaded half-way:
+Every rank writes into the same `<tag>.tmp` folder, so the save folder must be one that
+all ranks see: a shared filesystem on a multi-node job (NFS, Lustre, ...). A node-local
+folder (each node's own /tmp or local disk) is refused with one line before any file is
+written: after rank 0 creates `<tag>.tmp`, every rank looks for it, and one MAX all-reduce
+tells all ranks which hosts cannot see it. (Supporting node-local saving would mean one
+rank per node publishing and `latest` per node; not worth it for a teaching tool.)
+
+Two more things are refused with one line instead of written or loaded half-way:
 
 - Non-finite weights. `save` checks every rank's master and low-precision shards and
   agrees through one MAX all-reduce: if any rank holds an inf/NaN, every rank raises
@@ -68,6 +75,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import zipfile
 
 import torch
@@ -252,6 +260,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     comm.barrier()
+    _refuse_unshared(engine, save_dir, tmp)
     if rank == 0:
         torch.save({
             "minizero_version": __version__, "stage": zero.stage, "world_size": engine.world_size,
@@ -293,6 +302,24 @@ def _refuse_non_finite(engine, save_dir: str, tag: str) -> None:
         kept = f"'latest' still names {prev}" if prev is not None else "there is no 'latest' yet"
         raise CheckpointError(f"refusing to save checkpoint {tag}: the weights are non-finite (inf/NaN) on rank "
                               f"{', '.join(map(str, ranks))}; nothing was written, {kept}")
+
+
+def _refuse_unshared(engine, save_dir: str, tmp: str) -> None:
+    """Collective: does every rank see the `<tag>.tmp` folder rank 0 just made? If not, the
+    save folder is node-local: every rank raises, and rank 0 removes its folder."""
+    flags = torch.zeros(engine.world_size, device=engine.device)
+    flags[engine.global_rank] = float(not os.path.isdir(tmp))
+    comm.all_reduce(flags, op="max", label="checkpoint_shared")
+    blind = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    if not blind:
+        return
+    hosts = comm.all_gather_object(socket.gethostname())
+    if engine.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
+    raise CheckpointError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the folder rank 0 "
+                          f"(on {hosts[0]}) created in it. Every rank writes its shard into one folder: put "
+                          f"--save-dir on a filesystem all nodes mount (NFS, Lustre, ...)")
 
 
 def _write_latest(save_dir: str, tag: str) -> None:

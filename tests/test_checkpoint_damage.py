@@ -114,3 +114,28 @@ def test_zero_to_fp32_on_a_truncated_shard_is_one_line(two_rank_run, tmp_path):
     # the other checkpoint still consolidates
     from minizero.zero_to_fp32 import main
     assert main([d, out, "--tag", "global_step1"]) == 0 and os.path.exists(out)
+
+
+def _save_node_local(d):
+    """Rank 1 plays a rank on another node whose local disk has its own, empty `d`: it does
+    not see the `<tag>.tmp` folder rank 0 creates (os.path.isdir is what save asks)."""
+    import torch.distributed as dist
+    from minizero import checkpoint
+    engine = _engine(1, "fp32")
+    _one_step(engine, 0)
+    if dist.get_rank() == 1:
+        real = os.path.isdir
+        checkpoint.os.path.isdir = lambda p: False if str(p).startswith(d) else real(p)
+    try:
+        engine.save_checkpoint(d)
+    except CheckpointError as e:
+        return str(e), sorted(os.listdir(d)) if os.path.isdir(d) else None
+    return None, None
+
+
+def test_save_folder_not_shared_by_all_ranks_is_one_error_on_every_rank(tmp_path):
+    d = str(tmp_path / "local")
+    for msg, left in run_ranks(_save_node_local, 2, (d,), timeout=120):
+        assert msg is not None and "is not shared by all ranks" in msg and "rank 1 on " in msg, msg
+        assert "filesystem all nodes mount" in msg
+    assert os.listdir(d) == []           # rank 0 removed its .tmp; nothing else was written
