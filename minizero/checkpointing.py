@@ -159,34 +159,57 @@ def _autocast_state():
 
 
 def _offload_to_cpu(t: torch.Tensor) -> torch.Tensor:
-    """cpu_checkpointing: a CPU copy of a saved input (pinned, so the copy back can overlap)."""
-    cpu = t.detach().to("cpu")  # on a CPU tensor this returns t itself: nothing to move
-    if torch.cuda.is_available() and t.is_cuda:
-        cpu = cpu.pin_memory()
-    return cpu
+    """cpu_checkpointing: a CPU copy of a saved input (a CPU tensor stays as it is).
+
+    From a GPU: one asynchronous copy straight into pinned (page-locked) host memory, which
+    the GPU writes directly. (`.to("cpu")` copies into pageable memory and blocks, and
+    pinning that afterwards copies it all again.) The copy is queued on the current stream,
+    after the ops that made `t`; backward waits for it (_offload_events) before copying back.
+    """
+    t = t.detach()
+    if not t.is_cuda:
+        return t
+    host = torch.empty_like(t, device="cpu", pin_memory=True)  # same strides: the recompute sees the same layout
+    return host.copy_(t, non_blocking=True)
+
+
+def _offload_events(tensors, saved) -> list:
+    """(device, CUDA event) after the device-to-host copies of this checkpoint's offloaded
+    inputs, on the stream that queued them."""
+    out = []
+    for dev in sorted({t.device.index for t, s in zip(tensors, saved) if t.is_cuda and not s.is_cuda}):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        out.append((dev, ev))
+    return out
 
 
 def _restore_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The saved input back on its device. Pinned host -> GPU is asynchronous, queued on the
+    current stream, which the recompute then uses: it reads the copy only once it is done."""
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
-def _into_contiguous_slot(position: int, t: torch.Tensor) -> torch.Tensor:
+def _into_contiguous_slot(position: int, t: torch.Tensor, to_host: bool = False) -> torch.Tensor:
     """Copy t into the next slot of the preallocated buffer for this input position.
 
     DeepSpeed (partition_activations() in checkpointing.py) allocates `number_checkpoints`
     partitions per input position at the first checkpoint and copies each layer's input into
     the next one, so the caching allocator sees one big up-front allocation instead of many
     interleaved ones. Here the buffer is literally one tensor [number_checkpoints, numel].
+    to_host (cpu_checkpointing of a GPU tensor): the buffer is pinned host memory and the
+    slot is filled by one asynchronous copy from the GPU, as in _offload_to_cpu.
     """
     n = _cfg.number_checkpoints
+    device = torch.device("cpu") if to_host else t.device
     while len(_buffers) <= position:
         _buffers.append(None)
         _offsets.append(0)
     buf = _buffers[position]
     if buf is None:
-        buf = torch.empty((n, t.numel()), dtype=t.dtype, device=t.device)
+        buf = torch.empty((n, t.numel()), dtype=t.dtype, device=device, pin_memory=to_host)
         _buffers[position], _offsets[position] = buf, 0
-    if buf.shape[1] != t.numel() or buf.dtype != t.dtype or buf.device != t.device:
+    if buf.shape[1] != t.numel() or buf.dtype != t.dtype or buf.device != device:
         raise RuntimeError("contiguous_memory_optimization needs every checkpoint's input at position "
                            f"{position} to have the same size/dtype/device (got {tuple(t.shape)} {t.dtype})")
     if _offsets[position] >= n:
@@ -199,7 +222,7 @@ def _into_contiguous_slot(position: int, t: torch.Tensor) -> torch.Tensor:
     slot = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
         buf.untyped_storage(), _offsets[position] * n_el, (n_el,), (1,))
     _offsets[position] += 1
-    return slot.copy_(t.detach().reshape(-1)).view(t.shape)
+    return slot.copy_(t.detach().reshape(-1), non_blocking=to_host).view(t.shape)
 
 
 def _is_activation(t) -> bool:
@@ -212,10 +235,8 @@ def _stash(position: int, t: torch.Tensor) -> torch.Tensor:
     if not _is_activation(t):
         return t
     # partition_activations: with one model-parallel rank the "partition" is the whole tensor.
-    if _cfg.contiguous_memory_optimization:
-        if _cfg.cpu_checkpointing:
-            t = _offload_to_cpu(t)
-        return _into_contiguous_slot(position, t)
+    if _cfg.contiguous_memory_optimization:  # (a CPU tensor stays on the CPU either way)
+        return _into_contiguous_slot(position, t, to_host=_cfg.cpu_checkpointing and t.is_cuda)
     if _cfg.cpu_checkpointing:
         return _offload_to_cpu(t)
     return t
@@ -278,7 +299,9 @@ class CheckpointFunction(torch.autograd.Function):
         # them: it checks they were not modified in place and saved_tensors_hooks see them.
         # DeepSpeed keeps them as ctx.deepspeed_saved_tensors instead, invisible to
         # saved_tensors_hooks: count those by hand when comparing bytes held for backward.
-        ctx.save_for_backward(*[_stash(i, t) for i, t in enumerate(tensors)])
+        saved = [_stash(i, t) for i, t in enumerate(tensors)]
+        ctx.save_for_backward(*saved)
+        ctx.offloaded = _offload_events(tensors, saved)
 
         flat = out_spec.flatten(outputs)
         ctx.mark_non_differentiable(*[o for o in flat if not o.is_floating_point()])
@@ -302,6 +325,10 @@ class CheckpointFunction(torch.autograd.Function):
         if _cfg.contiguous_memory_optimization:
             reset()  # as DeepSpeed: forget the buffers; the slots we saved keep theirs alive
 
+        # Backward may run on another stream than forward: the copies back must start after
+        # the copies to the host have finished. (Same stream: already in order.)
+        for dev, ev in ctx.offloaded:
+            torch.cuda.current_stream(dev).wait_event(ev)
         # Fresh leaves on the original device: the recompute builds its own small graph
         # rooted at them, and their .grad is what we hand back to the outer graph.
         leaves = iter([_restore_to_device(t, dev).detach().requires_grad_(rg)

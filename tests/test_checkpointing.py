@@ -383,16 +383,59 @@ def test_configure_explains_options_once_in_the_log_and_profile_times(caplog):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_cpu_checkpointing_pins_and_restores():
-    configure(None, checkpoint_in_cpu=True, synchronize=True)
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_cuda_cpu_checkpointing_pins_and_restores(contiguous):
+    """On a GPU the saved inputs go to pinned host memory and come back by asynchronous
+    copies. No synchronize: stream order alone must make everything identical."""
+    n = 3
+    configure(None, partition_activations=True, checkpoint_in_cpu=True, contiguous_checkpointing=contiguous,
+              num_checkpoints=n if contiguous else None, synchronize=False)
     torch.manual_seed(0)
-    block = Block().cuda()
-    x0 = torch.randn(4, 16, device="cuda")
-    ref = _run_stack(nn.Sequential(block), x0, use_ckpt=False)
-    out = _run_stack(nn.Sequential(block), x0, use_ckpt=True)
-    assert torch.equal(ref[1], out[1])
+    blocks = nn.Sequential(*[Block(d=256) for _ in range(n)]).cuda()
+    x0 = torch.randn(512, 256, device="cuda")  # 512 KB per input: copies long enough to race
+    ref = _run_stack(blocks, x0, use_ckpt=False)
+    out = _run_stack(blocks, x0, use_ckpt=True)
+    for a, b in zip(ref[:2], out[:2]):
+        assert torch.equal(a, b)
     _assert_all_equal(ref[2], out[2])
-    assert ck._offload_to_cpu(x0).is_pinned()
+    assert torch.equal(ref[3], out[3])
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        checkpoint(blocks[0], x0.clone().requires_grad_())
+    assert [(t.device.type, t.is_pinned()) for t in saved] == [("cpu", True)]
+    if contiguous:
+        buf = ck._buffers[0]
+        assert buf.is_pinned() and saved[0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cpu_checkpointing_forward_on_a_side_stream():
+    """Forward (and its copies to the host) on a side stream, backward called from the
+    default one. Autograd runs a node's backward on its forward's stream, so the copies
+    back normally follow the copies out on one stream; where they do not, backward waits
+    for an event recorded after them. Either way the gradients are identical."""
+    configure(None, checkpoint_in_cpu=True, synchronize=False)
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[Block(d=256) for _ in range(3)]).cuda()
+    x0 = torch.randn(512, 256, device="cuda")
+    ref = _run_stack(blocks, x0, use_ckpt=False)
+
+    blocks = copy.deepcopy(blocks).train()
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(1234)  # as _run_stack
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        h = x
+        for b in blocks:
+            h = checkpoint(b, h)
+        loss = h.float().pow(2).mean()
+    torch.cuda.current_stream().wait_stream(side)
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(ref[1], x.grad)
+    _assert_all_equal(ref[2], _grads(blocks))
 
 
 def test_in_recompute_flag_is_set_only_during_the_recompute():
