@@ -37,7 +37,9 @@ def strict_collectives(fn, *args, **kwargs):
     """Run fn(*args, **kwargs) in this rank with comm.get_device() = meta and every tensor
     collective checked (see the module docstring). Returns (log, stopped): log lists
     (collective, [device of each tensor argument]) in call order; stopped is the message of
-    the meta-tensor read that ended the run, or None if fn returned. Call it on every rank."""
+    the meta-tensor read that ended the run, or None if fn returned. Call it on every rank.
+    To check an engine, build its model on comm.get_device() before taking its parameters:
+    moving a module to meta gives it new Parameter objects."""
     log = []
 
     def checked(name):
