@@ -206,7 +206,7 @@ def evaluate(engine, loader, device) -> float:
     engine.eval()
     total, n = 0.0, 0
     for x, y in loader:
-        _, loss = engine(x.to(device), y.to(device))
+        _, loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         total += float(loss.float().item())
         n += 1
     engine.train()
