@@ -132,10 +132,10 @@ def flag(argv, name):
 
 def test_slurm_minizero_command(tmp_path, ds_parse):
     argv = run_sbatch("slurm_minizero.sbatch", tmp_path)
-    assert argv[:4] == ["--nodes", "2", "--ntasks-per-node", "1"] and argv[4] == "torchrun"
+    assert argv[:6] == ["--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "32"] and argv[6] == "torchrun"
     assert flag(argv, "--nnodes") == "2" and flag(argv, "--nproc-per-node") == "4"
     assert flag(argv, "--rdzv-backend") == "c10d" and flag(argv, "--rdzv-id") == "4242"
-    assert flag(argv, "--rdzv-endpoint") == f"{NODES[0]}:29500"
+    assert flag(argv, "--rdzv-endpoint") == f"{NODES[0]}:{20000 + 4242}"   # a port per job id
     assert flag(argv, "-m") == "minizero.train" and argv[-2:] == ["--max-steps", "5"]
     # the job config fits the 8-rank world in both libraries, with the tutorial's batch of 64
     cfg = flag(argv, "--config")
