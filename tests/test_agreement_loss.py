@@ -9,7 +9,7 @@ Asserted BITWISE (docs/agreement.md has the table and the list of every toleranc
 minizero equals DeepSpeed -- losses and final fp32 master weights -- at every stage in fp32
 and at stages 1-3 in bf16 and fp16. Where the two libraries run the same operations in the
 same order, any CPU gives both sides the same roundings, so equality holds on any CPU and
-with any ATEN_CPU_CAPABILITY; it is the only tolerance that does not depend on the machine.
+with any ATEN_CPU_CAPABILITY, where a measured tolerance would not.
 
 With these settings the gradient norm is 0.85-0.98 < 1.0, so clipping never fires and the
 gradient-norm arithmetic (where minizero and DeepSpeed do differ by ulps, see
@@ -33,6 +33,8 @@ runtime/fp16/unfused_optimizer.py, is what stage 0 + torch_adam gives):
 minizero has neither quirk, so its stage 0 equals its stage 1 bitwise; we pin both facts,
 and that DeepSpeed's stage 0 equals minizero's stage 0 with the quirks added, bitwise.
 """
+import math
+
 import pytest
 import torch
 
@@ -41,7 +43,6 @@ from tests import agreement as A
 pytestmark = pytest.mark.filterwarnings("ignore")
 deepspeed = pytest.importorskip("deepspeed")
 
-FP32_ULP_REL = 2.0 ** -23     # spacing of fp32 numbers in [1, 2), relative
 U32 = 2.0 ** -24              # fp32 unit roundoff: one correctly rounded op, relative error <= U32
 U64 = 2.0 ** -53              # fp64 unit roundoff
 PSI = 108_801                 # elements summed into the gradient norm
@@ -54,6 +55,11 @@ def _train_everything_once():
 
 def _r0(results):
     return results[0]
+
+
+def ulp32(x: float) -> float:
+    """Spacing of fp32 numbers at x."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 23)
 
 
 # ----------------------------------------------------------------------------- fp32
@@ -200,11 +206,14 @@ def test_clipping_active_loss_within_norm_rounding_noise(stage, dtype):
     runs of minizero with the clip factor moved by a random whole number of fp32 ulps in
     [-3, 3] on every clipping step (tests/agreement.py: patch_clip "jitter<k>"), against
     minizero unmoved. minizero's stages are bitwise equal to each other, so the stage-1
-    runs serve both stages. Bound: gap <= 2 * noise. The gap and the 6 samples are draws
-    of the same kind; the gap exceeds their maximum with probability 1/7 at most, and
-    twice it only in a tail the samples do not show (measured spread: fp32 all 1 ulp of the
-    loss, 2.4e-7; bf16 5.0e-5 .. 9.4e-5, max/min 1.9; gaps 2.4e-7 and 5.0e-5 / 6.1e-5 here,
-    9.2e-5 at stage 1 on a 2-core AMD EPYC).
+    runs serve both stages. Bound: gap <= 2 * noise + ulp(loss). The gap and the 6
+    samples are draws of the same kind; the gap exceeds their maximum with probability
+    1/7 at most, twice it only in a tail the samples do not show (max/min of the 6 is
+    1.5-2 in bf16). ulp(loss): the losses compared are fp32 numbers, and any change of the
+    weights at all can move each rank's rounded loss by its last bit; in fp32 that is the
+    whole effect (the 6 samples are 1 or 2 such ulps, the gap 1 or 2 on AVX-512, AVX2 and
+    plain kernels). Measured bf16 gaps 4.9e-5 .. 7.0e-5 against bounds 1.7e-4 .. 2.3e-4
+    here, 9.2e-5 at stage 1 on a 2-core AMD EPYC.
     """
     ds = _r0(A.cached_ds(stage, dtype, clip=A.CLIP_ACTIVE))
     mz = _r0(A.cached_mz(stage, dtype, clip=A.CLIP_ACTIVE))
@@ -212,11 +221,12 @@ def test_clipping_active_loss_within_norm_rounding_noise(stage, dtype):
     jitter = [A.max_abs_diff(_r0(A.cached_mz(1, dtype, clip=A.CLIP_ACTIVE, variant=f"jitter{k}"))["losses"],
                              base["losses"]) for k in A.JITTER_SEEDS]
     noise = max(jitter)
+    bound = 2 * noise + ulp32(max(ds["losses"]))
     gap = A.max_abs_diff(mz["losses"], ds["losses"])
     print(f"\nclip {A.CLIP_ACTIVE} {dtype} stage {stage}: max|dloss| {gap:.3e}; jitter "
-          f"{', '.join(f'{j:.2e}' for j in jitter)} -> bound {2 * noise:.3e}")
+          f"{', '.join(f'{j:.2e}' for j in jitter)} -> bound {bound:.3e}")
     assert noise > 0.0      # a 3-ulp move of the clip factor does reach the losses
-    assert gap <= 2 * noise
+    assert gap <= bound
     mz_other = [_r0(A.cached_mz(s, dtype, clip=A.CLIP_ACTIVE))["losses"] for s in A.CLIP_STAGES]
     assert all(m == mz_other[0] for m in mz_other)
 

@@ -192,7 +192,7 @@ def test_unused_parameters_are_zero_gradients_at_every_stage():
 # ----------------------------------------------------------------------------- (e) uneven sizes
 
 N4 = dict(preset="tiny", world=4, steps=3, global_batch=4)
-N4_PERMS = [(1, 2, 3, 0), (2, 3, 0, 1), (3, 0, 1, 2)]
+N4_PERMS = [(1, 2, 3, 0), (2, 3, 0, 1), (3, 0, 1, 2), (1, 0, 3, 2), (3, 2, 1, 0)]
 
 
 def ulp32(x: float) -> float:
@@ -208,9 +208,10 @@ def test_world_size_4_tiny_stage2_small_buckets_equals_stage0():
     bound comes from the same kind of reordering measured in this session: stage 0 with
     the same rows handed to the ranks in another order (N4_PERMS: every element's 4-term
     sum is added in another order, nothing else changes). noise = the largest loss /
-    weight gap of those runs from stage 0; bound = 2 * noise (the gap is one more draw of
-    the same kind; measured here: perms 1.2e-7 / 2.2e-6 at most, ZeRO-2 6.0e-8 / 4.1e-7),
-    and never below one fp32 ulp of the loss, the smallest nonzero loss difference."""
+    weight gap of those 5 runs from stage 0; bound = 2 * noise (the gap is one more draw of
+    the same kind: P <= 1/6 to exceed the max at all; measured gap / max noise 0.2-1.2 under
+    AVX-512, AVX2 and plain kernels), plus, for the loss, one fp32 ulp of it: the losses
+    compared are fp32 numbers whose last bit any change of the weights can move."""
     z0, z2 = er.get(stage=0, **N4), er.get(stage=2, zero={"reduce_bucket_size": 3000}, **N4)
     assert any(f["padded"] != f["numel"] for f in z2[0]["flats"])
     assert len(z2[0]["flats"]) > 10
@@ -223,7 +224,7 @@ def test_world_size_4_tiny_stage2_small_buckets_equals_stage0():
     print(f"\nN=4 tiny stage 2 (bucket 3000) vs stage 0: loss {dl:.3g}, weights {dw:.3g}; "
           f"reordering noise: loss {noise_l:.3g}, weights {noise_w:.3g}")
     assert noise_w > 0.0           # the reordering does reach the weights
-    assert dl <= max(2 * noise_l, ulp32(max(l0)))
+    assert dl <= 2 * noise_l + ulp32(max(l0))
     assert dw <= 2 * noise_w
 
 
