@@ -200,6 +200,7 @@ def setup(args, lib: Library) -> Run:
 
     torch.manual_seed(args.seed)   # the same initial weights on every rank (and in both libraries)
     model = GPT(get_preset(args.model, block_size=block_size, vocab_size=args.ncluster))
+    n_params = model.num_params()   # before the engine: ZeRO-3 leaves empty parameters on the module
     opt_params = (cfg.get("optimizer") or {}).get("params") or {}
     # minGPT's split: decay only the Linear weights. The groups carry their weight_decay,
     # which overrides the optimizer's default in both libraries.
@@ -207,7 +208,7 @@ def setup(args, lib: Library) -> Run:
     engine = lib.initialize(model, param_groups, engine_cfg, args)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     batch = engine.train_batch_size()            # samples per optimizer step, all ranks
-    log(f"{lib.name}: model {args.model}: {model.num_params():,} params, block_size {block_size}, vocab "
+    log(f"{lib.name}: model {args.model}: {n_params:,} params, block_size {block_size}, vocab "
         f"{args.ncluster}; {len(train_ds)} train / {len(test_ds)} test images of {args.image_size}x"
         f"{args.image_size}; batch {batch} = micro {micro} x accum {gas} x {world} ranks")
 
@@ -237,7 +238,7 @@ def setup(args, lib: Library) -> Run:
 
     run = Run(args=args, lib=lib, cfg=cfg, stage=stage, dtype=dtype, save_dir=save_dir, lock=lock,
               engine=engine, train_ds=train_ds, loader=loader, test_loader=test_loader, codebook=codebook,
-              block_size=block_size, n_params=model.num_params(), batch=batch, gas=gas,
+              block_size=block_size, n_params=n_params, batch=batch, gas=gas,
               steps_per_epoch=steps_per_epoch, max_steps=max_steps, n_epochs=math.ceil(max_steps / steps_per_epoch),
               sched=sched, log_every=log_every,
               state={"step": 0, "epoch": 0, "batch_in_epoch": 0, "losses": [], "rows": [], "test_loss": None,

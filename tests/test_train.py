@@ -74,6 +74,7 @@ def _check_run(save_dir, library, stage, world_size, steps=3):
     assert s["final_loss"] == s["losses"][-1] and math.isfinite(s["test_loss"])
     assert len(s["model_state_bytes"]) == world_size and len(s["peak_mem_mb"]) == world_size
     assert s["model_state_bytes"][0]["params"] > 0
+    assert s["params"] > 1000   # counted before the engine: ZeRO-3 leaves the module's parameters empty
     assert s["config"]["zero_optimization"]["stage"] == stage
 
     from PIL import Image
