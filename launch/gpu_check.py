@@ -1,0 +1,911 @@
+"""The one-command GPU check: every claim the CPU suite makes, run again on this machine's GPUs.
+
+    bash launch/gpu_check.sh                        # every check the GPUs here allow
+    bash launch/gpu_check.sh --quick                # tiny model, few steps
+    bash launch/gpu_check.sh --dry-run              # the plan: the commands it would run, nothing run
+    bash launch/gpu_check.sh --dry-run --gpus 8     # ... as if this machine had 8 GPUs
+    bash launch/gpu_check.sh --only 'resume-1gpu-*' --skip cpu-suite
+
+Each check runs as subprocesses (a timeout each, every log in <out>/logs/), a failure never
+stops the rest, and one table comes at the end: check, PASS / FAIL / SKIP with the reason,
+and the numbers. The table is also written to <out>/gpu_check.md (every number in
+results.json). Exit status 0 iff nothing FAILed. What each check asserts and why: docs/gpu.md.
+
+The exact-resume checks run with deterministic kernels: MINIZERO_DETERMINISTIC=1 (the
+trainer then calls torch.use_deterministic_algorithms) and CUBLAS_WORKSPACE_CONFIG=:4096:8.
+
+Only the standard library here; torch is imported by the subprocesses (and by the overflow
+driver, `--overflow-rank`, which torchrun starts on every rank).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import fnmatch
+import importlib.util
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run"]
+
+# Deterministic kernels (docs/gpu.md, "What bit-exact means on a GPU"). cuBLAS needs the
+# workspace setting in the environment before CUDA starts; the trainer reads the other.
+DETERMINISTIC_ENV = {"MINIZERO_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISTIC_MARK = "deterministic algorithms on"   # the line train.py prints when it honours it
+# torch.distributed checks that every rank calls the same collective with the same shapes.
+DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+INIT_SCALE = 2.0 ** 16   # fp16's first loss scale (DeepSpeed's initial_scale_power 16)
+GRACE_S = 60             # when one command of a step fails, how long the others get to stop by themselves
+
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclass
+class Proc:
+    """One command. Strings may hold {dir} (the check's folder), {out} (the report folder)
+    and {port} (a free port, the same for every command of a step)."""
+    argv: list
+    log: str
+    env: dict = field(default_factory=dict)
+    timeout: int = 900
+    may_fail: bool = False   # a run that must be refused: the judge reads its exit status
+
+
+@dataclass
+class Copy:
+    """Copy a folder (a checkpoint) to each destination, as if onto every node's own disk."""
+    src: str
+    dsts: list
+
+
+@dataclass
+class Result:
+    status: str              # PASS | FAIL | SKIP
+    reason: str = ""
+    numbers: str = ""
+
+
+@dataclass
+class Check:
+    name: str
+    what: str
+    min_gpus: int = 1
+    steps: list = field(default_factory=list)      # each a list of Procs run together, or a Copy
+    judge: Callable | None = None                  # (Ctx) -> Result; None: every command exited 0
+    after: tuple = ()                              # checks that must PASS first (their results are read)
+    requires: str | None = None                    # a module that must be importable
+    skip: str | None = None                        # why it cannot run here (set by plan / select)
+
+
+@dataclass(frozen=True)
+class Size:
+    model: str
+    image: int
+    steps: int          # optimizer steps of a straight run
+    save_every: int     # the resumed run starts from global_step<save_every>
+    n_train: int        # synthetic training images
+    mem_steps: int      # steps of a memory run (iGPT-S whatever the size: see docs/gpu.md)
+    compare_steps: int
+
+
+FULL = Size("tutorial", 32, 20, 10, 10000, 4, 30)
+QUICK = Size("tiny", 8, 6, 3, 1024, 2, 20)
+STAGES, DTYPES = (0, 1, 2, 3), ("fp16", "bf16")
+
+
+def data_flags(size: Size, model: str | None = None, image: int | None = None, n_train: int | None = None) -> list:
+    """Synthetic data (a GPU box may have no network), the codebook cached once per report."""
+    return ["--model", model or size.model, "--dataset", "synthetic", "--image-size", str(image or size.image),
+            "--synthetic-train", str(n_train or size.n_train), "--synthetic-test", "64",
+            "--data-dir", "{out}/data", "--eval-every", "0", "--num-samples", "4", "--seed", "0"]
+
+
+def launcher(nproc: int) -> list:
+    """One process: plain python (no process group). Several: torchrun on this machine."""
+    return [PY] if nproc == 1 else [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def node_launcher(nproc: int, node_rank: int) -> list:
+    """One of two torchruns that together make a 2-node job on this box (static rendezvous)."""
+    return [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", "{port}"]
+
+
+TRAIN = ["-m", "minizero.train"]
+
+
+def resume_steps(launch: list, flags: list, size: Size, env: dict, log: str, timeout: int) -> list:
+    """A straight run saving every `save_every` steps, then one resumed from its first checkpoint."""
+    straight = [*launch, *TRAIN, *flags, "--save-every", str(size.save_every), "--save-dir", "{dir}/straight"]
+    resumed = [*launch, *TRAIN, *flags, "--resume", "{dir}/straight", "--tag", f"global_step{size.save_every}",
+               "--save-dir", "{dir}/resumed"]
+    return [[Proc(straight, f"{log}.straight.log", env, timeout)], [Proc(resumed, f"{log}.resumed.log", env, timeout)]]
+
+
+def plan(n_gpus: int, quick: bool = False) -> list:
+    """Every check, in the order they run; those this machine cannot run carry `skip`."""
+    size = QUICK if quick else FULL
+    t_train = 300 if quick else 900
+    checks = []
+
+    checks.append(Check(
+        "cpu-suite", "the CPU test suite (gloo) with CUDA hidden: nothing in it may depend on a GPU being there",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"], "cpu-suite.log",
+                     {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}, timeout=3600, may_fail=True)]],
+        judge=judge_pytest(allow_skips=True)))
+    checks.append(Check(
+        "cuda-checkpointing", "the CUDA-only activation-checkpointing tests (pinned host copies, side stream)",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_checkpointing.py",
+                      "-k", "cuda"], "cuda-checkpointing.log", {"MINIZERO_TEST_CUDA": "1"},   # else conftest hides CUDA
+                     timeout=600, may_fail=True)]],
+        judge=judge_pytest(allow_skips=False)))
+
+    # Train + resume == straight, bit for bit: one GPU, then all of them under torchrun.
+    for where, nproc, env, min_gpus in (("1gpu", 1, DETERMINISTIC_ENV, 1),
+                                        ("allgpu", max(n_gpus, 2), {**DETERMINISTIC_ENV, **DEBUG_ENV}, 2)):
+        for stage in STAGES:
+            for dtype in DTYPES:
+                name = f"resume-{where}-z{stage}-{dtype}"
+                flags = [*data_flags(size), "--stage", str(stage), "--dtype", dtype, "--max-steps", str(size.steps)]
+                ranks = "1 GPU" if nproc == 1 else f"{nproc} GPUs (torchrun, TORCH_DISTRIBUTED_DEBUG=DETAIL)"
+                checks.append(Check(
+                    name, f"ZeRO-{stage} {dtype} on {ranks}: {size.steps} steps straight == stopped at "
+                          f"{size.save_every} and resumed, bit for bit (deterministic kernels)",
+                    min_gpus=min_gpus, steps=resume_steps(launcher(nproc), flags, size, env, name, t_train),
+                    judge=judge_resume("{dir}/straight", "{dir}/resumed", size.save_every)))
+
+    # fp16 overflow on one rank only: the vote makes every rank skip (tests/test_overflow.py's run).
+    world = max([w for w in (2, 4, 8) if w <= n_gpus] or [2])   # its global batch of 8 rows must split evenly
+    for stage in STAGES:
+        checks.append(Check(
+            f"overflow-z{stage}", f"ZeRO-{stage} fp16 on {world} GPUs: an inf on rank 1 only; every rank skips "
+                                  "steps 1-2, the scale halves once, rank 0 alone logs OVERFLOW",
+            min_gpus=2, steps=[[Proc([*TORCHRUN, "--standalone", "--nproc-per-node", str(world),
+                                      "launch/gpu_check.py", "--overflow-rank", str(stage),
+                                      "{dir}/ranks.json"], f"overflow-z{stage}.log", DEBUG_ENV, 300)]],
+            judge=judge_overflow("{dir}/ranks.json")))
+
+    # Peak CUDA memory per stage, iGPT-S, against the ZeRO paper's formula.
+    for stage in STAGES:
+        flags = [*data_flags(size, model="igpt-s", image=32, n_train=2048), "--stage", str(stage), "--dtype", "bf16",
+                 "--max-steps", str(size.mem_steps), "--save-dir", "{dir}/run"]
+        checks.append(Check(
+            f"memory-z{stage}", f"ZeRO-{stage} bf16, iGPT-S on all GPUs: peak >= model states >= the paper's "
+                                "formula; at rest >= the states a step keeps",
+            min_gpus=2, steps=[[Proc([*launcher(max(n_gpus, 2)), *TRAIN, *flags], f"memory-z{stage}.log",
+                                     timeout=900)]],
+            judge=judge_memory("{dir}/run", stage)))
+    checks.append(Check(
+        "memory-falls", "peak memory falls from ZeRO-0 to ZeRO-1 to ZeRO-3 (the states ZeRO removes outweigh "
+                        "its transients)", min_gpus=2, after=tuple(f"memory-z{s}" for s in STAGES),
+        judge=judge_memory_falls([f"{{out}}/memory-z{s}/run" for s in STAGES])))
+
+    # Two "nodes" on one box: two torchruns, half the GPUs each, ZeRO-3 bf16.
+    half = max(n_gpus // 2, 1)
+    gpus = [",".join(str(i) for i in range(r * half, (r + 1) * half)) for r in (0, 1)]
+    env2 = {**DETERMINISTIC_ENV, **DEBUG_ENV}
+    flags2 = [*data_flags(size), "--stage", "3", "--dtype", "bf16", "--max-steps", str(size.steps)]
+
+    def two_nodes(extra, log, may_fail=False):
+        return [Proc([*node_launcher(half, r), *TRAIN, *flags2, *(extra(r) if callable(extra) else extra)],
+                     f"{log}.node{r}.log", {**env2, "CUDA_VISIBLE_DEVICES": gpus[r]}, t_train, may_fail)
+                for r in (0, 1)]
+
+    tag = ["--tag", f"global_step{size.save_every}"]
+    straight2 = "{out}/2node-straight/run"
+    checks.append(Check(
+        "2node-straight", f"2 nodes x {half} GPU(s) (two torchruns, --nnodes 2 --node-rank 0/1): one world of "
+                          f"{2 * half} ranks trains and saves into a shared folder",
+        min_gpus=2, steps=[two_nodes(["--save-every", str(size.save_every), "--save-dir", "{dir}/run"],
+                                     "2node-straight")],
+        judge=judge_two_node_straight("{dir}/run", 2 * half)))
+    checks.append(Check(
+        "2node-resume-shared", "both nodes resume from the shared folder: == the straight 2-node run, bit for bit",
+        min_gpus=2, after=("2node-straight",),
+        steps=[two_nodes(["--resume", straight2, *tag, "--save-dir", "{dir}/resumed"], "2node-resume-shared")],
+        judge=judge_resume(straight2, "{dir}/resumed", size.save_every)))
+    checks.append(Check(
+        "2node-resume-separate", "each node resumes from its own copy of the checkpoint (node-local disks), "
+                                 "saving into a shared folder: == the straight run, bit for bit",
+        min_gpus=2, after=("2node-straight",),
+        steps=[Copy(straight2, ["{dir}/node0-copy", "{dir}/node1-copy"]),
+               two_nodes(lambda r: ["--resume", f"{{dir}}/node{r}-copy", *tag, "--save-dir", "{dir}/resumed"],
+                         "2node-resume-separate")],
+        judge=judge_resume(straight2, "{dir}/resumed", size.save_every)))
+    checks.append(Check(
+        "2node-save-separate", "saving into node-local folders (one per node) is refused: every rank stops, "
+                               "rank 0 says why in one line, no checkpoint is written",
+        min_gpus=2, steps=[two_nodes(lambda r: ["--save-every", str(size.save_every),
+                                                "--save-dir", f"{{dir}}/node{r}-local"],
+                                     "2node-save-separate", may_fail=True)],
+        judge=judge_refused(["{dir}/node0-local", "{dir}/node1-local"])))
+
+    # minizero vs DeepSpeed, all GPUs: samples/s and peak memory per stage (a measurement).
+    nproc = max(n_gpus, 1)
+    checks.append(Check(
+        "compare", f"python -m minizero.compare: minizero and DeepSpeed, bf16, ZeRO 0-3 on {nproc} GPU(s)",
+        requires="deepspeed",
+        steps=[[Proc([PY, "-m", "minizero.compare", "--stages", *map(str, STAGES), "--dtype", "bf16",
+                      "--nproc", str(nproc), "--model", size.model, "--dataset", "synthetic", "--image-size",
+                      str(size.image), "--max-steps", str(size.compare_steps), "--out", "{dir}/report",
+                      "--synthetic-train", str(size.n_train), "--synthetic-test", "64", "--num-samples", "4",
+                      "--data-dir", "{out}/data"], "compare.log", timeout=1200 if quick else 3000)]],
+        judge=lambda ctx: Result("PASS", "", f"{len(read_json(ctx.path('{dir}/report/results.json'))['rows'])} "
+                                             "stages x 2 libraries; report: compare/report/report.md")))
+    for stage in STAGES:
+        checks.append(Check(
+            f"compare-z{stage}", f"ZeRO-{stage}: samples/s and peak memory, minizero vs DeepSpeed (reported, "
+                                 "not asserted)", after=("compare",),
+            judge=judge_compare("{out}/compare/report/results.json", stage)))
+
+    for c in checks:
+        if n_gpus < c.min_gpus:
+            c.skip = "no GPU found" if n_gpus == 0 else f"needs {c.min_gpus} GPUs (found {n_gpus})"
+    return checks
+
+
+def select(checks: list, only=(), skip=()) -> list:
+    """The checks left after --only (with the checks they read) and --skip (with the checks
+    that read them); both take shell patterns."""
+    match = lambda c, pats: any(fnmatch.fnmatch(c.name, p) for p in pats)
+    by_name = {c.name: c for c in checks}
+    keep = {c.name for c in checks if not only or match(c, only)}
+    todo = list(keep)
+    while todo:
+        for dep in by_name[todo.pop()].after:
+            if dep not in keep:
+                keep.add(dep)
+                todo.append(dep)
+    keep -= {c.name for c in checks if match(c, skip)}
+    while any(set(by_name[n].after) - keep for n in keep):
+        keep = {n for n in keep if not set(by_name[n].after) - keep}
+    return [c for c in checks if c.name in keep]
+
+
+# ----------------------------------------------------------------------------- comparisons (pure)
+
+def max_abs_diff(a, b):
+    """max |a_i - b_i| over two loss lists; None if they cannot be compared (lengths differ,
+    empty, or a value that is missing or not finite: inf - inf is no agreement)."""
+    if len(a) != len(b) or not a:
+        return None
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in [*a, *b]):
+        return None
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def resume_verdict(straight: dict, resumed: dict, k: int, deterministic: bool) -> Result:
+    """The resumed run's losses (the first k come from the checkpoint) == the straight run's."""
+    for what, s in (("straight", straight), ("resumed", resumed)):
+        if s.get("status") != "completed":
+            return Result("FAIL", f"the {what} run ended {s.get('status')!r}")
+    la, lb = straight["losses"], resumed["losses"]
+    d = max_abs_diff(la, lb)
+    det = "deterministic kernels on" if deterministic else "deterministic kernels NOT on (trainer ignored " \
+                                                           "MINIZERO_DETERMINISTIC)"
+    sps = straight.get("samples_per_s")
+    numbers = (f"max |dloss| {fmt(d)} over steps {k + 1}-{len(la)}" if d is not None else "losses not comparable") \
+        + (f"; {sps:.0f} samples/s" if sps else "") + f"; {det}"
+    if d is None:
+        return Result("FAIL", f"losses not comparable: {len(la)} vs {len(lb)} steps, or non-finite", numbers)
+    if la != lb:
+        return Result("FAIL", f"resumed losses differ from the straight run's (max |dloss| {fmt(d)})"
+                      + ("" if deterministic else "; the trainer did not turn deterministic kernels on"), numbers)
+    return Result("PASS", "", numbers)
+
+
+MIB = 2 ** 20
+CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
+
+
+def state_bytes(summary: dict) -> list:
+    """Per-rank model-state bytes the engine reports (params + grads + master + optimizer)."""
+    return [sum(int(r.get(k) or 0) for k in CATEGORIES) for r in summary["model_state_bytes"]]
+
+
+def formula_bytes(summary: dict, stage: int) -> float:
+    """The ZeRO paper's per-rank bytes for this run's Ψ, world size and precision."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from minizero.memory import paper_bytes, total
+    return total(paper_bytes(summary["params"], summary["world_size"], stage, mixed=summary["dtype"] != "fp32"))
+
+
+def memory_verdict(summary: dict, stage: int, at_rest_mb: float | None) -> Result:
+    """peak >= model states >= formula on every rank; rank 0 at rest >= the states kept between steps.
+
+    Why these hold: at the end of backward (from step 2 on, when Adam's moments exist) a rank
+    holds its parameters, gradients, fp32 masters and moments at once, so the peak is at least
+    their sum; the engine's sum is the formula plus the padding of each flat buffer to a
+    multiple of N. After a step the gradients are freed, the rest stays (metrics.csv's mem_mb
+    is read then). Lower bounds only: the peak also holds activations and ZeRO's transients."""
+    if summary.get("status") != "completed":
+        return Result("FAIL", f"the run ended {summary.get('status')!r}")
+    formula = formula_bytes(summary, stage)
+    states, peaks = state_bytes(summary), [p * MIB for p in summary["peak_mem_mb"]]
+    kept = sum(int(summary["model_state_bytes"][0].get(k) or 0) for k in ("params", "master_params", "optimizer_states"))
+    numbers = (f"peak {mib(max(peaks))} MiB; formula {mib(formula)} MiB; engine states {mib(max(states))} MiB; "
+               f"peak - formula {mib(max(peaks) - formula)} MiB")
+    if at_rest_mb is not None:
+        numbers += f"; rank 0 at rest {mib(at_rest_mb * MIB)} MiB (states kept {mib(kept)})"
+    bad = [f"rank {r}: engine states {s:,} B < formula {formula:,.0f} B" for r, s in enumerate(states) if s < formula]
+    bad += [f"rank {r}: peak {p / MIB:,.1f} MiB < its model states {s / MIB:,.1f} MiB"
+            for r, (p, s) in enumerate(zip(peaks, states)) if p < s]
+    if at_rest_mb is not None and at_rest_mb * MIB < kept:
+        bad.append(f"rank 0 at rest {at_rest_mb:,.1f} MiB < the states it keeps {kept / MIB:,.1f} MiB")
+    return Result("FAIL", "; ".join(bad), numbers) if bad else Result("PASS", "", numbers)
+
+
+def memory_falls_verdict(peaks: dict) -> Result:
+    """peak(0) > peak(1) > peak(3), max over ranks, MiB. ZeRO-1 frees 12Ψ(1-1/N) bytes of
+    master+moments that live all the time; ZeRO-3 frees another >= 2Ψ(1-1/N) of parameters and
+    gradients, while its transients (one or two gathered blocks, about Ψ/24 each for iGPT-S)
+    are far smaller. ZeRO-2's place is not asserted: it saves only gradients, which need not be
+    allocated at the activation peak, and adds reduce buckets."""
+    numbers = "peak MiB by stage 0/1/2/3: " + " / ".join(f"{peaks[s]:,.0f}" for s in STAGES)
+    if peaks[0] > peaks[1] > peaks[3]:
+        return Result("PASS", "", numbers)
+    return Result("FAIL", "peak does not fall ZeRO-0 > ZeRO-1 > ZeRO-3", numbers)
+
+
+def overflow_verdict(ranks: list) -> Result:
+    """tests/test_overflow.py's claims, on the GPUs: steps 1 and 2 skipped on every rank (weights
+    unchanged, counted, gradients dropped), scale kept then halved (hysteresis 2), step 3 trains,
+    OVERFLOW logged by rank 0 only, every rank ends with the same weight changes."""
+    bad = []
+    for r in ranks:
+        s = r["log"]
+        want = [(s[0]["changed"] > 0, "step 0 trained"), (s[0]["scale"] == INIT_SCALE, "step 0 scale 2^16"),
+                (s[1]["changed"] == 0 and s[1]["skipped"] == 1, "step 1 skipped"),
+                (s[1]["scale"] == INIT_SCALE, "step 1 scale kept"), (s[1]["grads_left"] == 0, "step 1 grads dropped"),
+                (s[2]["changed"] == 0 and s[2]["skipped"] == 2, "step 2 skipped"),
+                (s[2]["scale"] == INIT_SCALE / 2, "step 2 scale halved"),
+                (s[3]["changed"] > 0 and s[3]["skipped"] == 2, "step 3 trained"),
+                (math.isfinite(s[3]["loss"]) and math.isfinite(s[3]["norm"]), "step 3 finite")]
+        n_overflow = [sum("OVERFLOW" in m for m in st["msgs"]) for st in s]
+        want.append((n_overflow == ([0, 1, 1, 0] if r["rank"] == 0 else [0, 0, 0, 0]), "OVERFLOW lines"))
+        bad += [f"rank {r['rank']}: not {what}" for ok, what in want if not ok]
+    if len({tuple(st["changed"] for st in r["log"]) for r in ranks}) > 1:
+        bad.append("ranks' weight changes differ")
+    numbers = f"{len(ranks)} ranks; skipped steps 1-2 everywhere; scale {INIT_SCALE:.0f} -> {INIT_SCALE / 2:.0f}"
+    return Result("FAIL", "; ".join(bad[:4]), "") if bad else Result("PASS", "", numbers)
+
+
+REFUSAL = "is not shared by all ranks"
+
+
+def worker_tracebacks(text: str) -> int:
+    """Tracebacks of the training processes: torchrun adds one of its own (ending in
+    ChildFailedError) each time a worker exits non-zero, so those are not counted."""
+    return text.count("Traceback (most recent call last)") - len(re.findall(r"ChildFailedError:", text))
+
+
+def refused_verdict(rcs: list, logs: list, left: list) -> Result:
+    """Every node's torchrun exits non-zero, rank 0 says in one line that the folder is not
+    shared, no rank dies with a traceback (before the refusal existed: FileNotFoundError
+    mid-save on the other node), and no checkpoint was written."""
+    text = "\n".join(logs)
+    lines = [ln for ln in text.splitlines() if REFUSAL in ln and ": error:" in ln]
+    if any(rc == 0 for rc in rcs):
+        return Result("FAIL", f"a node exited 0 (exit statuses {rcs}): the node-local save was not refused")
+    if not lines:
+        return Result("FAIL", f"no one-line error saying the folder {REFUSAL} (exit statuses {rcs}): "
+                              f"{last_error(text)}")
+    if worker_tracebacks(text) > 0:
+        return Result("FAIL", f"a rank died with a traceback, not the one-line refusal: {exception_line(text)}")
+    if left:
+        return Result("FAIL", f"checkpoints were written before the refusal: {', '.join(left[:3])}")
+    return Result("PASS", "", lines[0].split(": error: ", 1)[1][:110] + "...")
+
+
+PYTEST_KINDS = {"passed", "failed", "errors", "skipped", "deselected", "xfailed", "xpassed", "warnings"}
+
+
+def pytest_counts(text: str) -> dict:
+    """The counts in pytest's last summary line, e.g. {'passed': 312, 'skipped': 3}."""
+    for line in reversed(text.splitlines()):
+        found = re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)\b", line)
+        if found:
+            return {k if k in PYTEST_KINDS else k + "s": int(n) for n, k in found}
+    return {}
+
+
+def pytest_verdict(rc: int, text: str, allow_skips: bool) -> Result:
+    n = pytest_counts(text)
+    numbers = ", ".join(f"{v} {k}" for k, v in n.items() if k != "warnings") or "no summary line"
+    if rc != 0 or n.get("failed") or n.get("errors"):
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+        return Result("FAIL", f"pytest exit {rc}" + (f": {', '.join(failed[:3])}" if failed else "")
+                      + (f" and {len(failed) - 3} more" if len(failed) > 3 else ""), numbers)
+    if n.get("skipped") and not allow_skips:
+        return Result("FAIL", "tests were skipped: does torch see CUDA?", numbers)
+    if not n.get("passed"):
+        return Result("FAIL", "no test passed", numbers)
+    return Result("PASS", "", numbers)
+
+
+def fmt(x) -> str:
+    return "-" if x is None else "0" if x == 0 else f"{x:.3g}"
+
+
+def mib(nbytes: float) -> str:
+    x = nbytes / MIB
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+
+# ----------------------------------------------------------------------------- judges (read the files)
+
+@dataclass
+class Ctx:
+    dir: Path
+    out: Path
+    procs: list          # (Proc, exit status, log path) of every command the check ran
+
+    def path(self, template: str) -> Path:
+        return Path(template.replace("{dir}", str(self.dir)).replace("{out}", str(self.out)))
+
+    def logs(self) -> list:
+        return [log.read_text(errors="replace") for _, _, log in self.procs]
+
+
+def read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def judge_resume(straight: str, resumed: str, k: int):
+    def judge(ctx: Ctx) -> Result:
+        resumed_logs = [t for (p, _, _), t in zip(ctx.procs, ctx.logs()) if "--resume" in p.argv]
+        det = any(DETERMINISTIC_MARK in t for t in resumed_logs)
+        return resume_verdict(read_json(ctx.path(straight) / "summary.json"),
+                              read_json(ctx.path(resumed) / "summary.json"), k, det)
+    return judge
+
+
+def at_rest_mb(run_dir: Path) -> float | None:
+    """metrics.csv's mem_mb of the last logged step (rank 0, read right after that step)."""
+    try:
+        with open(run_dir / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        return float(rows[-1]["mem_mb"]) if rows else None
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def judge_memory(run: str, stage: int):
+    def judge(ctx: Ctx) -> Result:
+        d = ctx.path(run)
+        return memory_verdict(read_json(d / "summary.json"), stage, at_rest_mb(d))
+    return judge
+
+
+def judge_memory_falls(runs: list):
+    def judge(ctx: Ctx) -> Result:
+        return memory_falls_verdict({s: max(read_json(ctx.path(r) / "summary.json")["peak_mem_mb"])
+                                     for s, r in zip(STAGES, runs)})
+    return judge
+
+
+def judge_overflow(path: str):
+    return lambda ctx: overflow_verdict(read_json(ctx.path(path)))
+
+
+def judge_two_node_straight(run: str, world: int):
+    def judge(ctx: Ctx) -> Result:
+        s = read_json(ctx.path(run) / "summary.json")
+        numbers = f"world {s['world_size']}; {s['steps']} steps; final loss {s['final_loss']:.4f}" + \
+            (f"; {s['samples_per_s']:.0f} samples/s" if s.get("samples_per_s") else "")
+        if s["status"] != "completed" or s["world_size"] != world:
+            return Result("FAIL", f"status {s['status']!r}, world size {s['world_size']} (want {world})", numbers)
+        return Result("PASS", "", numbers)
+    return judge
+
+
+def judge_refused(save_dirs: list):
+    def judge(ctx: Ctx) -> Result:
+        left = sorted(p.name for d in save_dirs for p in ctx.path(d).glob("global_step*"))
+        return refused_verdict([rc for _, rc, _ in ctx.procs], ctx.logs(), left)
+    return judge
+
+
+def judge_pytest(allow_skips: bool):
+    return lambda ctx: pytest_verdict(ctx.procs[0][1], ctx.logs()[0], allow_skips)
+
+
+def judge_compare(results: str, stage: int):
+    def judge(ctx: Ctx) -> Result:
+        row = next(r for r in read_json(ctx.path(results))["rows"] if r["stage"] == stage)
+        mz, ds = row["minizero"], row["deepspeed"]
+        sps = f"samples/s mz {fmt(mz['samples_per_s'])} / DS {fmt(ds['samples_per_s'])}"
+        if row.get("speed_ratio"):
+            sps += f" (x{row['speed_ratio']:.2f})"
+        return Result("PASS", "", f"{sps}; peak MiB mz {mz['peak_mem_mb']:,.0f} / DS {ds['peak_mem_mb']:,.0f}; "
+                                  f"max |dloss| {fmt(row['max_abs_dloss'])}")
+    return judge
+
+
+# ----------------------------------------------------------------------------- running
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def visible(indices: str, parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a child: plan indices mapped through the parent's own list
+    (the check may itself run with CUDA_VISIBLE_DEVICES=4,5,6,7). "" hides every GPU."""
+    if not indices or not parent:
+        return indices
+    ids = [x.strip() for x in parent.split(",")]
+    return ",".join(ids[int(i)] for i in indices.split(","))
+
+
+def render(p: Proc, d: str, out: str, port: str) -> tuple:
+    sub = lambda s: str(s).replace("{dir}", d).replace("{out}", out).replace("{port}", port)
+    return [sub(a) for a in p.argv], {k: sub(v) for k, v in p.env.items()}
+
+
+def show(argv: list, env: dict) -> str:
+    """A command as a shell line; the interpreter as the repo-relative path it usually is."""
+    py = os.path.relpath(PY, ROOT) if PY.startswith(str(ROOT) + os.sep) else PY
+    words = [py if a == PY else a.replace(str(ROOT) + os.sep, "") for a in argv]
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(words)])
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """The command and everything it started (its own session), politely then not."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def child_env(p_env: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.update(p_env)
+    if "CUDA_VISIBLE_DEVICES" in p_env:
+        env["CUDA_VISIBLE_DEVICES"] = visible(p_env["CUDA_VISIBLE_DEVICES"], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return env
+
+
+def run_step(procs: list, d: Path, out: Path, logs: Path) -> list:
+    """Start the step's commands together; wait for all. When one fails the others get a
+    minute (GRACE_S) to fail too: a lone node would wait for its peer until NCCL's timeout."""
+    port = str(free_port())
+    running = []
+    for p in procs:
+        argv, env = render(p, str(d), str(out), port)
+        log = logs / p.log
+        fh = open(log, "w")
+        fh.write(f"$ {show(argv, env)}\n")
+        fh.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(env), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        running.append((p, proc, fh, log, time.monotonic() + p.timeout))
+    timed_out, grace_until = set(), None
+    try:
+        while any(proc.poll() is None for _, proc, *_ in running):
+            now = time.monotonic()
+            if grace_until is None and any(proc.poll() not in (None, 0) for _, proc, *_ in running):
+                grace_until = now + GRACE_S
+            for p, proc, _, _, deadline in running:
+                if proc.poll() is None and (now > deadline or (grace_until is not None and now > grace_until)):
+                    timed_out.add(p.log)
+                    kill(proc)
+            time.sleep(0.2)
+    finally:   # Ctrl-C: the commands run in their own sessions, so the terminal's signal missed them
+        for _, proc, *_ in running:
+            if proc.poll() is None:
+                kill(proc)
+    results = []
+    for p, proc, fh, log, _ in running:
+        fh.close()
+        results.append((p, None if p.log in timed_out else proc.returncode, log))
+    return results
+
+
+EXCEPTION = re.compile(r"(^|\]:\s*)[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*:")
+
+
+def exception_line(text: str) -> str | None:
+    """The last exception line of a training process's traceback (torchrun prefixes them
+    "[rankN]: "); torchrun's own ChildFailedError says nothing and is passed over."""
+    hits = [ln.strip() for ln in text.splitlines() if EXCEPTION.search(ln.strip()) and "ChildFailedError" not in ln]
+    return hits[-1][:200] if hits else None
+
+
+def last_error(text: str) -> str:
+    """The line that says what went wrong: the last one-line error (": error: "), else the
+    last exception line, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ": error: " in ln]
+    if errors:
+        return errors[-1][:200]
+    return exception_line(text) or (lines[-1][:200] if lines else "(empty log)")
+
+
+def skip_reason(c: Check, done: dict) -> str | None:
+    """Why a check cannot run now: too few GPUs, a check it reads did not pass, a missing package."""
+    if c.skip:
+        return c.skip
+    for dep in c.after:
+        if dep in done and done[dep].status != "PASS":
+            return f"needs {dep} to pass (it is {done[dep].status})"
+    if c.requires and importlib.util.find_spec(c.requires) is None:
+        return f"{c.requires} is not installed (pip install -e .[dev])"
+    return None
+
+
+def failure(res: list):
+    """The (Proc, exit status, log) that failed a step, if any. A command that exited non-zero
+    says why; one we stopped (status None) had timed out, or waited for a partner that died."""
+    bad = [r for r in res if r[1] is None or (r[1] != 0 and not r[0].may_fail)]
+    return min(bad, key=lambda r: r[1] is None) if bad else None
+
+
+def run_check(c: Check, out: Path, logs: Path) -> Result:
+    """Run the check's steps in order (a failed step ends it: later steps need its files), then judge."""
+    d = out / c.name
+    d.mkdir(parents=True, exist_ok=True)
+    ran = []
+    for step in c.steps:
+        if isinstance(step, Copy):
+            try:
+                for dst in step.dsts:
+                    shutil.copytree(Ctx(d, out, []).path(step.src), Ctx(d, out, []).path(dst))
+            except OSError as e:
+                return Result("FAIL", f"copying the checkpoint failed: {e}")
+            continue
+        res = run_step(step, d, out, logs)
+        ran += res
+        bad = failure(res)
+        if bad:
+            p, rc, log = bad
+            if rc is None:
+                return Result("FAIL", f"timed out (limit {p.timeout} s), log {log.relative_to(out)}")
+            return Result("FAIL", f"exit {rc}: {last_error(log.read_text(errors='replace'))} "
+                                  f"(log {log.relative_to(out)})")
+    if c.judge is None:
+        return Result("PASS", "", "")
+    try:
+        return c.judge(Ctx(d, out, ran))
+    except (OSError, KeyError, ValueError, StopIteration, TypeError) as e:
+        return Result("FAIL", f"could not read the results: {type(e).__name__}: {e}")
+
+
+# ----------------------------------------------------------------------------- the table
+
+def cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def format_table(rows: list) -> str:
+    """rows: (check name, Result, seconds or None) -> a markdown table."""
+    lines = ["| check | result | numbers | s |", "|---|---|---|---|"]
+    for name, r, secs in rows:
+        result = r.status + (f": {r.reason}" if r.reason else "")
+        lines.append(f"| {cell(name)} | {cell(result)} | {cell(r.numbers)} | {'' if secs is None else f'{secs:.0f}'} |")
+    return "\n".join(lines)
+
+
+PROBE = """
+import json, torch
+n = torch.cuda.device_count()
+try:
+    v = torch.cuda.nccl.version() if n else None
+    nccl = ".".join(map(str, v)) if isinstance(v, tuple) else v
+except Exception:
+    nccl = None
+print(json.dumps({"count": n, "names": [torch.cuda.get_device_name(i) for i in range(n)],
+                  "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}))
+"""
+
+
+def probe() -> dict:
+    """GPU count and names, from a subprocess: this process never starts CUDA (a context on
+    GPU 0 would sit there through every check)."""
+    try:
+        r = subprocess.run([PY, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+        return {"count": 0, "names": [], "error": f"{type(e).__name__}: {e}"}
+
+
+def machine_line(info: dict) -> str:
+    if not info["count"]:
+        return "no GPU"
+    names = sorted(set(info["names"]))
+    return (f"{info['count']} x {', '.join(names)}; torch {info.get('torch')}, CUDA {info.get('cuda')}, "
+            f"NCCL {info.get('nccl')}")
+
+
+def commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def report_md(command: str, info: dict, rows: list, rehearsal: bool) -> str:
+    counts = {s: sum(r.status == s for _, r, _ in rows) for s in ("PASS", "FAIL", "SKIP")}
+    head = [f"# GPU check, {datetime.datetime.now().isoformat(timespec='seconds')}", "",
+            f"- command: `{command}`", f"- machine: {machine_line(info)}", f"- commit: {commit()}",
+            f"- result: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP", ""]
+    if rehearsal:
+        head[1:1] = ["", "**REHEARSAL on a machine without these GPUs: the runs fell back to CPU and gloo. "
+                         "This tests the script, not the GPUs.**"]
+    return "\n".join([*head, format_table(rows), "", "Logs: `logs/`; what each check asserts: docs/gpu.md.", ""])
+
+
+# ----------------------------------------------------------------------------- the overflow driver
+
+def overflow_rank(stage: int, path: str) -> None:
+    """Started by torchrun on every rank: tests/engine_runs.overflow_run on this rank's GPU
+    (NCCL), every rank's log gathered to rank 0, which writes them to `path` as JSON."""
+    sys.path.insert(0, str(ROOT))
+    import torch.distributed as dist
+
+    from minizero import comm
+    from tests import engine_runs
+
+    comm.init_distributed()
+    try:
+        mine = engine_runs.overflow_run(stage)
+        ranks = [None] * comm.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if comm.get_rank() == 0:
+            with open(path, "w") as f:
+                json.dump(ranks, f, default=float)
+    finally:
+        comm.destroy()
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="launch/gpu_check.sh", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="What each check asserts and why: docs/gpu.md.")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (every command), run nothing")
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (memory checks keep iGPT-S)")
+    p.add_argument("--out", help="report folder (default reports/gpu-check-<date>); must not hold a report")
+    p.add_argument("--gpus", type=int, help="use this many GPUs (default: all that torch sees); with --dry-run, "
+                                            "plan for any number")
+    p.add_argument("--only", nargs="+", default=[], metavar="PATTERN", help="run only these checks (shell patterns)")
+    p.add_argument("--skip", nargs="+", default=[], metavar="PATTERN", help="leave these checks out")
+    p.add_argument("--rehearse", action="store_true",
+                   help="with --gpus N on a machine without them: run anyway (CPU, gloo) to test this script")
+    p.add_argument("--overflow-rank", nargs=2, metavar=("STAGE", "JSON"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def say(*a, err: bool = False) -> None:
+    print("gpu_check:", *a, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def print_plan(checks: list, out: Path, n: int, quick: bool) -> None:
+    say(f"the plan for {n} GPU(s){' (--quick)' if quick else ''}, commands run from the repository root; "
+        f"report folder {out}; PORT = a free port picked when the step starts")
+    for i, c in enumerate(checks, 1):
+        if c.skip:
+            print(f"[{i:2d}] {c.name}: SKIP: {c.skip}")
+            continue
+        print(f"[{i:2d}] {c.name}: {c.what}")
+        if c.after and c.steps:
+            print(f"     after: {', '.join(c.after)}")
+        if c.requires:
+            print(f"     needs the {c.requires} package (else SKIP)")
+        at = Ctx(out / c.name, out, [])
+        for step in c.steps:
+            if isinstance(step, Copy):
+                print(f"     copy {at.path(step.src)} -> {', '.join(str(at.path(x)) for x in step.dsts)}")
+                continue
+            for p in step:
+                print(f"     $ {show(*render(p, str(at.dir), str(out), 'PORT'))}"
+                      + (" &" if len(step) > 1 else "") + ("   # its exit status goes to the judge" if p.may_fail else ""))
+        if not c.steps:
+            print("     (reads the results of: " + ", ".join(c.after) + ")")
+        print()
+
+
+def run_all(checks: list, out: Path) -> list:
+    """Run every check in order; a failure (even of this script) never stops the rest."""
+    logs = out / "logs"
+    logs.mkdir(parents=True)
+    done, rows = {}, []
+    for c in checks:
+        why, t0 = skip_reason(c, done), time.monotonic()
+        if why:
+            r = Result("SKIP", why)
+        else:
+            say(f"{c.name}: running ({c.what})")
+            try:
+                r = run_check(c, out, logs)
+            except Exception as e:   # a bug here must not cost the other checks
+                r = Result("FAIL", f"gpu_check itself failed: {type(e).__name__}: {e}")
+        done[c.name] = r
+        rows.append((c.name, r, None if why else time.monotonic() - t0))
+        say(f"{c.name}: {r.status}" + (f": {r.reason}" if r.reason else "") + (f" [{r.numbers}]" if r.numbers else ""))
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.overflow_rank:
+        overflow_rank(int(args.overflow_rank[0]), args.overflow_rank[1])
+        return 0
+    # Mistakes a user can make: one line each, before anything slow.
+    names = [c.name for c in plan(0)]
+    unknown = [pat for pat in args.only + args.skip if not any(fnmatch.fnmatch(nm, pat) for nm in names)]
+    if unknown:
+        say(f"error: no check matches {' or '.join(unknown)}; the checks: {' '.join(names)}", err=True)
+        return 2
+    if args.gpus is not None and args.gpus < 0:
+        say(f"error: --gpus must be >= 0, got {args.gpus}", err=True)
+        return 2
+    out = Path(args.out or ROOT / "reports" / f"gpu-check-{datetime.datetime.now():%Y%m%d-%H%M%S}").resolve()
+    if not args.dry_run and out.exists() and any(out.iterdir()):
+        say(f"error: {out} is not empty; pass a new --out (a report is never overwritten)", err=True)
+        return 2
+
+    info = probe()
+    found = info["count"]
+    say(f"found {found} GPU(s): {machine_line(info)}" if found else "no GPU found (torch.cuda.device_count() == 0"
+        + (f"; {info['error']}" if info.get("error") else "") + ")")
+    n = found if args.gpus is None else args.gpus
+    if n > found and not (args.dry_run or args.rehearse):
+        say(f"error: --gpus {n}, but torch sees {found} GPU(s) here; add --dry-run to see that plan, or "
+            "--rehearse to run it on CPU (a test of this script, not of GPUs)", err=True)
+        return 2
+    checks = select(plan(n, args.quick), args.only, args.skip)
+    if args.dry_run:
+        print_plan(checks, out, n, args.quick)
+        return 0
+
+    say(f"writing to {out}")
+    rows = run_all(checks, out)
+    command = shlex.join(["bash", "launch/gpu_check.sh", *argv])
+    (out / "gpu_check.md").write_text(report_md(command, info, rows, rehearsal=n > found))
+    (out / "results.json").write_text(json.dumps(
+        {"command": command, "machine": info, "gpus_used": n, "quick": args.quick,
+         "checks": [{"name": nm, "status": r.status, "reason": r.reason, "numbers": r.numbers, "seconds": secs}
+                    for nm, r, secs in rows]}, indent=1))
+    print()
+    print(format_table(rows))
+    failed = [nm for nm, r, _ in rows if r.status == "FAIL"]
+    say(f"{len(failed)} FAILED: {', '.join(failed)}" if failed else "nothing failed",
+        f"(table: {out / 'gpu_check.md'})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
