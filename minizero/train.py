@@ -534,6 +534,12 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
         check_args(parser, args)
     try:
         comm.init_distributed()
+        # MINIZERO_DETERMINISTIC=1 (launch/gpu_check.py sets it): deterministic CUDA kernels,
+        # so a resumed run is bit-exact on a GPU too (embedding and SDPA backward are not, by default).
+        if os.environ.get("MINIZERO_DETERMINISTIC") == "1":
+            torch.use_deterministic_algorithms(True, warn_only=False)   # an op with no deterministic kernel raises
+            torch.backends.cudnn.benchmark = False                      # no algorithm chosen by timing
+            _log0("minizero: deterministic algorithms on (MINIZERO_DETERMINISTIC=1)")
         train(args, lib)
     except USER_ERRORS + lib.user_errors + (TrainingDiverged, rundir.RunDirError) as e:
         # Bad input is one line, not a traceback. Config/data errors happen on every rank

@@ -17,7 +17,7 @@ from minizero.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
-SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch"]
+SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "gpu_check.sh"]
 CONFIGS = ["ds_config_basic.json", "ds_config_step4.json", "ds_config_step5.json"]
 NODES = ["gpu-a01", "gpu-a02"]
 
