@@ -43,30 +43,77 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 # ----------------------------------------------------------------------------- setup
 
-def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
-    """Start the default process group from the torchrun environment, if not already up.
+class LaunchError(RuntimeError):
+    """The launcher's environment cannot start a correct job; the message says what to do."""
 
-    torchrun (and DeepSpeed's launcher, and SLURM via our scripts) export RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without them we run as one
-    process and never touch torch.distributed: every wrapper below then degenerates to a
-    copy or a no-op, so the same code path trains on a laptop.
+
+def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
+    """Start the default process group from the launcher's environment, if not already up.
+
+    torchrun (and DeepSpeed's launcher) export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+    and MASTER_PORT. `srun python ...` without torchrun exports only SLURM_* variables:
+    those are mapped (see _from_slurm), or N processes would silently train N separate
+    models into one folder. Without any of them we run as one process and never touch
+    torch.distributed: every wrapper below then degenerates to a copy or a no-op, so the
+    same code path trains on a laptop.
 
     Backend: NCCL when CUDA is available (collectives on GPU tensors), gloo otherwise.
+    The rank's GPU is made current whenever NCCL is in use, also when the group was
+    started by someone else (a user's own init_process_group): object collectives,
+    barriers and the CUDA RNG state follow the *current* device, which is GPU 0 unless
+    set, so every local rank would otherwise use GPU 0 (NCCL's duplicate-GPU error or a hang).
     """
     if dist.is_available() and dist.is_initialized():
+        if get_device().type == "cuda":
+            torch.cuda.set_device(get_device())
         return
+    _from_slurm()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return  # single process
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
     if backend == "nccl":
-        # Pick our GPU *before* the group starts so NCCL binds to the right device.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # Pick our GPU *before* the group starts so NCCL binds to the right device, and
+        # tell the group which one it is (eager NCCL init, no guessing from rank).
+        device = torch.device("cuda", _cuda_index())
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     # This module's functions take `group=group.WORLD` as a default argument, so importing it
     # after init (torch.optim's constructor does, through torch._dynamo) would hold the group
     # forever and destroy() could not stop its threads. Imported now, the defaults are None.
     import torch.distributed.nn.functional as _  # noqa: F401  (binds no local `torch`)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def _from_slurm() -> None:
+    """`srun python -m minizero.train` (no torchrun): take rank, world size and local rank
+    from SLURM. The rendezvous address cannot be guessed safely from inside one task, so
+    without MASTER_ADDR the job is refused with what to export."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    ntasks = int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_NPROCS", "1")))
+    if ntasks <= 1:
+        return   # one task: a single process, as without SLURM
+    if "MASTER_ADDR" not in os.environ:
+        raise LaunchError(f"srun started {ntasks} tasks without torchrun, and MASTER_ADDR is not set: export "
+                          f"MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1) and "
+                          f"MASTER_PORT before srun, or launch with torchrun (launch/slurm_minizero.sbatch)")
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=str(ntasks),
+                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 10000))
+
+
+def _cuda_index() -> int:
+    """This rank's GPU among the visible ones. One visible GPU (srun --gpus-per-task=1,
+    CUDA_VISIBLE_DEVICES per rank) is cuda:0 whatever LOCAL_RANK says; otherwise LOCAL_RANK."""
+    n, local = torch.cuda.device_count(), get_local_rank()
+    if n == 1:
+        return 0
+    if local >= n:
+        raise LaunchError(f"LOCAL_RANK {local} but only {n} GPUs are visible on this node: start at most {n} "
+                          f"ranks per node (--nproc-per-node), or give each rank one GPU")
+    return local
 
 
 def is_distributed() -> bool:
@@ -74,7 +121,10 @@ def is_distributed() -> bool:
 
 
 def get_rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+    """The global rank; before the group starts, the launcher's (so only rank 0 reports early errors)."""
+    if is_distributed():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def get_world_size() -> int:
@@ -86,10 +136,16 @@ def get_local_rank() -> int:
 
 
 def get_device() -> torch.device:
-    """`cuda:<local_rank>` on a GPU machine, else CPU. Every tensor we make lives here."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", get_local_rank())
-    return torch.device("cpu")
+    """Where this rank's tensors live, and every tensor handed to a collective with them.
+
+    It follows the backend actually in use: a gloo group (the CPU test suite, even on a
+    machine with GPUs) keeps everything on the CPU; NCCL, or one process on a GPU
+    machine, uses this rank's GPU among the visible ones."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if is_distributed() and dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", _cuda_index())
 
 
 def barrier() -> None:

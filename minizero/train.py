@@ -527,7 +527,7 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
     parser = parser or build_parser()
     # Under torchrun every rank parses the same command line: only rank 0 may print a
     # usage error (or --help), the others exit with the same code in silence.
-    quiet = os.environ.get("RANK", "0") != "0"
+    quiet = comm.get_rank() != 0     # before the group starts: the launcher's rank (torchrun or srun)
     with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext(), \
             contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         args = parser.parse_args(argv)
@@ -541,7 +541,7 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
             torch.backends.cudnn.benchmark = False                      # no algorithm chosen by timing
             _log0("minizero: deterministic algorithms on (MINIZERO_DETERMINISTIC=1)")
         train(args, lib)
-    except USER_ERRORS + lib.user_errors + (TrainingDiverged, rundir.RunDirError) as e:
+    except USER_ERRORS + lib.user_errors + (TrainingDiverged, rundir.RunDirError, comm.LaunchError) as e:
         # Bad input is one line, not a traceback. Config/data errors happen on every rank
         # alike, and the trainer's own checks agree across ranks, so rank 0 speaks for all.
         if comm.get_rank() == 0:

@@ -5,6 +5,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests import `tests.launcher`; make the repository root importable.
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# The suite is a CPU suite on any machine: gloo ranks, the CPU defaults of the training
+# scripts (synthetic data, tiny model), DeepSpeed's CPU accelerator. On a GPU box hide the
+# GPUs (before torch starts CUDA), unless the GPU check asks for its CUDA-only tests
+# (MINIZERO_TEST_CUDA=1, launch/gpu_check.py).
+if os.environ.get("MINIZERO_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # DeepSpeed JIT-compiles a small C++ op (deepspeed_shm_comm) on its first CPU run and
 # caches it by source path. Keep the cache per checkout: two clones sharing
 # ~/.cache/torch_extensions would rebuild it back and forth (a minute each time).
