@@ -27,6 +27,8 @@ from tests.test_train import PY, ROOT, SMALL, _env
 def _fake_cuda(monkeypatch, n: int):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    # No process group, whatever an earlier test left in this pytest process.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
 
 
 def test_srun_without_torchrun_is_one_job(tmp_path):
