@@ -518,6 +518,14 @@ def train(args, lib: Library) -> None:
                 run.lock.release()
 
 
+def _let_rank0_speak() -> None:
+    """A silent rank failing with rank 0: wait a moment before exiting. torchrun (and
+    DeepSpeed's launcher) kill every rank as soon as one exits non-zero, which could stop
+    rank 0 before it has printed the one line that says what went wrong."""
+    if comm.get_rank() != 0:
+        time.sleep(3.0)
+
+
 def _log0(*a, **k) -> None:
     if comm.get_rank() == 0:
         print(*a, **k)
@@ -528,10 +536,15 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
     # Under torchrun every rank parses the same command line: only rank 0 may print a
     # usage error (or --help), the others exit with the same code in silence.
     quiet = comm.get_rank() != 0     # before the group starts: the launcher's rank (torchrun or srun)
-    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext(), \
-            contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        args = parser.parse_args(argv)
-        check_args(parser, args)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext(), \
+                contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            args = parser.parse_args(argv)
+            check_args(parser, args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            _let_rank0_speak()
+        raise
     try:
         comm.init_distributed()
         # MINIZERO_DETERMINISTIC=1 (launch/gpu_check.py sets it): deterministic CUDA kernels,
@@ -546,6 +559,8 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
         # alike, and the trainer's own checks agree across ranks, so rank 0 speaks for all.
         if comm.get_rank() == 0:
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        else:
+            _let_rank0_speak()
         raise SystemExit(1) from None
     finally:
         comm.destroy()
