@@ -67,16 +67,6 @@ def mean_across_ranks_many(values: list, device) -> list[float]:
     return [sum(r[i] for r in rows) / world for i in range(len(values))]
 
 
-def broadcast_object(obj):
-    """Rank 0's picklable obj on every rank (control traffic; not in any comm count)."""
-    _, world = rank_world()
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def gather_objects(obj) -> list:
     """Every rank's picklable obj, in rank order (control traffic; not in any comm count)."""
     _, world = rank_world()

@@ -267,7 +267,7 @@ def claim_save_dir(save_dir: str, resume_dir: str | None, resume_tag: str | None
                         f"({', '.join(later)}); pass a new --save-dir for the resumed run")
         except rundir.RunDirError as e:
             err = str(e)
-    err = runlog.broadcast_object(err)
+    err = comm.broadcast_object(err)
     if err is not None:
         raise rundir.RunDirError(err)
     return lock

@@ -11,7 +11,6 @@ import argparse
 import copy
 import json
 import os
-import re
 
 import torch
 
@@ -194,31 +193,27 @@ def build_config(args, world_size: int) -> dict:
 def find_checkpoint(path: str, tag: str | None = None) -> str:
     """The tag --resume loads: `tag`, or the one `latest` names. Refused early, with one
     line that lists the complete checkpoints there, unless it is a complete checkpoint."""
-    from minizero.checkpoint import complete_tags
+    from minizero.checkpoint import complete_tags, describe_tags, read_latest
 
     if not os.path.isdir(path):
         raise UserError(f"--resume {path}: no such directory")
     tags = complete_tags(path)
-    have = (f"complete checkpoints there: {', '.join(tags)} (pick one with --tag)" if tags
-            else "it holds no complete checkpoint; point --resume at the --save-dir of a run that saved one")
     if tag is None:
-        latest = os.path.join(path, "latest")
-        if not os.path.isfile(latest):
-            raise UserError(f"--resume {path}: no checkpoint found ('latest' is missing); {have}")
-        with open(latest) as f:
-            tag = f.read().strip()
+        tag = read_latest(path)
+        if tag is None:
+            raise UserError(f"--resume {path}: no checkpoint found ('latest' is missing); {describe_tags(path)}")
         if tag not in tags:
-            raise UserError(f"--resume {path}: 'latest' names {tag!r}, which is not a complete checkpoint; {have}")
+            raise UserError(f"--resume {path}: 'latest' names {tag!r}, which is not a complete checkpoint; "
+                            f"{describe_tags(path)}")
     elif tag not in tags:
-        raise UserError(f"--resume {path} --tag {tag}: no complete checkpoint {tag!r}; {have}")
+        raise UserError(f"--resume {path} --tag {tag}: no complete checkpoint {tag!r}; {describe_tags(path)}")
     return tag
 
 
 def later_tags(save_dir: str, tag: str) -> list[str]:
-    """Complete checkpoints in save_dir saved after `tag` (a resumed run would overwrite them)."""
+    """Complete checkpoints in save_dir saved after `tag` (a resumed run would overwrite
+    them); complete_tags is ordered by the step each checkpoint saved."""
     from minizero.checkpoint import complete_tags
 
-    def step(t):
-        m = re.fullmatch(r"global_step(\d+)", t)
-        return int(m.group(1)) if m else None
-    return [t for t in complete_tags(save_dir) if None not in (step(t), step(tag)) and step(t) > step(tag)]
+    tags = complete_tags(save_dir)
+    return tags[tags.index(tag) + 1:] if tag in tags else []
