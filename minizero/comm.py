@@ -148,6 +148,14 @@ def get_device() -> torch.device:
     return torch.device("cuda", _cuda_index())
 
 
+def free_port() -> int:
+    """A TCP port free on this host right now, for MASTER_PORT of a single-host launch."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -205,10 +205,10 @@ class Engine(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
-        """Every rank writes its own shard; a `latest` file names the tag (checkpoint.py).
+        """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
         Must be called at a gradient-accumulation boundary. Returns the tag's folder
         (DeepSpeed returns True)."""
-        from . import checkpoint
+        from . import checkpoint_io as checkpoint
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
@@ -216,7 +216,7 @@ class Engine(torch.nn.Module):
         """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
         (as DeepSpeed does). `path` is the tag's folder (DeepSpeed returns the path of the
         model-states file inside it)."""
-        from . import checkpoint
+        from . import checkpoint_io as checkpoint
         path, client = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")

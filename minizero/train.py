@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from minizero import comm, rundir, runlog
-from minizero.checkpoint import CheckpointError
+from minizero.checkpoint_io import CheckpointError
 from minizero.config import ConfigError, load_config
 from minizero.data import DataConfigError, DatasetNotFoundError, UnknownDatasetError, build_datasets, make_loader
 from minizero.lr_schedules import MinGPTSchedule

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .checkpoint import CheckpointError, consolidate
+from .checkpoint_io import CheckpointError, consolidate
 
 PROG = "python -m minizero.zero_to_fp32"
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from minizero.checkpoint import CheckpointError, complete_tags, describe_missing_latest, optim_file
+from minizero.checkpoint_io import CheckpointError, complete_tags, describe_missing_latest, optim_file
 from tests.launcher import run_ranks
-from tests.test_checkpoint import _engine, _one_step
+from tests.test_checkpoint_io import _engine, _one_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK1 = optim_file(1)
@@ -120,7 +120,7 @@ def _save_node_local(d):
     """Rank 1 plays a rank on another node whose local disk has its own, empty `d`: it does
     not see the `<tag>.tmp` folder rank 0 creates (os.path.isdir is what save asks)."""
     import torch.distributed as dist
-    from minizero import checkpoint
+    from minizero import checkpoint_io as checkpoint
     engine = _engine(1, "fp32")
     _one_step(engine, 0)
     if dist.get_rank() == 1:

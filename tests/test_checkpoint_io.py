@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import minizero
-from minizero.checkpoint import CheckpointError
+from minizero.checkpoint_io import CheckpointError
 from tests.launcher import run_ranks
 
 MB = 4  # micro-batch per rank
@@ -125,7 +125,7 @@ def test_no_checkpoint_returns_none(tmp_path):
 
 
 def test_crash_mid_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path, monkeypatch):
-    from minizero import checkpoint
+    from minizero import checkpoint_io as checkpoint
     engine = _engine(1, "fp32")
     engine.save_checkpoint(str(tmp_path), tag="good")
     real_save = torch.save
@@ -190,7 +190,7 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
     killed before the k-th rename / delete / link of the publish, for every k: `latest`
     must name a complete checkpoint holding A or B, and the next save must clean up."""
     import shutil
-    from minizero.checkpoint import complete_tags
+    from minizero.checkpoint_io import complete_tags
     engine, checker = _engine(1, "fp32"), _engine(1, "fp32")
     base = str(tmp_path / "base")
     for s in range(2):     # WarmupLR: the first two steps have lr 0
