@@ -23,9 +23,10 @@ from typing import Any, Optional
 
 import torch
 
+from minizero import lr_schedules
+from minizero.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config key or value minizero does not accept. The message says what to do."""
+__all__ = ["ConfigError", "Config", "load_config", "build_optimizer", "resolve_batch_size"]
 
 
 _MISSING = object()
@@ -415,7 +416,6 @@ def _parse_optimizer(d) -> Optional[OptimizerConfig]:
 def _parse_scheduler(d) -> Optional[SchedulerConfig]:
     if d is None:
         return None
-    from minizero import lr_schedules   # lazy: lr_schedules imports ConfigError from here
     d = _section(d, "scheduler", {"type": (_MISSING, _any), "params": ({}, _any)})
     if d["type"] is _MISSING:
         raise ConfigError(f"scheduler.type is missing; use one of {sorted(lr_schedules.SCHEDULERS)}")

@@ -18,11 +18,12 @@ worth knowing, all copied on purpose:
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
-from minizero.config import ConfigError
+from minizero.errors import ConfigError
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
@@ -229,15 +230,12 @@ class MinGPTSchedule:
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
 
-# Constructor arguments a config may set (everything but the optimizer), per schedule.
-_PARAMS = {
-    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
-    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                      "last_batch_iteration"),
-    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-                       "last_batch_iteration"),
-}
-_REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",)}
+
+def _config_keys(cls) -> dict:
+    """{name: required?} of the keys `scheduler.params` may set for `cls`: its constructor's
+    arguments but the optimizer (the signature is their one declaration)."""
+    args = list(inspect.signature(cls.__init__).parameters.values())[2:]   # self, optimizer
+    return {a.name: a.default is inspect.Parameter.empty for a in args}
 
 
 def check_scheduler_params(name, params) -> None:
@@ -255,25 +253,28 @@ def check_scheduler_params(name, params) -> None:
         params = {}
     if not isinstance(params, dict):
         raise ConfigError(f"scheduler.params must be a JSON object, got {params!r}")
+    keys = _config_keys(SCHEDULERS[name])
     for key in params:
-        if key not in _PARAMS[name]:
+        if key not in keys:
             raise ConfigError(f"unknown config key 'scheduler.params.{key}' for {name}; "
-                              f"accepted keys: {', '.join(_PARAMS[name])}")
-    for key in _REQUIRED.get(name, ()):
-        if key not in params:
+                              f"accepted keys: {', '.join(keys)}")
+    for key, required in keys.items():
+        if required and key not in params:
             raise ConfigError(f"scheduler.params.{key} is required by {name}")
 
 
 def build_scheduler(optimizer, sched_cfg):
-    """The schedule for the config's `scheduler` section (a SchedulerConfig or its dict); None -> None.
+    """The schedule for the config's `scheduler` section; None -> None.
 
-    As `DeepSpeedEngine._scheduler_from_config`: `cls(optimizer, **params)`.
+    `sched_cfg` is the parsed section (`Config.scheduler`, checked by load_config) or a
+    raw {"type": ..., "params": ...} dict, checked here. As
+    `DeepSpeedEngine._scheduler_from_config`: `cls(optimizer, **params)`.
     """
     if sched_cfg is None:
         return None
     if isinstance(sched_cfg, dict):
         name, params = sched_cfg.get("type"), sched_cfg.get("params") or {}
+        check_scheduler_params(name, params)
     else:
         name, params = sched_cfg.type, sched_cfg.params or {}
-    check_scheduler_params(name, params)
     return SCHEDULERS[name](optimizer, **params)
