@@ -19,12 +19,13 @@ timings live in exactly one place, `minizero.checkpointing`, whose `configure` c
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
+
+from minizero.config import read_json
 
 __all__ = ["CheckpointConfig", "resolve"]
 
@@ -51,8 +52,7 @@ def _is_rank0() -> bool:
 def _read_section(deepspeed_config) -> dict:
     """The `activation_checkpointing` dict of a config given as a dict or a JSON path."""
     if isinstance(deepspeed_config, (str, os.PathLike)):
-        with open(deepspeed_config) as f:
-            deepspeed_config = json.load(f)
+        deepspeed_config = read_json(deepspeed_config)
     if not isinstance(deepspeed_config, dict):
         raise TypeError(f"deepspeed_config must be a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
     section = deepspeed_config.get("activation_checkpointing", {})

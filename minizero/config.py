@@ -26,7 +26,7 @@ import torch
 from minizero import lr_schedules
 from minizero.errors import ConfigError
 
-__all__ = ["ConfigError", "Config", "load_config", "build_optimizer", "resolve_batch_size"]
+__all__ = ["ConfigError", "Config", "load_config", "read_json", "build_optimizer", "resolve_batch_size"]
 
 
 _MISSING = object()
@@ -372,24 +372,43 @@ def resolve_batch_size(train_batch_size, micro_batch, grad_acc, world_size):
 
 # ----------------------------------------------------------------------------- loading
 
+def read_json(path, name: str | None = None) -> dict:
+    """The JSON object in the file at `path`; one ConfigError line for each way that fails.
+
+    `name` is how messages call the file (default: "config file '<path>'"). Duplicate keys
+    are refused, as DeepSpeed does (config_utils.dict_raise_error_on_duplicate_keys): plain
+    json.load would silently keep the last one.
+    """
+    path = Path(path)
+    hint = "" if name else "; pass a dict or a path to a JSON file"
+    name = name or f"config file {str(path)!r}"
+    if not path.exists():
+        raise ConfigError(f"{name} does not exist{hint}")
+    if not path.is_file():
+        raise ConfigError(f"{name} is a directory, not a JSON file")
+
+    def no_dupes(pairs):
+        keys = [k for k, _ in pairs]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        if dupes:
+            raise ConfigError(f"{name}: duplicate key(s) {dupes}; keep one of each")
+        return dict(pairs)
+    try:
+        d = json.loads(path.read_text(), object_pairs_hook=no_dupes)
+    except ConfigError:
+        raise
+    except ValueError as e:   # JSONDecodeError, or bytes that are not UTF-8
+        raise ConfigError(f"{name} is not valid JSON ({e}); minizero reads plain JSON, no comments") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{name} must hold a JSON object {{...}}, got {type(d).__name__}")
+    return d
+
+
 def _read(config) -> dict:
     if isinstance(config, dict):
         return config
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a dict or a path to a JSON file")
-
-        def no_dupes(pairs):   # DS: config_utils.dict_raise_error_on_duplicate_keys
-            keys = [k for k, _ in pairs]
-            dupes = sorted({k for k in keys if keys.count(k) > 1})
-            if dupes:
-                raise ConfigError(f"{path}: duplicate key(s) {dupes}; keep one of each")
-            return dict(pairs)
-        try:
-            return json.loads(path.read_text(), object_pairs_hook=no_dupes)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e}); minizero reads plain JSON, no comments") from None
+        return read_json(config)
     raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
 
 

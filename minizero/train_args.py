@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 
 import torch
 
-from minizero.config import resolve_batch_size
+from minizero.config import ConfigError, read_json, resolve_batch_size
 from minizero.data import DATASETS
 from minizero.model import PRESETS
 
@@ -130,16 +129,11 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 # ----------------------------------------------------------------------------- config
 
 def read_config_file(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UserError(f"--config {path}: no such file")
+    """--config's JSON object (config.read_json), its errors as UserError naming the flag."""
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--config {path} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"--config {path} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
+        return read_json(path, f"--config {path}")
+    except ConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def dtype_of(cfg: dict) -> str:

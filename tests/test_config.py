@@ -156,6 +156,22 @@ def test_load_from_path_and_duplicate_keys(tmp_path):
         load_config(tmp_path / "missing.json", 1)
 
 
+@pytest.mark.parametrize("text,needle", [("{'a': 1}", "is not valid JSON"), ("[1, 2]", "must hold a JSON object"),
+                                         ('{"train_batch_size": 8, // x\n}', "no comments")])
+def test_read_json_one_line_errors(tmp_path, text, needle):
+    """The one JSON reader (load_config, train.py's --config, checkpointing.configure)."""
+    from minizero.config import read_json
+    from minizero.train_args import UserError, read_config_file
+    p = tmp_path / "c.json"
+    p.write_text(text)
+    for read, error in ((read_json, ConfigError), (read_config_file, UserError)):
+        with pytest.raises(error, match=needle) as e:
+            read(str(p))
+        assert "\n" not in str(e.value) and str(p) in str(e.value)
+    with pytest.raises(UserError, match=r"^--config .* is a directory"):
+        read_config_file(str(tmp_path))
+
+
 # ----------------------------------------------------------------------------- batch sizes
 
 BATCH_CASES = [  # (train_batch_size, micro, gas, world_size)
