@@ -3,8 +3,9 @@
 - No tracked file names a file outside the repository: a reader of the repo does not have
   someone's private notes or the author's machine, so every fact the code relies on lives
   in the repo's own docs (docs/deepspeed.md) and is cited from there.
-- Every citation `docs/deepspeed.md, "<title>"` names a section that exists, and every
-  relative link in a tracked Markdown file points to a file (and heading) that exists.
+- Every citation `docs/deepspeed.md, "<title>"` names a section that exists, every
+  relative link in a tracked Markdown file points to a file (and heading) that exists, and
+  every test a doc names (tests/x.py::test_y) exists.
 - No import cycle inside minizero/. Imports inside functions count: a deferred import
   only hides the cycle from the interpreter, not from a reader, who still has to hold
   both modules in mind to follow either; the fix is the same as for a top-level cycle
@@ -167,6 +168,25 @@ def test_relative_markdown_links_point_to_existing_files_and_headings():
             elif ROOT not in dest.parents and dest != ROOT:
                 bad.append(f"{where}: points outside the repository")
     assert not bad, "broken relative links:\n" + "\n".join(bad)
+
+
+TEST_REF = re.compile(r"\b(tests/\w+\.py)::(\w+)")
+
+
+def test_docs_name_tests_that_exist():
+    """A fact "Pinned by: tests/x.py::test_y" is only pinned while test_y exists."""
+    bad = []
+    for rel, text in tracked_text_files():
+        if not rel.endswith(".md"):
+            continue
+        for m in TEST_REF.finditer(text):
+            path, name = ROOT / m.group(1), m.group(2)
+            defined = path.is_file() and any(
+                isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+                for n in ast.walk(ast.parse(path.read_text())))
+            if not defined:
+                bad.append(f"{rel}:{_line_of(text, m.start())}: {m.group(0)} does not exist")
+    assert not bad, "docs name tests that do not exist (renamed? update the doc):\n" + "\n".join(bad)
 
 
 # ----------------------------------------------------------------------------- import cycles
