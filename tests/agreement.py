@@ -26,6 +26,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from minizero.model import GPT, get_preset  # noqa: E402
 from reference.ds_run import (SyntheticBatches, build_model, prepare_ds_config,  # noqa: E402
                               train_steps)
+from tests import probes  # noqa: E402
 
 N = 2
 STEPS = 20
@@ -68,13 +69,6 @@ def make_config(stage: int, dtype: str = "fp32", ckpt: bool = False, clip: Optio
 
 # ----------------------------------------------------------------------------- the run
 
-def _flat_layout(engine) -> List[Dict[str, Any]]:
-    z = engine.zero
-    return [{"label": f.label, "group": g, "numel": f.numel, "padded": f.padded_numel,
-             "shard": f.shard_numel, "keep_full": bool(f.keep_full), "n_params": len(f.params)}
-            for f, g in zip(z.flat_params, z.flat_group)]
-
-
 def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
                  capture_memory: bool = False, seed: int = 0, weight_decay: Optional[float] = None,
                  return_final_state: bool = True, variant: str = "minizero") -> Dict[str, Any]:
@@ -84,9 +78,9 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     plus `comm` (the ledger's by_label since initialize, before the final-state gather) and
     `layout` (one dict per FlatParam).
 
-    `variant` (test harness only): "minizero", the engine as it is; "ds_norm", the clip
-    factor from DeepSpeed's norm arithmetic for this stage (`patch_clip`; `ds_grad_norms`
-    holds the norms); "jitter<k>", minizero's clip factor moved by a random whole number
+    `variant` (test harness only; the patches are in tests/probes.py): "minizero", the
+    engine as it is; "ds_norm", the clip factor from DeepSpeed's norm arithmetic for this
+    stage (`patch_clip`; `ds_grad_norms` holds the norms); "jitter<k>", minizero's clip factor moved by a random whole number
     of fp32 ulps in [-3, 3] on every step that clips (seed k); "ds_stage0", stage 0 with
     DeepSpeed's stage-0 bf16/fp16 arithmetic, quirks included (`ds_stage0_arithmetic`);
     "ds_grown_scale", fp16 gradients unscaled by the loss scale as updated by this step
@@ -100,11 +94,7 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     t0 = time.perf_counter()
     engine, _, _, _ = minizero.initialize(model=model, model_parameters=model_parameters, config=cfg)
     init_seconds = time.perf_counter() - t0
-    ds_norms = patch_clip(engine, variant)
-    if variant == "ds_stage0":
-        ds_stage0_arithmetic(engine)
-    if variant == "ds_grown_scale":
-        unscale_by_updated_scale(engine)
+    ds_norms = probes.apply_variant(engine, variant)
     comm.ledger.reset()
 
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -118,7 +108,7 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
         "init_seconds": init_seconds, "rank": rank, "world_size": world,
         "zero_stage": int(engine.zero_optimization_stage()), "config": cfg,
         "comm": {k: dict(v) for k, v in comm.ledger.by_label.items()},
-        "layout": _flat_layout(engine),
+        "layout": probes.flat_layout(engine),
         "n_blocks": len(getattr(model, "blocks", [])),
     })
     if ds_norms is not None:
@@ -128,184 +118,6 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     if memory is not None:
         out["memory"] = memory
     return out
-
-
-# ----------------------------------------------------------------------------- the clip factor, replaced
-
-def patch_clip(engine, variant: str) -> Optional[List[float]]:
-    """Replace the clip factor minizero's engine hands to `zero.step(combined_scale)`.
-
-    Used only by the clipping tests: minizero and DeepSpeed differ in exactly one piece of
-    arithmetic, the global gradient norm (test_grad_norm_matches_to_fp32_rounding), which
-    reaches the weights only through the clip factor. "ds_norm" computes that factor the way
-    DeepSpeed 0.19.8 does for this stage (`ds_clip_scale`), so a run can be compared
-    with DeepSpeed bitwise; "jitter<k>" moves minizero's own factor by a few fp32 ulps, the
-    size of the norm gap, to sample how far such a change carries. fp32/bf16 only (the
-    loss scale is 1)."""
-    if not (variant == "ds_norm" or variant.startswith("jitter")):
-        return None
-    zero, orig = engine.zero, engine.zero.step
-    assert engine.loss_scaler is None, "patch_clip: fp32/bf16 runs only"
-    clip_value = float(engine.config.gradient_clipping)
-    if variant == "ds_norm":
-        norms: List[float] = []
-
-        def step(combined_scale):
-            total = ds_grad_norm(zero)
-            norms.append(float(total))
-            orig(ds_clip_scale(total, clip_value))
-        zero.step = step
-        return norms
-    gen = torch.Generator().manual_seed(int(variant[len("jitter"):]))
-
-    def step(combined_scale):
-        u = int(torch.randint(-3, 4, (), generator=gen))       # same draw on every rank
-        if float(combined_scale) > 1.0:                         # the step clips
-            toward = torch.tensor(float("inf") if u > 0 else 0.0)
-            for _ in range(abs(u)):
-                combined_scale = torch.nextafter(combined_scale, toward)
-        orig(combined_scale)
-    zero.step = step
-    return None
-
-
-def ds_stage0_arithmetic(engine) -> None:
-    """Give minizero's stage 0 what DeepSpeed's stage-0 bf16/fp16 path does (engine.py
-    allreduce_bucket + runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer):
-
-    1. __init__ -> initialize_optimizer_states: zero gradients on every fp32 master,
-       optimizer.step() (AdamW's step count becomes 1, weight decay applied once), and the
-       low-precision weights are NOT refreshed from the masters;
-    2. fp16: DeepSpeedEngine.backward never multiplies the loss by the scale (the step
-       still divides by it: minizero's engine does that part already);
-    3. gradients all-reduced as a sum, then multiplied by 1/N (postscale_gradients)."""
-    import torch.distributed as dist
-
-    zero = engine.zero
-    assert zero.stage == 0 and zero.mixed
-    for m in zero.masters:
-        m.grad = torch.zeros_like(m)
-    zero.optimizer.step()
-    for m in zero.masters:
-        m.grad = None
-
-    if engine.loss_scaler is not None:
-        backward, scaler = engine.backward, engine.loss_scaler
-
-        def unscaled_backward(loss):
-            scale, scaler.cur_scale = scaler.cur_scale, 1.0
-            try:
-                return backward(loss)
-            finally:
-                scaler.cur_scale = scale
-        engine.backward = unscaled_backward
-
-    def reduce_gradients():
-        for f in zero.flat_params:
-            buf = f.flat_grad()
-            dist.all_reduce(buf)
-            buf.mul_(1.0 / zero.world_size)
-            f.clear_param_grads()
-            f.grad_shard = buf
-    zero.reduce_gradients = reduce_gradients
-
-
-def unscale_by_updated_scale(engine) -> None:
-    """DeepSpeed's ZeRO-1/2 fp16 step (stage_1_and_2.py: DeepSpeedZeroOptimizer.step) calls
-    _update_scale before unscale_and_clip_grads, which then reads the NEW scale S'. The
-    engine updates its scaler before zero.step too, so here cur_scale is already S'.
-    Exact only while clipping is inactive, where both factors are 1 and the combined
-    scale is the loss scale alone (asserted)."""
-    zero, orig, scaler = engine.zero, engine.zero.step, engine.loss_scaler
-
-    def step(combined_scale):
-        new = torch.tensor(scaler.cur_scale, dtype=torch.float32)
-        old = float(combined_scale)
-        assert old in (float(new), float(new) / scaler.scale_factor), "clipping active: not exact"
-        orig(new)
-    zero.step = step
-
-
-def _full_grads(zero) -> Dict[int, torch.Tensor]:
-    """id(param) -> its full reduced gradient (every rank's grad_shard gathered; plain
-    torch.distributed, so minizero's comm ledger does not see it)."""
-    import torch.distributed as dist
-
-    out = {}
-    for f in zero.flat_params:
-        full = f.grad_shard
-        if zero.grads_partitioned():
-            full = torch.empty(f.padded_numel, dtype=f.grad_shard.dtype)
-            dist.all_gather_into_tensor(full, f.grad_shard.contiguous())
-        off = 0
-        for p, n in zip(f.params, f.numels):
-            out[id(p)] = full[off:off + n]
-            off += n
-    return out
-
-
-def ds_grad_norm(zero) -> torch.Tensor:
-    """DeepSpeed 0.19.8's global gradient norm, with its data layout and op order.
-
-    ZeRO-1/2 (stage_1_and_2.py: get_grad_norm_direct per param group, scaled_global_norm):
-    each group is laid end to end and padded to a multiple of 2N, rank r owns elements
-    [r*P, (r+1)*P), P = padded/N; per piece of a parameter inside that range, fp64
-    vector_norm; stack().pow(2).sum() ROUNDED TO fp32; fp32 all-reduce (N = 2: a + b);
-    fp32 pow(1/2); then combine_grad_norm_groups = fp32 vector_norm of the group norms.
-    ZeRO-3 (stage3.py: get_grad_norm_direct): every parameter padded to ceil(n/N) per rank;
-    per partition, fp64 norm; sum of squares, all-reduce, pow(1/2) and the group combine
-    all in fp64. Every rank computes every rank's partial sum from the gathered gradient;
-    the fp32/fp64 all-reduce of 2 values is one commutative addition, so this is exact."""
-    N = zero.world_size
-    grads = _full_grads(zero)
-    group_norms = []
-    for g in zero.param_groups:
-        params = list(g["params"])
-        if zero.stage == 3:
-            partial = []
-            for r in range(N):
-                norms = []
-                for p in params:
-                    full = grads[id(p)]
-                    n = full.numel()
-                    s = -(-n // N)                                   # ceil(n/N), zero-padded
-                    part = torch.zeros(s, dtype=full.dtype)
-                    lo, hi = min(r * s, n), min((r + 1) * s, n)
-                    part[:hi - lo] = full[lo:hi]
-                    norms.append(part.to(torch.float64).norm(2.0))
-                partial.append(torch.sum(torch.pow(torch.stack(norms), 2.0)))
-            total = partial[0]
-            for t in partial[1:]:
-                total = total + t
-            group_norms.append(total ** (1. / 2.0))
-        else:
-            numels = [grads[id(p)].numel() for p in params]
-            padded = -(-sum(numels) // (2 * N)) * (2 * N)
-            P = padded // N
-            partial = []
-            for r in range(N):
-                norms, off = [], 0
-                for p, n in zip(params, numels):
-                    lo, hi = max(off, r * P), min(off + n, (r + 1) * P)
-                    if lo < hi:
-                        piece = grads[id(p)] if hi - lo == n else grads[id(p)][lo - off:hi - off]
-                        norms.append(torch.linalg.vector_norm(piece.to(torch.float64), ord=2.0))
-                    off += n
-                partial.append(torch.stack(norms).pow(2.0).sum().float() if norms
-                               else torch.tensor(0.0, dtype=torch.float32))
-            total = partial[0]
-            for t in partial[1:]:
-                total = total + t
-            group_norms.append(total.pow(1. / 2.0))
-    return torch.linalg.vector_norm(torch.stack(group_norms), ord=2.0)
-
-
-def ds_clip_scale(total_norm: torch.Tensor, clip_value: float) -> torch.Tensor:
-    """DeepSpeed's unscale_and_clip_grads combined scale (loss scale 1): fp32 at ZeRO-1/2,
-    fp64 at ZeRO-3 (its norm is fp64). zero.step then multiplies the fp32 gradient by
-    1 / this, as DeepSpeed does (a 0-dim fp64 factor is rounded to fp32 by the multiply)."""
-    clip = ((total_norm / 1.0) + 1e-6) / clip_value
-    return torch.clamp(clip, min=1.0) * 1.0
 
 
 def run_minizero_many(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn as nn
 
-from tests import launcher
+from tests import launcher, probes
 from tests.launcher import run_ranks
 
 # Let the forkserver import this module too (only possible before it starts), so ranks
@@ -133,37 +133,7 @@ def ds_config(spec, world):
     return cfg
 
 
-# ----------------------------------------------------------------------------- probes
-
-def _storage_key(t):
-    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-
-
-def measured_bytes(engine) -> dict:
-    """Walk the live tensors of the model state (as reference/ds_memory.py counts DeepSpeed's),
-    deduplicated by storage: what this rank really holds right now."""
-    z = engine.zero
-    seen = set()
-
-    def count(tensors):
-        tot = 0
-        for t in tensors:
-            if t is None:
-                continue
-            k = _storage_key(t)
-            if k[1] == 0 or k in seen:
-                continue
-            seen.add(k)
-            tot += k[1]
-        return tot
-
-    params = count([f.full for f in z.flat_params] + [f.shard for f in z.flat_params])
-    grads = count([p.grad for f in z.flat_params for p in f.params] + [f.grad_shard for f in z.flat_params])
-    master = count(z.masters) if z.mixed else 0
-    opt = count([v for st in z.optimizer.state.values() for v in st.values()
-                 if torch.is_tensor(v) and v.dim() > 0])
-    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
-
+# ----------------------------------------------------------------------------- ledger
 
 def _ledger_delta(before, after):
     out = {}
@@ -217,29 +187,10 @@ def train_run(spec: dict) -> dict:
     model = build_model(spec)
     engine, *_ = minizero.initialize(model=model, model_parameters=param_groups(model),
                                      config=ds_config(spec, world))
-    z = engine.zero
     out = {"rank": rank, "world": world, "losses": [], "norms": [], "scales": [], "skipped": [],
-           "flats": [dict(label=f.label, numel=f.numel, padded=f.padded_numel, shard=f.shard_numel,
-                          keep_full=f.keep_full, elem=f.full.element_size()) for f in z.flat_params],
-           "memory_breakdown_init": engine.memory_breakdown()}
-
-    # live full-gradient elements, seen from hooks registered after the engine's own
-    all_params = [p for f in z.flat_params for p in f.params]
-    live = {"max": 0}
-
-    def on_grad(_p):
-        live["max"] = max(live["max"], sum(p.grad.numel() for p in all_params if p.grad is not None))
-    for p in all_params:
-        p.register_post_accumulate_grad_hook(on_grad)
-
-    # ZeRO-3: how many partitioned FlatParams are gathered at once during forward
-    gathered_fwd = {"max": 0}
-    if spec["stage"] == 3:
-        def count_gathered(*_):
-            gathered_fwd["max"] = max(gathered_fwd["max"],
-                                      sum(1 for f in z.flat_params if not f.keep_full and f.full_is_allocated()))
-        for u in z.units:
-            u.module.register_forward_pre_hook(count_gathered)
+           "flats": probes.flat_layout(engine), "memory_breakdown_init": engine.memory_breakdown()}
+    live = probes.watch_live_grad_numel(engine)
+    gathered_fwd = probes.watch_z3_gathered(engine) if spec["stage"] == 3 else {"max": 0}
 
     for step in range(spec["steps"]):
         if step == spec["steps"] - 1:
@@ -253,12 +204,9 @@ def train_run(spec: dict) -> dict:
             loss = engine(x[lo:hi], y[lo:hi])[1]
             engine.backward(loss)
             if step == 0 and m == spec["gas"] - 1:
-                out["after_backward"] = dict(
-                    p_grad_none=all(p.grad is None for p in all_params),
-                    p_grad_numel=sum(p.grad.numel() for p in all_params if p.grad is not None),
-                    grad_shards=[None if f.grad_shard is None else f.grad_shard.numel() for f in z.flat_params])
+                out["after_backward"] = probes.after_backward(engine)
             if step == spec["steps"] - 1 and m == spec["gas"] - 1:
-                out["measured_after_backward"] = measured_bytes(engine)
+                out["measured_after_backward"] = probes.measured_bytes(engine)
             engine.step()
             tot += float(loss.detach())
         out["losses"].append(tot / spec["gas"])
@@ -271,14 +219,9 @@ def train_run(spec: dict) -> dict:
     out["max_live_grad_numel"] = live["max"]
     out["z3_max_gathered_fwd"] = gathered_fwd["max"]
     out["memory_breakdown"] = engine.memory_breakdown()
-    out["measured_after_step"] = measured_bytes(engine)
+    out["measured_after_step"] = probes.measured_bytes(engine)
     if spec["stage"] == 3:
-        part = [f for f in z.flat_params if not f.keep_full]
-        out["z3_between_steps"] = dict(
-            n_partitioned=len(part),
-            full_nbytes=[f.full.untyped_storage().nbytes() for f in part],
-            param_numels=[p.numel() for f in part for p in f.params],
-            shard_states=[u.shard_state.name for u in z.units])
+        out["z3_between_steps"] = probes.z3_between_steps(engine)
     out["ledger_total"] = comm.ledger.snapshot()
     out["dist_record"] = {op: dict(v) for op, v in dist_record.items()}
     out["global_steps"] = engine.global_steps
@@ -382,7 +325,6 @@ def overflow_run(stage: int) -> dict:
     model = build_model(spec)
     engine, *_ = minizero.initialize(model=model, model_parameters=param_groups(model),
                                      config=ds_config(spec, world))
-    z = engine.zero
     log = []
     for step in range(spec["steps"]):
         x, y = global_batch(spec, step)
@@ -395,23 +337,17 @@ def overflow_run(stage: int) -> dict:
         if step == 2 and rank == 1:
             # poison rank 1's *reduced* gradient right after the engine's reduction, so only
             # rank 1 can see it (at stage 0 nothing else is all-reduced: only the vote tells rank 0)
-            orig = z.reduce_gradients
-
-            def poisoned():
-                orig()
-                next(f for f in z.flat_params if f.grad_shard is not None).grad_shard[-1 if stage == 0 else 0] = float("inf")
-            z.reduce_gradients = poisoned
+            probes.poison_reduced_grad(engine, stage)
         n = len(msgs)
         engine.step()
-        z.__dict__.pop("reduce_gradients", None)
+        probes.unpoison(engine)
         after = engine.full_fp32_state_dict()
         log.append(dict(
             loss=float(loss.detach()),
             changed=max_abs_diff(before, after),
             scale=engine.loss_scale, skipped=engine.skipped_steps, global_steps=engine.global_steps,
-            opt_steps=sorted({float(st["step"]) for st in z.optimizer.state.values()}),
-            grads_left=sum(1 for f in z.flat_params for p in f.params if p.grad is not None)
-            + sum(1 for f in z.flat_params if f.grad_shard is not None),
+            opt_steps=probes.opt_step_counts(engine),
+            grads_left=probes.grads_left(engine),
             norm=engine.get_global_grad_norm(),
             msgs=[m for m in msgs[n:]]))
     return {"rank": rank, "log": log}

@@ -4,7 +4,7 @@
   each FlatParam, padded to a multiple of N; ZeRO-3 persistence flags = FlatParam.keep_full),
 - the bytes really held, found by walking the live tensors (flat buffers, shards, p.grad,
   grad shards, fp32 masters, Adam moments; deduplicated by storage) at the end of backward,
-  which is when `grads` is counted (engine_runs.measured_bytes),
+  which is when `grads` is counted (probes.measured_bytes),
 - memory.paper_bytes(Ψ): differs by exactly the padding,
 
 for stages 0-3 in bf16 at N = 2 and N = 4 (ZeRO-3 with stage3_param_persistence_threshold 0),
