@@ -1,6 +1,7 @@
 """minizero: DeepSpeed's ZeRO, loss scaling and activation checkpointing, in plain torch.distributed.
 
-The public surface mirrors DeepSpeed's (see API.md), so one script runs under either:
+The public surface mirrors DeepSpeed's names (initialize, the engine's methods,
+checkpointing.configure/checkpoint), so one script runs under either:
 
     engine, optimizer, train_loader, lr_scheduler = minizero.initialize(model=model, config=cfg)
     loss = engine(x, y)[1]; engine.backward(loss); engine.step()
@@ -8,7 +9,7 @@ The public surface mirrors DeepSpeed's (see API.md), so one script runs under ei
 import logging as _logging
 import os as _os
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 _log = _logging.getLogger("minizero")
 if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's logger)

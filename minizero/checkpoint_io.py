@@ -80,7 +80,9 @@ import zipfile
 
 import torch
 
-from . import __version__, comm
+from . import comm
+from .version import __version__
+from .partition import unflatten
 
 logger = logging.getLogger("minizero")
 
@@ -255,7 +257,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     _refuse_non_finite(engine, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    rank, zero = engine.global_rank, engine.zero
+    rank, zero, opt = engine.global_rank, engine.zero, engine.sharded_optimizer
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -274,10 +276,10 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if zero.stage > 0 or rank == 0:
         torch.save({
             "rank": rank,
-            "masters": [m.detach().cpu().clone() for m in zero.masters],
+            "masters": [m.detach().cpu().clone() for m in opt.masters],
             "shards": [f.shard.detach().cpu().clone() for f in zero.flat_params],
-            "optimizer": zero.optimizer.state_dict(),
-            "partition_count": zero.shard_world(),
+            "optimizer": opt.optimizer.state_dict(),
+            "partition_count": zero.flat_params[0].num_shards,
         }, os.path.join(tmp, optim_file(rank)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank_{rank}.pt"))
@@ -291,8 +293,8 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
 def _refuse_non_finite(engine, save_dir: str, tag: str) -> None:
     """Collective: every rank checks its own shards; one MAX all-reduce tells all which
     ranks hold an inf/NaN, and then all of them refuse, before anything is written."""
-    zero = engine.zero
-    bad = any(not bool(torch.isfinite(t).all()) for t in [*zero.masters, *(f.shard for f in zero.flat_params)])
+    opt = engine.sharded_optimizer
+    bad = any(not bool(torch.isfinite(t).all()) for t in [*opt.masters, *(f.shard for f in opt.flat_params)])
     flags = torch.zeros(engine.world_size, device=engine.device)
     flags[engine.global_rank] = float(bad)
     comm.all_reduce(flags, op="max", label="checkpoint_finite")
@@ -378,7 +380,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
-    rank, zero = engine.global_rank, engine.zero
+    rank, zero, opt = engine.global_rank, engine.zero, engine.sharded_optimizer
     src = rank if zero.stage > 0 else 0
     rng_name = f"rng_rank_{rank}.pt"
     meta = shard_state = rng = None
@@ -397,17 +399,17 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
         err = str(e)
     _agree(engine, err)
 
-    zero.zero_grad()  # a resumed step starts with no gradient, as the saved one did
+    opt.zero_grad()  # a resumed step starts with no gradient, as the saved one did
     same_dtype = meta["dtype"] == str(engine.dtype)
     with torch.no_grad():
-        for f, m, saved_m, saved_s in zip(zero.flat_params, zero.masters, shard_state["masters"], shard_state["shards"]):
+        for f, m, saved_m, saved_s in zip(opt.flat_params, opt.masters, shard_state["masters"], shard_state["shards"]):
             m.copy_(saved_m)
             # In another dtype the low-precision weights are the masters rounded, as a step makes them.
             f.shard.copy_(saved_s if same_dtype else m)
-            if f.keep_full and zero.shard_world() > 1:
+            if f.keep_full and f.num_shards > 1:
                 f.all_gather(label="load")
     if load_optimizer_states:
-        zero.optimizer.load_state_dict(shard_state["optimizer"])
+        opt.optimizer.load_state_dict(shard_state["optimizer"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
@@ -492,9 +494,5 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
         if full.numel() != f["padded_numel"]:
             raise CheckpointError(f"{path}: the shards of {f['label']} hold {full.numel()} values, the layout says "
                                   f"{f['padded_numel']}; the optimizer files are not from one checkpoint")
-        off = 0
-        for name, shape in zip(f["names"], f["shapes"]):
-            k = int(torch.Size(shape).numel())
-            out[name] = full[off:off + k].view(shape).clone()
-            off += k
+        out.update({name: t.clone() for name, t in unflatten(full, f["names"], f["shapes"]).items()})
     return out

@@ -1,18 +1,23 @@
 """The Engine: one training step, read top to bottom.
 
-    engine(x, y)           forward of the wrapped module (ZeRO-3: blocks gathered on the way)
+    engine(x, y)           forward of the wrapped module (ZeRO-3: each block gathered on the way)
     engine.backward(loss)  loss / grad_accum, x loss scale (fp16), backward; ZeRO-2/3 reduce
                            gradient buckets from hooks while backward runs
-    engine.step()          every micro-batch; at the accumulation boundary:
+    engine.step()          every micro-batch; at the accumulation boundary, `_take_model_step`:
                              1. reduce gradients        (stage 0 all-reduce, ZeRO-1 reduce-scatter)
                              2. global gradient norm    (sum of shard norms, one scalar all-reduce)
-                             3. fp16 overflow vote      (all-reduce MAX): skip the step, shrink the scale
+                             3. skip or step            (fp16 overflow vote; non-finite bf16/fp32)
                              4. unscale + clip + Adam   on this rank's fp32 master shard
                              5. share new parameters    (ZeRO-1/2 all-gather; ZeRO-3 gathers on use)
                              6. LR schedule, counters
 
-The names and the semantics of every public member follow DeepSpeed's `DeepSpeedEngine`
-(see shared API.md); where DeepSpeed has a bug we do not copy it, and say so here.
+Two objects do the work: `self.zero`, the stage (zero0-3.py: where parameters and
+gradients live, which collective moves them, and when), and `self.sharded_optimizer`
+(sharded_optimizer.py: the step on this rank's shard, the same at every stage).
+
+The names and semantics of the public members follow DeepSpeed's `DeepSpeedEngine`, so
+one script runs under either library; where DeepSpeed has a bug we do not copy it, and
+docs/deepspeed.md says so.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from . import comm
 from .config import build_optimizer, load_config
 from .fp16 import create_loss_scaler, overflow_across_ranks
 from .lr_schedules import build_scheduler
+from .sharded_optimizer import ShardedOptimizer
 from .zero0 import DataParallel
 from .zero1 import Zero1
 from .zero2 import Zero2
@@ -52,10 +58,10 @@ class Engine(torch.nn.Module):
         model.to(device=self.device, dtype=self.dtype)  # bf16/fp16: the module computes in low precision
         self.module = model
         groups = param_groups_of(model, model_parameters)
-        stage = STAGES[self.config.zero.stage]
-        self.zero = stage(model, groups, self.dtype,
-                          lambda gs: build_optimizer(gs, self.config.optimizer), self.config.zero)
-        self.optimizer = self.zero.optimizer
+        self.zero = STAGES[self.config.zero.stage](model, groups, self.config.zero)
+        self.sharded_optimizer = ShardedOptimizer(self.zero.flat_params, groups,
+                                                  lambda gs: build_optimizer(gs, self.config.optimizer))
+        self.optimizer = self.sharded_optimizer.optimizer   # torch's Adam(W), on the fp32 master shards
 
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
             lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed accepts a factory too
@@ -107,19 +113,18 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """loss / gradient_accumulation_steps, times the loss scale (fp16), then backward.
 
-        Order as DeepSpeed's `engine.backward` + ZeRO's `scale_if_loss`. Unlike DeepSpeed's
-        stage-0 fp16 optimizer (DEEPSPEED_FACTS: it never scales the loss but still unscales
-        the gradients, so they come out 65536x too small) the scale is applied at every stage.
-        """
+        The order of DeepSpeed's `engine.backward` + ZeRO's `scale_if_loss`. The scale is
+        applied at every stage (DeepSpeed's stage 0 differs: docs/deepspeed.md, "Stage 0
+        fp16 never scales the loss")."""
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
         with record_function("minizero::backward"):
-            self.zero.pre_backward()
+            self.zero.prepare_backward()
             scaled.backward()
-            self.zero.post_backward()
+            self.zero.finish_backward()
         return loss
 
     # ------------------------------------------------------------------ step
@@ -131,53 +136,27 @@ class Engine(torch.nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
 
     def _take_model_step(self) -> None:
+        opt = self.sharded_optimizer
         self.zero.reduce_gradients()                                    # 1
-        # The scale this step's backward used. Unscale by it even after updating the
-        # scaler below: DeepSpeed's ZeRO step reads the scale *after* updating it, so on a
-        # step where it grows the gradient is halved (pinned in tests/test_agreement_loss.py).
+        # The scale this step's backward used: unscale by it even after the scaler updates
+        # below (DeepSpeed reads the updated one: docs/deepspeed.md, "The step on which the
+        # loss scale grows").
         scale = self.loss_scale
-        sq = self.zero.local_grad_sq()                                  # 2
-        if self.zero.grads_partitioned():
-            comm.all_reduce(sq, label="grad_norm")
-        # 3. The explicit overflow vote, as DeepSpeed's `has_overflow` (all-reduce MAX). At
-        # stages 1-3 the summed norm above already carries an inf from any rank, and at
-        # stage 0 every rank holds the same all-reduced gradient; the vote is what makes
-        # "every rank skips together" true by construction rather than by arithmetic.
-        # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed
-        # syncs here too). Everything below that needs the norm on the host uses this value.
-        sq_host = float(sq)
-        finite = math.isfinite(sq_host)
-        if self.loss_scaler is not None:
-            overflow = overflow_across_ranks(not finite)
-            self.loss_scaler.update_scale(overflow)   # logs DeepSpeed's "OVERFLOW! ... Skipping step" line
-        else:
-            # bf16 and fp32: skip a step whose gradient norm is inf/NaN instead of writing
-            # NaN into every weight. DeepSpeed's ZeRO optimizers do the same (bf16 with
-            # bf16.check_grad_overflow, its default; fp32 always); docs/agreement.md. sq is
-            # the same on every rank (all-reduced above, or the all-reduced stage-0
-            # gradient), so every rank skips together without a vote.
-            overflow = not finite and (self.dtype == torch.float32 or self.config.bf16.check_grad_overflow)
-            if overflow and self.global_rank == 0:
-                logger.warning(f"step {self.global_steps + 1}: the gradient norm is {math.sqrt(sq_host)}; skipping the "
-                               f"step (weights and optimizer state unchanged)")
-        if overflow:
-            self.zero.zero_grad()
+        norm_sq = opt.grad_norm_sq()                                    # 2
+        # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed syncs
+        # here too). Everything below that needs the norm on the host uses this value.
+        norm_sq_host = float(norm_sq)
+        if self._must_skip(norm_sq_host):                                # 3
+            opt.zero_grad()
             self.skipped_steps += 1
             self._global_grad_norm = float("inf")
         else:
-            # DeepSpeed's unscale_and_clip_grads, in fp32 tensor arithmetic as it does it:
-            # norm is of the *scaled* gradient; clip = max(1, (norm/S + 1e-6) / clip_value).
-            norm = sq.sqrt().float()
-            combined = torch.tensor(scale, dtype=torch.float32, device=norm.device)
-            clip_value = self.config.gradient_clipping
-            if clip_value > 0:
-                clip = torch.clamp(((norm / scale) + 1e-6) / clip_value, min=1.0)
-                combined = clip * scale
-            self.zero.step(combined)                                    # 4, 5
-            self.zero.zero_grad()
+            opt.step(norm_sq, scale, self.config.gradient_clipping)     # 4
+            self.zero.after_step()                                      # 5
+            opt.zero_grad()
             # == float(norm) / scale, bit for bit, without a second sync: sqrt is correctly
             # rounded in fp64 on every device, and the fp32 rounding is done on the host.
-            self._global_grad_norm = float(torch.tensor(math.sqrt(sq_host), dtype=torch.float32)) / scale
+            self._global_grad_norm = float(torch.tensor(math.sqrt(norm_sq_host), dtype=torch.float32)) / scale
             if self.lr_scheduler is not None:                           # 6
                 self.lr_scheduler.step()
         self.global_steps += 1
@@ -186,10 +165,35 @@ class Engine(torch.nn.Module):
             logger.info(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
                         f"loss_scale={self.loss_scale}")
 
+    def _must_skip(self, norm_sq: float) -> bool:
+        """Skip this step? fp16: the overflow vote (all-reduce MAX, DeepSpeed's `has_overflow`)
+        and the loss-scale update. The summed norm already carries an inf from any rank at
+        stages 1-3, and stage 0 holds the same all-reduced gradient everywhere; the vote
+        makes "every rank skips together" true by construction rather than by arithmetic.
+        bf16 (with bf16.check_grad_overflow, DeepSpeed's default) and fp32: skip a step whose
+        norm is inf/NaN instead of writing NaN into every weight, as DeepSpeed's ZeRO
+        optimizers do (docs/agreement.md); the norm is the same on every rank, so no vote."""
+        finite = math.isfinite(norm_sq)
+        if self.loss_scaler is not None:
+            overflow = overflow_across_ranks(not finite)
+            self.loss_scaler.update_scale(overflow)   # logs DeepSpeed's "OVERFLOW! ... Skipping step" line
+            return overflow
+        skip = not finite and (self.dtype == torch.float32 or self.config.bf16.check_grad_overflow)
+        if skip and self.global_rank == 0:
+            logger.warning(f"step {self.global_steps + 1}: the gradient norm is {math.sqrt(norm_sq)}; skipping "
+                           f"the step (weights and optimizer state unchanged)")
+        return skip
+
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict:
-        """This rank's persistent model-state bytes: params, grads, master_params, optimizer_states."""
-        return self.zero.memory_breakdown()
+        """This rank's persistent model-state bytes (memory.py has the paper's formulas).
+
+        grads: what a rank holds at the end of backward, before the step: stage 0/1 the
+        full low-precision gradient, ZeRO-2/3 only its reduced shard."""
+        return {"params": sum(f.param_bytes() for f in self.zero.flat_params),
+                "grads": self.zero.grad_bytes(),
+                "master_params": self.sharded_optimizer.master_bytes(),
+                "optimizer_states": self.sharded_optimizer.state_bytes()}
 
     def comm_stats(self) -> dict:
         """Calls, payload bytes and ring wire bytes per collective since this engine was
@@ -200,7 +204,7 @@ class Engine(torch.nn.Module):
 
     def full_fp32_state_dict(self) -> dict:
         """Every parameter's full fp32 (master) value; a collective: call on every rank."""
-        return self.zero.full_fp32_state()
+        return self.sharded_optimizer.full_fp32_state()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -208,16 +212,16 @@ class Engine(torch.nn.Module):
         """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
         Must be called at a gradient-accumulation boundary. Returns the tag's folder
         (DeepSpeed returns True)."""
-        from . import checkpoint_io as checkpoint
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        from . import checkpoint_io
+        return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
         """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
         (as DeepSpeed does). `path` is the tag's folder (DeepSpeed returns the path of the
         model-states file inside it)."""
-        from . import checkpoint_io as checkpoint
-        path, client = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        from . import checkpoint_io
+        path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return path, client

@@ -24,39 +24,52 @@ usual, and a collective on `full` updates every parameter at once:
 
 Gradients follow the same layout: `flat_grad` lays each `p.grad` into a padded buffer
 whose chunk r is exactly rank r's shard, ready for `reduce_scatter_tensor`.
+
+Every collective that moves a FlatParam is a method here, so they read together:
+
+    all_gather()           full <- every rank's shard        (ZeRO-1/2 after the step, ZeRO-3 before use)
+    free_full()            drop the full buffer's storage    (ZeRO-3 after use)
+    reduce_scatter_grad()  grad_shard += my chunk of the summed gradient   (ZeRO-1/2/3)
+    all_reduce_grad()      grad_shard  = the whole summed gradient         (stage 0)
 """
 from __future__ import annotations
+
+from enum import Enum, auto
 
 import torch
 
 from . import comm
-from .partition import padded_numel, shard_range
+from .partition import padded_numel, shard_range, unflatten
+
+
+class ShardState(Enum):
+    """Read from the full buffer's storage, never stored beside it (so it cannot go stale)."""
+    SHARDED = auto()      # only this rank's shard exists; parameters are empty placeholders
+    UNSHARDED = auto()    # the full buffer is allocated; parameters are views into it
 
 
 class FlatParam:
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
-                 rank: int, label: str, keep_full: bool = True):
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], label: str, *, group: int,
+                 num_shards: int, shard_index: int, keep_full: bool = True):
         assert params, "a FlatParam needs at least one parameter"
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"{label}: parameters of one FlatParam must share a dtype, got {dtypes}"
         self.params, self.names, self.label = params, names, label
-        self.world_size, self.rank = world_size, rank
+        self.group = group                                    # index of the optimizer param group
+        self.num_shards, self.shard_index = num_shards, shard_index   # 1 and 0 at stage 0
         self.dtype, self.device = params[0].dtype, params[0].device
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)                         # Ψ of this group
-        self.padded_numel = padded_numel(self.numel, world_size)
-        self.shard_start, self.shard_end = shard_range(self.numel, world_size, rank)
+        self.padded_numel = padded_numel(self.numel, num_shards)
+        self.shard_start, self.shard_end = shard_range(self.numel, num_shards, shard_index)
         self.shard_numel = self.shard_end - self.shard_start
 
         self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        self._views = []
-        off = 0
-        for p, n in zip(params, self.numels):
-            self.full[off:off + n].copy_(p.detach().reshape(-1))
-            self._views.append(self.full[off:off + n].view(p.shape))
-            p.data = self._views[-1]                           # the parameter is now a view
-            off += n
+        self._views = list(unflatten(self.full, names, self.shapes).values())
+        for p, view in zip(params, self._views):
+            view.copy_(p.detach())
+            p.data = view                                     # the parameter is now a view
         # While resharded, parameters point at an empty tensor, so a stray read raises a
         # size error instead of reading freed memory.
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -69,10 +82,15 @@ class FlatParam:
         else:
             self.shard = self.full[self.shard_start:self.shard_end].clone()
             self.free_full()
-        # Gradient shard (ZeRO-2/3): this rank's reduced gradient, kept across micro-steps.
+        # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
+        # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
 
-    # -- the full buffer ------------------------------------------------------------------
+    # -- parameters: gather, free ---------------------------------------------------------
+    @property
+    def state(self) -> ShardState:
+        return ShardState.UNSHARDED if self.full_is_allocated() else ShardState.SHARDED
+
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
 
@@ -92,7 +110,11 @@ class FlatParam:
             self.alloc_full()
         comm.all_gather_into_tensor(self.full, self.shard, label=f"{self.label}.{label}")
 
-    # -- gradients ------------------------------------------------------------------------
+    def param_bytes(self) -> int:
+        """Bytes of low-precision parameters this rank keeps between uses."""
+        return (self.padded_numel if self.keep_full else self.shard_numel) * self.full.element_size()
+
+    # -- gradients: reduce ----------------------------------------------------------------
     def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
         """Padded flat copy of the parameters' `.grad` (zeros where a parameter got none),
         pre-divided by `divide_by` in the gradients' own dtype.
@@ -102,18 +124,43 @@ class FlatParam:
         reduced gradient is lp(g0/N) + lp(g1/N) + ... exactly as in DeepSpeed.
         """
         buf = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        off = 0
-        for p, n in zip(self.params, self.numels):
+        for view, p in zip(unflatten(buf, self.names, self.shapes).values(), self.params):
             if p.grad is not None:
-                buf[off:off + n].copy_(p.grad.reshape(-1))
-            off += n
+                view.copy_(p.grad)
         if divide_by != 1:
             buf.div_(divide_by)
         return buf
 
+    def reduce_scatter_grad(self) -> None:
+        """grad_shard += this rank's chunk of the rank-averaged gradient; drop the full one.
+
+        ZeRO-1 calls it once per step, at the boundary; ZeRO-2/3 once per micro-step from
+        backward hooks, so grad_shard accumulates the micro-steps."""
+        full = self.flat_grad(divide_by=comm.get_world_size())
+        out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
+        comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads")
+        del full
+        self.clear_param_grads()
+        if self.grad_shard is None:
+            self.grad_shard = out
+        else:
+            self.grad_shard.add_(out)
+
+    def all_reduce_grad(self) -> None:
+        """Stage 0: grad_shard = the whole rank-averaged gradient (one flat all-reduce, so
+        the ledger counts 2Ψ(N-1)/N per rank, the ring all-reduce)."""
+        buf = self.flat_grad(divide_by=comm.get_world_size())
+        comm.all_reduce(buf, label=f"{self.label}.grads")
+        self.clear_param_grads()
+        self.grad_shard = buf
+
     def clear_param_grads(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def zero_grad(self) -> None:
+        self.clear_param_grads()
+        self.grad_shard = None
 
     def grad_numel(self) -> int:
         """Elements of full gradient currently held in `.grad` of this group's parameters."""
@@ -121,4 +168,4 @@ class FlatParam:
 
     def __repr__(self) -> str:
         return (f"FlatParam({self.label}: {len(self.params)} params, Ψ={self.numel}, "
-                f"padded={self.padded_numel}, shard={self.shard_numel} x {self.world_size}, {self.dtype})")
+                f"padded={self.padded_numel}, shard={self.shard_numel} x {self.num_shards}, {self.dtype})")

@@ -10,7 +10,7 @@ helpers compute it so it can be unit-tested without starting a single process.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -38,37 +38,16 @@ def offsets(numels: Sequence[int]) -> list[int]:
     return out
 
 
-class Piece(NamedTuple):
-    """The part of tensor `index` that falls inside a shard.
-
-    Elements [lo, hi) of the (flattened) tensor sit at [shard_offset, shard_offset + hi - lo)
-    of the shard. Used to map a flat shard back to named parameters (checkpoint
-    consolidation) and to tell padding from data.
-    """
-    index: int
-    lo: int
-    hi: int
-    shard_offset: int
-
-
-def pieces_in_shard(numels: Sequence[int], shard_start: int, shard_end: int) -> list[Piece]:
-    """Which parts of which tensors (laid end to end, then padded) lie in [shard_start, shard_end).
-
-    A tensor may straddle two shards: ZeRO-1/2 cut the flat buffer at fixed positions,
-    regardless of where one parameter ends and the next begins.
-    """
-    out = []
-    for i, (start, n) in enumerate(zip(offsets(numels), numels)):
-        lo, hi = max(start, shard_start), min(start + n, shard_end)
-        if lo < hi:
-            out.append(Piece(i, lo - start, hi - start, lo - shard_start))
+def unflatten(flat, names: Sequence[str], shapes: Sequence) -> dict:
+    """Cut a flat buffer (parameters laid end to end, then padding) back into named
+    tensors of their shapes: views into `flat`, no copy. The inverse of the layout in
+    flat_param.py; used for the live fp32 state and for a checkpoint's saved shards."""
+    out, off = {}, 0
+    for name, shape in zip(names, shapes):
+        n = math.prod(shape)
+        out[name] = flat[off:off + n].view(shape)
+        off += n
     return out
-
-
-def data_numel_in_shard(numels: Sequence[int], world_size: int, rank: int) -> int:
-    """Real (non-padding) elements in rank's shard."""
-    start, end = shard_range(sum(numels), world_size, rank)
-    return sum(p.hi - p.lo for p in pieces_in_shard(numels, start, end))
 
 
 def bucketize(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:

@@ -19,9 +19,9 @@ Why reduce-scatter and not all-reduce? Rank r only ever needs gradient slice r, 
 reduce-scatter + all-gather moves exactly what one all-reduce would (Ψ(N-1)/N each way:
 an all-reduce *is* a reduce-scatter followed by an all-gather), so ZeRO-1 costs no extra
 communication over stage 0. DeepSpeed's ZeRO-1/2 instead all-reduce the gradient bucket
-and keep their slice (`average_tensor`, DEEPSPEED_FACTS: "ZeRO-1/2 'reduce-scatter' is an
-all-reduce"), then all-gather the parameters, which puts 3Ψ(N-1)/N on the wire rather than
-the paper's 2Ψ(N-1)/N. The numbers are identical; the volume is not.
+and keep their slice (docs/deepspeed.md, "ZeRO-1/2 reduce-scatter is an all-reduce"),
+then all-gather the parameters: 3Ψ(N-1)/N on the wire rather than the paper's 2Ψ(N-1)/N.
+The numbers are identical; the volume is not.
 
 Gradient accumulation: p.grad accumulates over micro-steps as at stage 0 and is reduced
 once, at the boundary; so with accumulation a ZeRO-1 rank holds the full gradient.
@@ -31,34 +31,34 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .zero0 import DataParallel
+from .flat_param import FlatParam
 
 
-class Zero1(DataParallel):
+class Zero1:
     stage = 1
 
-    def shard_world(self) -> int:
-        return self.world_size
+    def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.flat_params = [FlatParam(g["params"], [names[id(p)] for p in g["params"]], f"group{gi}", group=gi,
+                                      num_shards=comm.get_world_size(), shard_index=comm.get_rank())
+                            for gi, g in enumerate(param_groups) if g["params"]]
+
+    def prepare_backward(self) -> None:
+        """Nothing: gradients accumulate in p.grad over the micro-steps."""
+
+    def finish_backward(self) -> None:
+        """Nothing: reduced once, at the boundary."""
 
     def reduce_gradients(self) -> None:
+        """Reduce-scatter each flat gradient: rank r keeps the averaged slice r only."""
         for f in self.flat_params:
-            self.reduce_scatter_grads(f)
-
-    def reduce_scatter_grads(self, f) -> None:
-        """Reduce-scatter one FlatParam's gradient into (accumulate onto) its grad shard,
-        then drop the full gradient."""
-        full = f.flat_grad(divide_by=self.world_size)
-        out = torch.empty(f.shard_numel, dtype=full.dtype, device=full.device)
-        comm.reduce_scatter_tensor(out, full, label=f"{f.label}.grads")
-        del full
-        f.clear_param_grads()
-        if f.grad_shard is None:
-            f.grad_shard = out
-        else:
-            f.grad_shard.add_(out)  # ZeRO-2/3 reduce every micro-step and accumulate here
+            f.reduce_scatter_grad()
 
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters.
         The shard is a view of `full`, so the gather writes straight into the parameters."""
         for f in self.flat_params:
             f.all_gather()
+
+    def grad_bytes(self) -> int:
+        return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()

@@ -13,64 +13,100 @@ Mechanics:
   each bucket is padded to a multiple of N and every rank owns slice r of every bucket.
   Buckets are formed in *reverse* parameter order, the order backward produces gradients.
 - A `post_accumulate_grad` hook on every parameter counts arrivals; when the last
-  gradient of a bucket lands, the bucket is reduce-scattered into the rank's persistent
-  `grad_shard` (accumulated across micro-steps) and the bucket's `p.grad`s are dropped.
+  gradient of a bucket lands (the bucket's `post_backward`), the bucket is reduce-scattered
+  into the rank's `grad_shard` (accumulated across micro-steps) and its `p.grad`s dropped.
 - After backward returns, any bucket still incomplete (a parameter that got no gradient
   this step, e.g. an unused branch) is reduced with zeros for the missing gradients, in
-  bucket order. Missing gradients are zero, not stale (DEEPSPEED_FACTS: DeepSpeed's
-  ZeRO-3 reapplies a stale gradient; we do not).
+  bucket order. Missing gradients are zero, not stale (DeepSpeed's ZeRO-3 differs:
+  docs/deepspeed.md, "ZeRO-3 reapplies a stale gradient").
 - Collectives must line up across ranks, so every rank must use the same parameters in
   a step (a parameter unused on *all* ranks is fine). A data-dependent branch taken on
   one rank only would reduce buckets in a different order per rank; DeepSpeed's hooks
   have the same requirement.
 
 Communication is ZeRO-1's: reduce-scatter + all-gather = one all-reduce's volume.
+
+ZeRO-3 (zero3.py) is this class with one change of layout and two additions: each module
+is its own bucket, its parameters are sharded too, gathered around its forward and
+backward and freed again after its bucket is reduced.
 """
 from __future__ import annotations
 
+import torch
+
+from . import comm
+from .flat_param import FlatParam
 from .partition import bucketize
-from .zero1 import Zero1
 
 
-class Zero2(Zero1):
+class Bucket:
+    """Parameters whose gradients are reduce-scattered together, once all have arrived."""
+
+    def __init__(self, name: str, flats: list[FlatParam]):
+        self.name, self.flats = name, flats
+        self.params = [p for f in flats for p in f.params]
+        self.arrived = 0        # gradients landed in this backward
+        self.reduced = False    # reduce-scattered in this backward
+
+
+class Zero2:
     stage = 2
 
-    def build_flat_params(self) -> None:
-        bucket = int(self.zero_cfg.reduce_bucket_size) if self.zero_cfg is not None else int(5e8)
-        for gi, g in enumerate(self.param_groups):
+    def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
+        self.buckets = self.make_buckets(module, param_groups, zero_cfg)
+        self.flat_params = [f for b in self.buckets for f in b.flats]
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def make_buckets(self, module, param_groups, zero_cfg) -> list[Bucket]:
+        """Per param group, buckets of at most reduce_bucket_size elements, formed in
+        reverse parameter order (the order backward produces gradients). One FlatParam each."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        buckets = []
+        for gi, g in enumerate(param_groups):
             params = list(g["params"])[::-1]  # backward order
-            for bi, idx in enumerate(bucketize([p.numel() for p in params], bucket)):
+            for bi, idx in enumerate(bucketize([p.numel() for p in params], int(zero_cfg.reduce_bucket_size))):
                 members = [params[i] for i in idx][::-1]
-                self._add_flat(gi, members, f"group{gi}.bucket{bi}", keep_full=True)
-        self._bucket_of = {}
-        for fi, f in enumerate(self.flat_params):
-            for p in f.params:
-                self._bucket_of[id(p)] = fi
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._arrived = [0] * len(self.flat_params)
-        self._reduced = [False] * len(self.flat_params)
+                label = f"group{gi}.bucket{bi}"
+                buckets.append(Bucket(label, [FlatParam(members, [names[id(p)] for p in members], label, group=gi,
+                                                        num_shards=comm.get_world_size(),
+                                                        shard_index=comm.get_rank())]))
+        return buckets
 
-    def pre_backward(self) -> None:
-        self._arrived = [0] * len(self.flat_params)
-        self._reduced = [False] * len(self.flat_params)
+    # ------------------------------------------------------------------ backward
+    def prepare_backward(self) -> None:
+        for b in self.buckets:
+            b.arrived, b.reduced = 0, False
 
-    def _on_grad_ready(self, p) -> None:
-        fi = self._bucket_of[id(p)]
-        self._arrived[fi] += 1
-        if self._arrived[fi] == len(self.flat_params[fi].params):
-            self._reduce_bucket(fi)
+    def grad_ready(self, p) -> None:
+        """post_accumulate_grad hook: the bucket's last gradient starts its reduction."""
+        b = self.bucket_of[id(p)]
+        b.arrived += 1
+        if b.arrived == len(b.params):
+            self.post_backward(b)
 
-    def _reduce_bucket(self, fi: int) -> None:
-        self.reduce_scatter_grads(self.flat_params[fi])
-        self._reduced[fi] = True
+    def post_backward(self, bucket: Bucket) -> None:
+        for f in bucket.flats:
+            f.reduce_scatter_grad()
+        bucket.reduced = True
 
-    def post_backward(self) -> None:
-        for fi in range(len(self.flat_params)):
-            if not self._reduced[fi]:
-                self._reduce_bucket(fi)
+    def finish_backward(self) -> None:
+        """Buckets some of whose parameters got no gradient: reduce them now, zeros for the
+        missing ones, in bucket order so every rank issues the same collectives."""
+        for b in self.buckets:
+            if not b.reduced:
+                self.post_backward(b)
 
     def reduce_gradients(self) -> None:
         """Nothing left to do at the boundary: every micro-step was reduced in backward."""
+
+    # ------------------------------------------------------------------ step
+    def after_step(self) -> None:
+        """Every rank updated only its slice: all-gather the new low-precision parameters."""
+        for f in self.flat_params:
+            f.all_gather()
 
     def grad_bytes(self) -> int:
         return sum(f.shard_numel for f in self.flat_params) * self.flat_params[0].full.element_size()

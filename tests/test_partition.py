@@ -1,7 +1,7 @@
 """minizero.partition and minizero.memory arithmetic: pure functions, no processes.
 
 Edge cases (numel < N, exact multiples, odd sizes, world sizes 1..8) and property-style
-sweeps: shards tile the padded range, pieces reassemble every tensor exactly once,
+sweeps: shards tile the padded range, shards put back together unflatten to every tensor,
 padding < N per buffer, and memory.expected_bytes differs from paper_bytes by padding only.
 """
 import itertools
@@ -11,8 +11,9 @@ from fractions import Fraction
 import pytest
 
 from minizero import memory
-from minizero.partition import (bucketize, data_numel_in_shard, offsets, padded_numel, pieces_in_shard,
-                                shard_numel, shard_range)
+import torch
+
+from minizero.partition import bucketize, offsets, padded_numel, shard_numel, shard_range, unflatten
 
 WORLDS = range(1, 9)
 
@@ -54,59 +55,49 @@ def test_shard_ranges_tile_padded_range(n):
 def test_shard_range_numel_smaller_than_world():
     # 3 elements over 8 ranks: one element per shard, ranks 3..7 hold padding only.
     assert [shard_range(3, 8, r) for r in range(8)] == [(r, r + 1) for r in range(8)]
-    assert [data_numel_in_shard([3], 8, r) for r in range(8)] == [1, 1, 1, 0, 0, 0, 0, 0]
-    assert pieces_in_shard([3], *shard_range(3, 8, 5)) == []
+    assert padded_numel(3, 8) == 8                  # ranks 3..7 hold padding only
 
 
-# ----------------------------------------------------------------------------- pieces
+# ----------------------------------------------------------------------------- unflatten
 
-def test_pieces_straddling_boundary():
-    # tensors of 3, 4, 2 elements = 9, N = 2 -> padded 10, shards [0,5) and [5,10)
-    numels = [3, 4, 2]
-    assert offsets(numels) == [0, 3, 7]
-    p0 = pieces_in_shard(numels, *shard_range(9, 2, 0))
-    p1 = pieces_in_shard(numels, *shard_range(9, 2, 1))
-    assert [tuple(p) for p in p0] == [(0, 0, 3, 0), (1, 0, 2, 3)]
-    assert [tuple(p) for p in p1] == [(1, 2, 4, 0), (2, 0, 2, 2)]   # tensor 1 straddles
-    assert data_numel_in_shard(numels, 2, 0) == 5 and data_numel_in_shard(numels, 2, 1) == 4
+def test_offsets():
+    assert offsets([3, 4, 2]) == [0, 3, 7] and offsets([]) == []
 
 
-def _reassemble(numels, n):
-    """Rebuild every tensor from every rank's pieces; check each element comes exactly once
-    and the pieces sit where the shard says."""
-    total = sum(numels)
-    starts = offsets(numels)
-    seen = [[0] * k for k in numels]
-    for r in range(n):
-        s, e = shard_range(total, n, r)
-        used = 0
-        for pc in pieces_in_shard(numels, s, e):
-            assert 0 <= pc.lo < pc.hi <= numels[pc.index]
-            # the piece's flat position inside the shard matches the tensor's flat position
-            assert s + pc.shard_offset == starts[pc.index] + pc.lo
-            assert 0 <= pc.shard_offset and pc.shard_offset + pc.hi - pc.lo <= e - s
-            for i in range(pc.lo, pc.hi):
-                seen[pc.index][i] += 1
-            used += pc.hi - pc.lo
-        assert used == data_numel_in_shard(numels, n, r)
-    assert all(c == 1 for row in seen for c in row)
-    assert sum(data_numel_in_shard(numels, n, r) for r in range(n)) == total
+def _round_trip(shapes, n):
+    """Lay tensors end to end, pad to a multiple of n, cut into n shards (as each rank holds
+    them), put the shards back in rank order and unflatten: every tensor comes back exactly,
+    as a view of the flat buffer, and whatever lies past the data is padding."""
+    tensors = [torch.randn(s) for s in shapes]
+    numel = sum(t.numel() for t in tensors)
+    flat = torch.zeros(padded_numel(numel, n))
+    flat[:numel] = torch.cat([t.reshape(-1) for t in tensors]) if tensors else flat[:0]
+    shards = [flat[slice(*shard_range(numel, n, r))].clone() for r in range(n)]
+    whole = torch.cat(shards)
+    names = [f"t{i}" for i in range(len(shapes))]
+    out = unflatten(whole, names, shapes)
+    assert list(out) == names
+    for name, t in zip(names, tensors):
+        assert torch.equal(out[name], t)
+        assert out[name].untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()   # a view
+    assert not whole[numel:].any()
 
 
 @pytest.mark.parametrize("n", WORLDS)
-def test_pieces_reassemble_every_tensor_exactly_once(n):
+def test_shards_reassemble_every_tensor_exactly(n):
     rng = random.Random(n)
-    cases = [[1], [5], [n], [n + 1], [1] * 7, [3, 4, 2], [0, 3], [2, 0, 5]]
-    cases += [[rng.randint(1, 30) for _ in range(rng.randint(1, 6))] for _ in range(25)]
-    for numels in cases:
-        _reassemble(numels, n)
+    cases = [[(1,)], [(5,)], [(n,)], [(n + 1,)], [(1,)] * 7, [(3,), (2, 2), (2,)], [(0,), (3,)], [(2,), (0, 4), (5,)]]
+    cases += [[tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 6))]
+              for _ in range(25)]
+    for shapes in cases:
+        _round_trip(shapes, n)
 
 
-def test_pieces_on_model_sized_layouts():
+def test_round_trip_on_model_sized_layouts():
     # the micro preset's two param groups (decay 11,886 / no-decay 3,213) at N = 2, 3, 4, 8
-    for numels, n in itertools.product([[441] * 20 + [1302, 1764, 1764, 1302, 1578], [21] * 100 + [1323, 1302, 1001]],
-                                       [2, 3, 4, 8]):
-        _reassemble(numels, n)
+    for shapes, n in itertools.product([[(21, 21)] * 20 + [(1302,), (1764,), (1764,), (1302,), (1578,)],
+                                        [(21,)] * 100 + [(1323,), (1302,), (1001,)]], [2, 3, 4, 8]):
+        _round_trip(shapes, n)
 
 
 # ----------------------------------------------------------------------------- buckets

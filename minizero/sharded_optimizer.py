@@ -1,0 +1,143 @@
+"""The optimizer step, on this rank's shard only: fp32 masters, norm, clip, Adam, copy back.
+
+This is the part of ZeRO that every stage shares (Rajbhandari et al., SC'20, section 5.1):
+Adam's update is element-wise, so rank r can update slice r of every FlatParam alone,
+with the 12 bytes per element it needs (fp32 master, two moments) held for that slice
+only. The stages differ in *how the reduced gradient got here* (zero0-3.py); from the
+gradient shard on, a step is the same at every stage:
+
+    grad_norm_sq()   sum of squares of my gradient shard; summed over ranks when the
+                     gradient is sharded (stages 1-3): one scalar all-reduce
+    step(...)        combined_scale = loss_scale * clip factor, computed and applied here:
+                     fp32 grad = reduced grad / combined_scale, Adam on the fp32 masters,
+                     round the masters into this rank's low-precision shard
+
+After `step` the low-precision shard holds the new weights; sharing them with the other
+ranks (an all-gather, now or on next use) is the stage's `after_step`.
+
+At stage 0 the "shard" is the whole buffer (num_shards = 1) and nothing is summed.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .flat_param import FlatParam
+from .partition import unflatten
+
+GRAD_SQ_CHUNK = 1 << 20  # elements per fp64 temporary in grad_norm_sq (8 MB)
+
+
+class ShardedOptimizer:
+    def __init__(self, flat_params: list[FlatParam], param_groups: list[dict], optimizer_factory):
+        self.flat_params = flat_params
+        self.mixed = flat_params[0].dtype != torch.float32
+        # fp32 master copy of what this rank owns. In fp32 training the shard itself is the
+        # master: DeepSpeed keeps a second fp32 copy even then (docs/deepspeed.md, "fp32 ZeRO
+        # keeps a second fp32 master copy"); we do not, and memory_breakdown says so.
+        self.masters = [f.shard.detach().float().clone() if self.mixed else f.shard for f in flat_params]
+        groups = []
+        for gi, g in enumerate(param_groups):
+            hyper = {k: v for k, v in g.items() if k not in ("params", "names")}
+            groups.append({**hyper, "params": [m for m, f in zip(self.masters, flat_params) if f.group == gi]})
+        self.optimizer = optimizer_factory(groups)   # empty groups kept: get_lr() has one entry per group
+        init_optimizer_states(self.optimizer)
+
+    def grads_sharded(self) -> bool:
+        """Do ranks hold disjoint parts of the gradient (so the norm must be summed)?"""
+        return self.flat_params[0].num_shards > 1
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared global norm of the reduced gradient, in fp64, on the device (no host sync).
+
+        The square of an fp32/bf16/fp16 number is exact in fp64; only the additions round.
+        Chunk by chunk, so the fp64 temporaries are GRAD_SQ_CHUNK elements (8 MB each)
+        rather than 8 bytes per gradient element of the shard. A shard of at most one chunk
+        is summed exactly as in one `sum()`; a longer one as its chunk sums added in order:
+        another order of fp64 additions, a relative change of about one fp64 rounding per
+        chunk (~1e-16), which the norm's rounding to fp32 (6e-8) almost always absorbs.
+        Padding is zero, so it adds nothing.
+        """
+        total = torch.zeros((), dtype=torch.float64, device=self.flat_params[0].device)
+        for f in self.flat_params:
+            g = f.grad_shard
+            if g is not None:
+                for i in range(0, g.numel(), GRAD_SQ_CHUNK):
+                    total += g[i:i + GRAD_SQ_CHUNK].double().pow(2).sum()
+        if self.grads_sharded():
+            comm.all_reduce(total, label="grad_norm")
+        return total
+
+    def combined_scale(self, norm_sq: torch.Tensor, loss_scale: float, clip_value: float) -> torch.Tensor:
+        """The one number the reduced gradient is divided by: loss scale x clip factor.
+
+        DeepSpeed's `unscale_and_clip_grads`, in its fp32 tensor arithmetic: the norm is of
+        the *scaled* gradient; clip = max(1, (norm / S + 1e-6) / clip_value)."""
+        combined = torch.tensor(loss_scale, dtype=torch.float32, device=norm_sq.device)
+        if clip_value > 0:
+            norm = norm_sq.sqrt().float()
+            clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_value, min=1.0)
+            combined = clip * loss_scale
+        return combined
+
+    def step(self, norm_sq: torch.Tensor, loss_scale: float, clip_value: float) -> None:
+        """Unscale and clip the gradient shards into fp32, Adam on the masters, round back."""
+        combined = self.combined_scale(norm_sq, loss_scale, clip_value)
+        for f, m in zip(self.flat_params, self.masters):
+            g = f.grad_shard
+            if g is None:
+                g = torch.zeros(f.shard_numel, dtype=torch.float32, device=f.device)
+            g = g.float()          # a copy in bf16/fp16; in fp32 the reduced buffer itself
+            g.mul_(1.0 / combined)
+            m.grad = g
+        self.optimizer.step()
+        for f, m in zip(self.flat_params, self.masters):
+            m.grad = None
+            if self.mixed:
+                f.shard.copy_(m)  # round the updated fp32 master to bf16/fp16
+
+    def zero_grad(self) -> None:
+        for f in self.flat_params:
+            f.zero_grad()
+
+    # ------------------------------------------------------------------ introspection
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.masters) if self.mixed else 0
+
+    def state_bytes(self) -> int:
+        total = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    total += v.numel() * v.element_size()
+        return total
+
+    def full_fp32_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value (from the masters), gathered on every rank."""
+        out = {}
+        for f, m in zip(self.flat_params, self.masters):
+            full = torch.empty(f.padded_numel, dtype=torch.float32, device=f.device)
+            if f.num_shards > 1:
+                comm.all_gather_into_tensor(full, m.detach().float().contiguous(), label="consolidate")
+            else:
+                full.copy_(m.detach())
+            out.update({name: t.cpu().clone() for name, t in unflatten(full, f.names, f.shapes).items()})
+        return out
+
+
+def init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate Adam's moments now, as torch.optim.Adam(W) would on its first step.
+
+    DeepSpeed's ZeRO optimizers do the same at init, so memory measured before the first
+    step already shows the 12Ψ/N optimizer term. The values are exactly what torch's
+    `_init_group` would create, so the first step is unchanged.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if len(st) == 0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
