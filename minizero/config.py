@@ -1,11 +1,17 @@
 """The DeepSpeed JSON config, parsed into typed dataclasses with DeepSpeed 0.19.8's defaults.
 
+Each section is one table: a dataclass whose every field is one key, declared once with
+`key(default, check, alias=..., acts=...)`. The parser, the defaults, the list of accepted
+keys in error messages and the typed result all come from that one declaration.
+
 Why a strict parser: DeepSpeed silently ignores unknown *top-level* keys (only the
 pydantic sub-sections such as `zero_optimization` forbid extras). A student who types
 `"gradient_cliping"` then trains with the default clip of 1.0 and never knows. minizero
 refuses every key it does not implement, naming the key's path and the keys accepted
-there. Keys that DeepSpeed accepts but that change nothing in minizero ("harmless") are
-accepted only at the value that matches minizero's behaviour.
+there. DeepSpeed keys that minizero does not implement are accepted either only at the
+value matching minizero's behaviour (`_only`), or, for pure performance knobs, at any
+value with `acts=False`: minizero then does nothing with them (`ignored_knobs` lists
+those a config sets).
 
 Defaults come from `deepspeed/runtime/constants.py`, `runtime/precision_config.py`,
 `runtime/zero/config.py` and `runtime/activation_checkpointing/config.py`; the batch-size
@@ -17,19 +23,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from minizero import lr_schedules
 from minizero.errors import ConfigError
 
-__all__ = ["ConfigError", "Config", "load_config", "read_json", "build_optimizer", "resolve_batch_size"]
-
-
-_MISSING = object()
+__all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig",
+           "ActivationCheckpointingConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
+           "ignored_knobs", "ignored_knobs_note", "build_optimizer", "resolve_batch_size"]
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -49,6 +54,10 @@ def _number(lo=None, lo_open=False):
             raise ConfigError(f"{path} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
         return v
     return check
+
+
+def _float(lo=None):
+    return lambda v, path: float(_number(lo)(v, path))
 
 
 def _int(lo=0):
@@ -82,54 +91,147 @@ def _any(v, path):
     return v
 
 
-def _section(d, path, spec, aliases=None):
-    """Validate dict `d` at `path` against spec {key: (default, check)} -> {key: value}."""
-    if d is None:
-        d = {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path} must be a JSON object, got {d!r}")
-    aliases = aliases or {}
-    out = {}
-    for key, value in d.items():
-        name = aliases.get(key, key)
-        if name not in spec:
-            where = path or "the top level"
-            accepted = ", ".join(sorted(list(spec) + list(aliases)))
-            full = f"{path}.{key}" if path else key
-            raise ConfigError(f"unknown config key '{full}': minizero does not implement it. "
-                              f"Accepted keys in {where}: {accepted}")
-        if name in out:
-            raise ConfigError(f"{path}.{key} given twice (as '{name}' and its alias); keep one")
-        out[name] = spec[name][1](value, f"{path}.{key}" if path else key)
-    for key, (default, _) in spec.items():
-        out.setdefault(key, default)
-    return out
+# ----------------------------------------------------------------------------- tables
 
+def key(default, check, *, alias=None, acts=True, name=None):
+    """One row of a section's table, declared as a dataclass field.
 
-# ----------------------------------------------------------------------------- dataclasses
-
-@dataclass
-class OptimizerConfig:
-    type: str                      # canonical "Adam" or "AdamW"
-    params: dict = field(default_factory=dict)
+    default: DeepSpeed 0.19.8's default (a Section class: that section's defaults; `dict`:
+             an empty dict). check(value, path): the cleaned value, or a ConfigError.
+    alias:   DeepSpeed's other spelling of the key. name: the JSON key, when the attribute
+             is called otherwise (`zero` for "zero_optimization").
+    acts:    False for a key accepted only so DeepSpeed configs load unchanged: any value
+             is accepted and minizero does nothing with it.
+    """
+    default_kw = {"default_factory": default} if isinstance(default, type) else {"default": default}
+    return field(**default_kw, metadata={"check": check, "alias": alias, "acts": acts, "name": name})
 
 
 @dataclass
-class SchedulerConfig:
-    type: str                      # "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
-    params: dict = field(default_factory=dict)
+class Section:
+    """A config section parsed by its table: every field declared with `key` is one key."""
+    given: tuple = field(default=(), init=False, repr=False, compare=False)   # the keys the config wrote
+
+    @classmethod
+    def rows(cls) -> dict:
+        """{key as a config may spell it (aliases too): its field}."""
+        out = {}
+        for f in fields(cls):
+            if "check" in f.metadata:
+                out[f.metadata["name"] or f.name] = f
+                if f.metadata["alias"]:
+                    out[f.metadata["alias"]] = f
+        return out
+
+    @classmethod
+    def parse(cls, d, path):
+        """The section at `path` of a config; None (key absent or null) gives the defaults."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} must be a JSON object, got {d!r}")
+        rows, values, spelled = cls.rows(), {}, {}
+        for k, v in d.items():
+            full = f"{path}.{k}" if path else k
+            if k not in rows:
+                raise ConfigError(f"unknown config key '{full}': minizero does not implement it. "
+                                  f"Accepted keys in {path or 'the top level'}: {', '.join(sorted(rows))}")
+            f = rows[k]
+            if f.name in values:
+                main = f.metadata["name"] or f.name
+                raise ConfigError(f"'{spelled[f.name]}' and '{full}' are two spellings of one key (DeepSpeed "
+                                  f"would silently read only one); keep only '{main}'")
+            values[f.name], spelled[f.name] = f.metadata["check"](v, full), full
+        section = cls(**values)
+        section.given = tuple(d)
+        return section
+
+    def to_dict(self) -> dict:
+        """{JSON key: value} of a section whose values are plain JSON values."""
+        return {f.metadata["name"] or f.name: getattr(self, f.name) for f in fields(self) if "check" in f.metadata}
+
+
+# ----------------------------------------------------------------------------- sections
+
+def _betas(v, path):
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(f"{path} must be a list of two numbers like [0.9, 0.999], got {v!r}")
+    return tuple(_number(lo=0)(b, path) for b in v)
 
 
 @dataclass
-class FP16Config:
-    enabled: bool = False
-    loss_scale: float = 0.0        # 0 = dynamic loss scaling
-    initial_scale_power: int = 16  # dynamic scaling starts at 2**16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1
-    auto_cast: bool = False        # minizero's engine always casts float inputs
+class AdamParams(Section):
+    """`optimizer.params`. None: not given, the torch optimizer's own default applies."""
+    lr: Optional[float] = key(None, _number(lo=0))
+    betas: Optional[tuple] = key(None, _betas)
+    eps: Optional[float] = key(None, _number(lo=0, lo_open=True))
+    weight_decay: Optional[float] = key(None, _number(lo=0))
+    torch_adam: bool = key(False, _bool)       # see build_optimizer
+    adam_w_mode: bool = key(True, _bool)
+
+
+def _adam_params(v, path) -> dict:
+    """The params dict build_optimizer passes on: the keys given, plus torch_adam and adam_w_mode."""
+    if isinstance(v, dict) and "max_grad_norm" in v:
+        # Same refusal as DeepSpeedEngine._configure_basic_optimizer.
+        raise ConfigError(f"{path}.max_grad_norm is not supported; use the top-level "
+                          "\"gradient_clipping\" key instead")
+    params = AdamParams.parse(v, path).to_dict()
+    return {k: value for k, value in params.items() if value is not None}
+
+
+def _optimizer_type(name, path):
+    # DS lower-cases names it knows (runtime/config.py: DEEPSPEED_OPTIMIZERS), so any case works.
+    canon = {"adam": "Adam", "adamw": "AdamW"}.get(str(name).lower())
+    if canon is None:
+        raise ConfigError(f"{path} {name!r} is not implemented in minizero; use \"Adam\" or \"AdamW\"")
+    return canon
+
+
+@dataclass
+class OptimizerConfig(Section):
+    type: Optional[str] = key(None, _optimizer_type)   # canonical "Adam" or "AdamW"
+    params: dict = key(dict, _adam_params)
+
+
+def _optimizer(v, path) -> OptimizerConfig:
+    opt = OptimizerConfig.parse(v, path)
+    if opt.type is None:
+        raise ConfigError(f"{path}.type is missing; set it to \"Adam\" or \"AdamW\"")
+    if "params" not in opt.given:
+        opt.params = _adam_params({}, f"{path}.params")
+    return opt
+
+
+@dataclass
+class SchedulerConfig(Section):
+    type: Optional[str] = key(None, _any)   # "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
+    params: dict = key(dict, _any)          # checked against the schedule's constructor
+
+
+def _scheduler(v, path) -> SchedulerConfig:
+    sched = SchedulerConfig.parse(v, path)
+    if sched.type is None:
+        raise ConfigError(f"{path}.type is missing; use one of {sorted(lr_schedules.SCHEDULERS)}")
+    lr_schedules.check_scheduler_params(sched.type, sched.params)
+    sched.params = dict(sched.params or {})
+    return sched
+
+
+@dataclass
+class FP16Config(Section):
+    """`fp16`, as DeepSpeedFP16Config (runtime/precision_config.py)."""
+    enabled: bool = key(False, _bool)
+    loss_scale: float = key(0.0, _float(lo=0))                # 0 = dynamic loss scaling
+    initial_scale_power: int = key(16, _int(lo=0))            # dynamic scaling starts at 2**16
+    loss_scale_window: int = key(1000, _int(lo=1))
+    # DS accepts hysteresis 0, but then DynamicLossScaler never lowers the scale (it only
+    # shifts when cur_hysteresis == 1, and 0 counts down past it): reject it.
+    hysteresis: int = key(2, _int(lo=1))
+    consecutive_hysteresis: bool = key(False, _bool)
+    min_loss_scale: float = key(1, _number(lo=0, lo_open=True))
+    auto_cast: bool = key(False, _bool, acts=False)           # minizero's engine always casts float inputs
+    fp16_master_weights_and_grads: bool = key(False, _only(False, "master weights are always fp32"))
 
     @property
     def dynamic(self) -> bool:
@@ -137,57 +239,138 @@ class FP16Config:
 
 
 @dataclass
-class BF16Config:
-    enabled: bool = False
+class BF16Config(Section):
+    enabled: bool = key(False, _bool)
     # DeepSpeed >= 0.16: skip a step whose gradient norm is inf/NaN (as fp16 does), default on.
-    check_grad_overflow: bool = True
+    check_grad_overflow: bool = key(True, _bool)
+
+
+def _offload_device(v, path):
+    dev = "none" if v is None else v
+    if dev not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"{path} must be \"none\", \"cpu\" or \"nvme\", got {dev!r}")
+    if dev != "none":
+        section = path.rsplit(".", 1)[0]
+        raise ConfigError(f"{path} = {dev!r}: ZeRO-Offload is not implemented in minizero; "
+                          f"remove '{section}' or set its device to \"none\"")
+    return dev
 
 
 @dataclass
-class ZeroConfig:
-    stage: int = 0
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False     # DS default is None -> True only at stage 3
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    memory_efficient_linear: bool = True
-    sub_group_size: int = 1_000_000_000
-    offload_optimizer_device: str = "none"
-    offload_param_device: str = "none"
+class OffloadConfig(Section):
+    """`zero_optimization.offload_optimizer` / `offload_param`: only device "none" is implemented."""
+    device: str = key("none", _offload_device)
+    pin_memory: bool = key(False, _bool, acts=False)
+
+
+def _stage(v, path):
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 3:
+        raise ConfigError(f"{path} must be 0, 1, 2 or 3 (ZeRO stage), got {v!r}")
+    return v
 
 
 @dataclass
-class ActivationCheckpointingConfig:
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    contiguous_memory_optimization: bool = False
-    number_checkpoints: Optional[int] = None
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
+class ZeroConfig(Section):
+    """`zero_optimization`, as DeepSpeedZeroConfig (runtime/zero/config.py), whose pydantic
+    aliases (populate_by_name=True) are the `alias`es here.
+
+    acts=False: knobs that tune *when* DeepSpeed moves data (overlap, prefetch, bucketing,
+    keeping parameters gathered for reuse), not *what* ZeRO computes. minizero gathers each
+    unit right before use and releases it right after (docs/zero.md).
+    """
+    stage: int = key(0, _stage)
+    reduce_bucket_size: int = key(500_000_000, _int(lo=1))
+    stage3_param_persistence_threshold: int = key(100_000, _int(lo=0), alias="param_persistence_threshold")
+    offload_optimizer: Optional[OffloadConfig] = key(None, _optional(OffloadConfig.parse))
+    offload_param: Optional[OffloadConfig] = key(None, _optional(OffloadConfig.parse))
+    # accepted, minizero does nothing with them
+    overlap_comm: Optional[bool] = key(None, _optional(_bool), acts=False)   # None: True only at stage 3
+    contiguous_gradients: bool = key(True, _bool, acts=False)
+    reduce_scatter: bool = key(True, _bool, acts=False)
+    allgather_bucket_size: int = key(500_000_000, _int(lo=1), acts=False)
+    stage3_prefetch_bucket_size: int = key(50_000_000, _int(lo=0), alias="prefetch_bucket_size", acts=False)
+    stage3_max_live_parameters: int = key(1_000_000_000, _int(lo=0), alias="max_live_parameters", acts=False)
+    stage3_max_reuse_distance: int = key(1_000_000_000, _int(lo=0), alias="max_reuse_distance", acts=False)
+    sub_group_size: int = key(1_000_000_000, _int(lo=0), acts=False)
+    # minizero's ZeRO-3 never swaps F.linear: docs/deepspeed.md, "ZeRO-3 replaces F.linear
+    # (memory_efficient_linear)"
+    memory_efficient_linear: bool = key(True, _bool, acts=False)
+    use_multi_rank_bucket_allreduce: bool = key(True, _bool, acts=False)
+    # accepted only at the value that is what minizero always does
+    allgather_partitions: bool = key(True, _only(True, "parameters are always all-gathered"))
+    load_from_fp32_weights: bool = key(True, _only(True, "checkpoints always restore the fp32 master"))
+    ignore_unused_parameters: bool = key(True, _only(True, "unused parameters get a zero gradient"))
+    round_robin_gradients: bool = key(False, _only(False, "it is an offload optimization"))
+    elastic_checkpoint: bool = key(False, _only(False, "use the same world size to resume"))
+    stage3_gather_16bit_weights_on_model_save: bool = key(
+        False, _only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")
+
+    def __post_init__(self):
+        if self.overlap_comm is None:   # DeepSpeedZeroConfig.overlap_comm_valid
+            self.overlap_comm = self.stage == 3
+
+
+def _zero(v, path) -> ZeroConfig:
+    if isinstance(v, bool):
+        # DS's deprecated form (zero/config.py: read_zero_config_deprecated): true = stage 1.
+        v = {"stage": 1 if v else 0}
+    return ZeroConfig.parse(v, path)
+
+
+def _number_checkpoints(v, path):
+    if v is False:   # configs in the wild write false for "not set"
+        return None
+    return _optional(_int(lo=1))(v, path)
 
 
 @dataclass
-class Config:
-    train_batch_size: int
-    train_micro_batch_size_per_gpu: int
-    gradient_accumulation_steps: int
-    world_size: int
-    optimizer: Optional[OptimizerConfig] = None
-    scheduler: Optional[SchedulerConfig] = None
-    gradient_clipping: float = 1.0     # DS default is 1.0, not "off" (runtime/constants.py)
-    fp16: FP16Config = field(default_factory=FP16Config)
-    bf16: BF16Config = field(default_factory=BF16Config)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = field(
-        default_factory=ActivationCheckpointingConfig)
-    steps_per_print: Optional[int] = None   # DS 0.19.8 default: None (never print)
-    wall_clock_breakdown: bool = False
-    raw: dict = field(default_factory=dict)
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`, as DeepSpeedActivationCheckpointingConfig
+    (runtime/activation_checkpointing/config.py). DeepSpeed only parses it; minizero applies
+    it (docs/deepspeed.md, "activation_checkpointing is parsed, not applied"). What each key
+    does under pure data parallelism: checkpointing_config.py."""
+    partition_activations: bool = key(False, _bool)   # one model-parallel rank: nothing to split, see there
+    contiguous_memory_optimization: bool = key(False, _bool)
+    cpu_checkpointing: bool = key(False, _bool)
+    number_checkpoints: Optional[int] = key(None, _number_checkpoints)
+    synchronize_checkpoint_boundary: bool = key(False, _bool)
+    profile: bool = key(False, _bool)
+
+
+_BATCH = _optional(_int(lo=1))
+
+
+@dataclass
+class Config(Section):
+    """The whole config; its fields are the top-level table. load_config fills in the
+    batch-size triple (resolve_batch_size), world_size and raw, the dict it parsed (kept for
+    checkpoint metadata; nothing parses it again)."""
+    train_batch_size: Optional[int] = key(None, _BATCH)
+    train_micro_batch_size_per_gpu: Optional[int] = key(None, _BATCH)
+    gradient_accumulation_steps: Optional[int] = key(None, _BATCH)
+    optimizer: Optional[OptimizerConfig] = key(None, _optional(_optimizer))
+    scheduler: Optional[SchedulerConfig] = key(None, _optional(_scheduler))
+    gradient_clipping: float = key(1.0, _float(lo=0))     # DS default is 1.0, not "off" (runtime/constants.py)
+    fp16: FP16Config = key(FP16Config, FP16Config.parse)
+    bf16: BF16Config = key(BF16Config, BF16Config.parse, alias="bfloat16")   # DS's old name (BFLOAT16_OLD)
+    zero: ZeroConfig = key(ZeroConfig, _zero, name="zero_optimization")
+    # None when the config has none: then the engine does not checkpoint the model's blocks.
+    activation_checkpointing: Optional[ActivationCheckpointingConfig] = key(
+        None, _optional(ActivationCheckpointingConfig.parse))
+    steps_per_print: Optional[int] = key(None, _optional(_int(lo=1)))   # DS 0.19.8 default: None (never print)
+    wall_clock_breakdown: bool = key(False, _bool, acts=False)
+    zero_allow_untested_optimizer: bool = key(False, _bool, acts=False)
+    zero_force_ds_cpu_optimizer: bool = key(True, _bool, acts=False)
+    # accepted only at the value that is what minizero always does
+    prescale_gradients: bool = key(False, _only(False, "gradients are averaged after the reduction"))
+    gradient_predivide_factor: float = key(1.0, _only(1.0, "gradients are averaged after the reduction"))
+    communication_data_type: Optional[str] = key(None, _only(None, "gradients are reduced in the training dtype"))
+    memory_breakdown: bool = key(False, _only(False, "use engine.memory_breakdown()"))
+    dump_state: bool = key(False, _only(False, "there is no state dump"))
+    dataloader_drop_last: bool = key(False, _only(False, "the DistributedSampler loader keeps the last batch"))
+    # not keys: set by load_config
+    world_size: int = 1
+    raw: dict = field(default_factory=dict, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,135 +382,21 @@ class Config:
         return torch.float32
 
 
-# ----------------------------------------------------------------------------- specs
-
-_BATCH = _optional(_int(lo=1))
-
-_OPTIMIZER_PARAMS = {
-    "lr": (_MISSING, _number(lo=0)),
-    "betas": (_MISSING, lambda v, p: _betas(v, p)),
-    "eps": (_MISSING, _number(lo=0, lo_open=True)),
-    "weight_decay": (_MISSING, _number(lo=0)),
-    "torch_adam": (False, _bool),
-    "adam_w_mode": (True, _bool),
-}
+def ignored_knobs(cfg: Config) -> list[str]:
+    """The zero_optimization keys `cfg` sets (as it spells them) that minizero accepts for
+    DeepSpeed compatibility but does nothing with (acts=False in ZeroConfig)."""
+    rows = ZeroConfig.rows()
+    return [k for k in cfg.zero.given if not rows[k].metadata["acts"]]
 
 
-def _betas(v, path):
-    if not isinstance(v, (list, tuple)) or len(v) != 2:
-        raise ConfigError(f"{path} must be a list of two numbers like [0.9, 0.999], got {v!r}")
-    return tuple(_number(lo=0)(b, path) for b in v)
-
-
-_FP16 = {
-    "enabled": (False, _bool),
-    "loss_scale": (0.0, _number(lo=0)),
-    "initial_scale_power": (16, _int(lo=0)),
-    "loss_scale_window": (1000, _int(lo=1)),
-    # DS accepts hysteresis 0, but then DynamicLossScaler never lowers the scale (it only
-    # shifts when cur_hysteresis == 1, and 0 counts down past it): reject it.
-    "hysteresis": (2, _int(lo=1)),
-    "consecutive_hysteresis": (False, _bool),
-    "min_loss_scale": (1, _number(lo=0, lo_open=True)),
-    "auto_cast": (False, _bool),
-    "fp16_master_weights_and_grads": (False, _only(False, "master weights are always fp32")),
-}
-
-_BF16 = {"enabled": (False, _bool), "check_grad_overflow": (True, _bool)}
-
-
-def _offload(v, path):
-    d = _section(v, path, {"device": ("none", _optional(_any)), "pin_memory": (False, _bool)})
-    dev = d["device"]
-    dev = "none" if dev is None else dev
-    if dev not in ("none", "cpu", "nvme"):
-        raise ConfigError(f"{path}.device must be \"none\", \"cpu\" or \"nvme\", got {dev!r}")
-    if dev != "none":
-        raise ConfigError(f"{path}.device = {dev!r}: ZeRO-Offload is not implemented in minizero; "
-                          f"remove '{path}' or set its device to \"none\"")
-    return dev
-
-
-_ZERO = {
-    "stage": (0, lambda v, p: _stage(v, p)),
-    "contiguous_gradients": (True, _bool),
-    "reduce_scatter": (True, _bool),
-    "reduce_bucket_size": (500_000_000, _int(lo=1)),
-    "allgather_bucket_size": (500_000_000, _int(lo=1)),
-    "overlap_comm": (None, _optional(_bool)),
-    "stage3_prefetch_bucket_size": (50_000_000, _int(lo=0)),
-    "stage3_param_persistence_threshold": (100_000, _int(lo=0)),
-    "stage3_max_live_parameters": (1_000_000_000, _int(lo=0)),
-    "stage3_max_reuse_distance": (1_000_000_000, _int(lo=0)),
-    "memory_efficient_linear": (True, _bool),
-    "sub_group_size": (1_000_000_000, _int(lo=0)),
-    "offload_optimizer": ("none", _offload),
-    "offload_param": ("none", _offload),
-    # harmless: DeepSpeed keys whose accepted value is what minizero always does
-    "allgather_partitions": (True, _only(True, "parameters are always all-gathered")),
-    "load_from_fp32_weights": (True, _only(True, "checkpoints always restore the fp32 master")),
-    "ignore_unused_parameters": (True, _only(True, "unused parameters get a zero gradient")),
-    "round_robin_gradients": (False, _only(False, "it is an offload optimization")),
-    "elastic_checkpoint": (False, _only(False, "use the same world size to resume")),
-    "use_multi_rank_bucket_allreduce": (True, _bool),
-    "stage3_gather_16bit_weights_on_model_save": (False, _only(False, "there is no save_16bit_model")),
-}
-# DeepSpeedZeroConfig fields carry these as pydantic aliases (populate_by_name=True): both
-# spellings are accepted by DS.
-_ZERO_ALIASES = {
-    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
-    "param_persistence_threshold": "stage3_param_persistence_threshold",
-    "max_live_parameters": "stage3_max_live_parameters",
-    "max_reuse_distance": "stage3_max_reuse_distance",
-    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-}
-
-
-def _stage(v, path):
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 3:
-        raise ConfigError(f"{path} must be 0, 1, 2 or 3 (ZeRO stage), got {v!r}")
-    return v
-
-
-def _number_checkpoints(v, path):
-    if v is None or v is False:   # configs in the wild write false for "not set"
+def ignored_knobs_note(cfg: Config) -> str | None:
+    """The one line the engine logs about `ignored_knobs(cfg)`; None when there are none."""
+    knobs = ignored_knobs(cfg)
+    if not knobs:
         return None
-    return _int(lo=1)(v, path)
-
-
-_ACT = {
-    "partition_activations": (False, _bool),
-    "cpu_checkpointing": (False, _bool),
-    "contiguous_memory_optimization": (False, _bool),
-    "number_checkpoints": (None, _number_checkpoints),
-    "synchronize_checkpoint_boundary": (False, _bool),
-    "profile": (False, _bool),
-}
-
-_TOP = {
-    "train_batch_size": (None, _BATCH),
-    "train_micro_batch_size_per_gpu": (None, _BATCH),
-    "gradient_accumulation_steps": (None, _BATCH),
-    "optimizer": (None, _any),
-    "scheduler": (None, _any),
-    "gradient_clipping": (1.0, _number(lo=0)),
-    "fp16": (None, _any),
-    "bf16": (None, _any),
-    "bfloat16": (None, _any),     # DS's old name for bf16 (precision_config.BFLOAT16_OLD)
-    "zero_optimization": (None, _any),
-    "activation_checkpointing": (None, _any),
-    "steps_per_print": (None, _optional(_int(lo=1))),
-    "wall_clock_breakdown": (False, _bool),
-    # harmless
-    "zero_allow_untested_optimizer": (False, _bool),
-    "zero_force_ds_cpu_optimizer": (True, _bool),
-    "prescale_gradients": (False, _only(False, "gradients are averaged after the reduction")),
-    "gradient_predivide_factor": (1.0, _only(1.0, "gradients are averaged after the reduction")),
-    "communication_data_type": (None, _only(None, "gradients are reduced in the training dtype")),
-    "memory_breakdown": (False, _only(False, "use engine.memory_breakdown()")),
-    "dump_state": (False, _only(False, "there is no state dump")),
-    "dataloader_drop_last": (False, _only(False, "the DistributedSampler loader keeps the last batch")),
-}
+    return (f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility; they tune "
+            f"overlap/prefetch/reuse, which minizero does not do (it gathers each unit on use and "
+            f"releases it after; see docs/zero.md)")
 
 
 # ----------------------------------------------------------------------------- batch sizes
@@ -412,36 +481,6 @@ def _read(config) -> dict:
     raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
 
 
-def _parse_optimizer(d) -> Optional[OptimizerConfig]:
-    if d is None:
-        return None
-    d = _section(d, "optimizer", {"type": (_MISSING, _any), "params": ({}, _any)})
-    name = d["type"]
-    if name is _MISSING:
-        raise ConfigError("optimizer.type is missing; set it to \"Adam\" or \"AdamW\"")
-    # DS lower-cases names it knows (runtime/config.py: DEEPSPEED_OPTIMIZERS), so any case works.
-    canon = {"adam": "Adam", "adamw": "AdamW"}.get(str(name).lower())
-    if canon is None:
-        raise ConfigError(f"optimizer.type {name!r} is not implemented in minizero; use \"Adam\" or \"AdamW\"")
-    params = d["params"]
-    if isinstance(params, dict) and "max_grad_norm" in params:
-        # Same refusal as DeepSpeedEngine._configure_basic_optimizer.
-        raise ConfigError("optimizer.params.max_grad_norm is not supported; use the top-level "
-                          "\"gradient_clipping\" key instead")
-    params = _section(params, "optimizer.params", _OPTIMIZER_PARAMS)
-    return OptimizerConfig(canon, {k: v for k, v in params.items() if v is not _MISSING})
-
-
-def _parse_scheduler(d) -> Optional[SchedulerConfig]:
-    if d is None:
-        return None
-    d = _section(d, "scheduler", {"type": (_MISSING, _any), "params": ({}, _any)})
-    if d["type"] is _MISSING:
-        raise ConfigError(f"scheduler.type is missing; use one of {sorted(lr_schedules.SCHEDULERS)}")
-    lr_schedules.check_scheduler_params(d["type"], d["params"])
-    return SchedulerConfig(d["type"], dict(d["params"] or {}))
-
-
 def load_config(config: dict | str | Path, world_size: int | None = None) -> Config:
     """Parse a DeepSpeed-style config (dict or JSON path) for a data-parallel world of `world_size`.
 
@@ -451,45 +490,14 @@ def load_config(config: dict | str | Path, world_size: int | None = None) -> Con
     if world_size is None:
         from minizero import comm
         world_size = comm.get_world_size()
-    top = _section(raw, "", _TOP)
-
-    zero_raw = top["zero_optimization"]
-    if isinstance(zero_raw, bool):
-        # DS's deprecated form (zero/config.py: read_zero_config_deprecated): true = stage 1.
-        zero_raw = {"stage": 1 if zero_raw else 0}
-    zero = _section(zero_raw, "zero_optimization", _ZERO, _ZERO_ALIASES)
-    if zero["overlap_comm"] is None:   # DeepSpeedZeroConfig.overlap_comm_valid
-        zero["overlap_comm"] = zero["stage"] == 3
-    zero_cfg = ZeroConfig(**{k: v for k, v in zero.items() if k in ZeroConfig.__dataclass_fields__},
-                          offload_optimizer_device=zero["offload_optimizer"],
-                          offload_param_device=zero["offload_param"])
-
-    fp16 = _section(top["fp16"], "fp16", _FP16)
-    fp16.pop("fp16_master_weights_and_grads")
-    fp16["loss_scale"] = float(fp16["loss_scale"])
-    if top["bf16"] is not None and top["bfloat16"] is not None:
-        raise ConfigError("both 'bf16' and its old name 'bfloat16' are given (DeepSpeed would silently "
-                          "ignore 'bfloat16'); keep only 'bf16'")
-    bf16_path = "bfloat16" if top["bfloat16"] is not None else "bf16"
-    bf16 = _section(top["bf16"] if top["bf16"] is not None else top["bfloat16"], bf16_path, _BF16)
-    if fp16["enabled"] and bf16["enabled"]:
+    cfg = Config.parse(raw, "")
+    if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; set one of them to false")
-
-    act = _section(top["activation_checkpointing"], "activation_checkpointing", _ACT)
-
-    t, m, g = resolve_batch_size(top["train_batch_size"], top["train_micro_batch_size_per_gpu"],
-                                 top["gradient_accumulation_steps"], world_size)
-    return Config(
-        train_batch_size=t, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=g,
-        world_size=world_size,
-        optimizer=_parse_optimizer(top["optimizer"]),
-        scheduler=_parse_scheduler(top["scheduler"]),
-        gradient_clipping=float(top["gradient_clipping"]),
-        fp16=FP16Config(**fp16), bf16=BF16Config(**bf16), zero=zero_cfg,
-        activation_checkpointing=ActivationCheckpointingConfig(**act),
-        steps_per_print=top["steps_per_print"], wall_clock_breakdown=top["wall_clock_breakdown"],
-        raw=raw,
-    )
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = \
+        resolve_batch_size(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                           cfg.gradient_accumulation_steps, world_size)
+    cfg.world_size, cfg.raw = world_size, raw
+    return cfg
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -509,11 +517,8 @@ def build_optimizer(param_groups, opt_cfg: OptimizerConfig | dict) -> torch.opti
       in that case it passes weight_decay=0.0 explicitly to keep DS's effective default.
     """
     if isinstance(opt_cfg, dict):
-        opt_cfg = _parse_optimizer(opt_cfg)
+        opt_cfg = _optimizer(opt_cfg, "optimizer")
     params = dict(opt_cfg.params)
-    unknown = set(params) - set(_OPTIMIZER_PARAMS)
-    if unknown:
-        raise ConfigError(f"unknown optimizer.params {sorted(unknown)}; accepted: {sorted(_OPTIMIZER_PARAMS)}")
     adam_w_mode = params.pop("adam_w_mode", True)
     torch_adam = params.pop("torch_adam", False)
     adam_w_mode = opt_cfg.type == "AdamW" or adam_w_mode

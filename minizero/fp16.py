@@ -32,6 +32,7 @@ import logging
 import torch
 
 from minizero import comm
+from minizero.config import FP16Config
 
 logger = logging.getLogger("minizero")
 
@@ -196,10 +197,7 @@ def create_loss_scaler(fp16_cfg) -> LossScaler:
     static scaler of 1.0; `loss_scale` > 0 -> a static scaler of that value.
     """
     if isinstance(fp16_cfg, dict) or fp16_cfg is None:
-        from minizero.config import FP16Config, _FP16, _section
-        d = _section(fp16_cfg, "fp16", _FP16)
-        d.pop("fp16_master_weights_and_grads")
-        fp16_cfg = FP16Config(**d)
+        fp16_cfg = FP16Config.parse(fp16_cfg, "fp16")
     if not fp16_cfg.enabled:
         return LossScaler(1.0)
     if fp16_cfg.loss_scale != 0:

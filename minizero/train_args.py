@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from minizero.config import ConfigError, read_json, resolve_batch_size
+from minizero.config import ActivationCheckpointingConfig, ConfigError, read_json, resolve_batch_size
 from minizero.data import DATASETS
 from minizero.model import PRESETS
 
@@ -32,9 +32,7 @@ DEFAULT_CONFIG = {
 }
 
 # What --checkpoint-activations adds when the config has no such section (DeepSpeed's defaults).
-ACTIVATION_CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False,
-                            "contiguous_memory_optimization": False, "number_checkpoints": None,
-                            "synchronize_checkpoint_boundary": False, "profile": False}
+ACTIVATION_CHECKPOINTING = ActivationCheckpointingConfig().to_dict()
 
 # The --help description: the first line of minizero/train.py's docstring.
 DESCRIPTION = "Train minGPT's image GPT with minizero: the whole run in one readable loop."

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minizero.config import ConfigError, build_optimizer, load_config, resolve_batch_size
+from minizero.config import (ActivationCheckpointingConfig, ConfigError, ZeroConfig, build_optimizer, ignored_knobs,
+                             ignored_knobs_note, load_config, resolve_batch_size)
 
 deepspeed = pytest.importorskip("deepspeed")
 import deepspeed.runtime.config as ds_config_mod  # noqa: E402
@@ -60,9 +61,11 @@ def test_defaults_match_deepspeed(ds_parse):
     assert ours.zero.stage3_param_persistence_threshold == 100_000
 
     act = DeepSpeedActivationCheckpointingConfig({})
+    assert ours.activation_checkpointing is None   # no section: the engine checkpoints nothing
+    ours_act = load_config({"train_batch_size": 8, "activation_checkpointing": {}}, 1).activation_checkpointing
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
-        assert getattr(ours.activation_checkpointing, name) == getattr(act, name), name
+        assert getattr(ours_act, name) == getattr(act, name) == getattr(ActivationCheckpointingConfig(), name), name
     assert ours.optimizer is None and ours.scheduler is None
     assert ours.dtype == torch.float32
     assert ours.raw is raw
@@ -114,6 +117,29 @@ def test_config_error_is_value_error():
 
 
 @pytest.mark.parametrize("raw,needle", [
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "'bf16' and 'bfloat16' are two spellings"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}},
+     "keep only 'stage3_prefetch_bucket_size'"),
+])
+def test_a_key_and_its_alias_together_are_refused(raw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config({"train_batch_size": 8, **raw}, 1)
+
+
+def test_ignored_knobs_are_those_given_that_minizero_does_not_act_on():
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "reduce_bucket_size": 10, "prefetch_bucket_size": 5,
+        "memory_efficient_linear": False, "allgather_partitions": True}}, 1)
+    assert ignored_knobs(cfg) == ["overlap_comm", "prefetch_bucket_size", "memory_efficient_linear"]
+    assert "overlap_comm, prefetch_bucket_size, memory_efficient_linear: accepted for DeepSpeed" \
+        in ignored_knobs_note(cfg)
+    assert ignored_knobs_note(load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, 1)) is None
+    # the engine acts on the other keys: a new ZeroConfig key must say which it is
+    acting = {f for f, row in ZeroConfig.rows().items() if row.metadata["acts"]}
+    assert {"stage", "reduce_bucket_size", "stage3_param_persistence_threshold"} <= acting
+
+
+@pytest.mark.parametrize("raw,needle", [
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16 and bf16"),
@@ -142,7 +168,7 @@ def test_offload_none_and_harmless_keys_accepted(ds_parse):
                                  "allgather_partitions": True, "reduce_bucket_size": 2e8,
                                  "prefetch_bucket_size": 123}}
     ours, ds = load_config(raw, 1), ds_parse(raw, 1)
-    assert ours.zero.offload_optimizer_device == "none"
+    assert ours.zero.offload_optimizer.device == "none" and ours.zero.offload_param is None
     assert ours.zero.reduce_bucket_size == ds.zero_config.reduce_bucket_size == 200_000_000
     assert ours.zero.stage3_prefetch_bucket_size == ds.zero_config.prefetch_bucket_size == 123
 
@@ -233,14 +259,16 @@ def test_launch_configs_load_in_both(ds_parse, name, world_size):
     assert ours.optimizer.type.lower() == ds.optimizer_name
     assert ours.scheduler.type == ds.scheduler_name and ours.scheduler.params == ds.scheduler_params
     act = ds.activation_checkpointing_config
+    ours_act = ours.activation_checkpointing or ActivationCheckpointingConfig()   # None: no section
+    assert (ours.activation_checkpointing is None) == ("activation_checkpointing" not in ours.raw)
     for f in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
               "number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
-        assert getattr(ours.activation_checkpointing, f) == getattr(act, f), f
+        assert getattr(ours_act, f) == getattr(act, f), f
 
 
 def test_launch_config_steps():
     basic, step4, step5 = (load_config(LAUNCH / n, 2) for n in LAUNCH_CONFIGS)
-    assert "activation_checkpointing" not in basic.raw and step4.activation_checkpointing.partition_activations
+    assert basic.activation_checkpointing is None and step4.activation_checkpointing.partition_activations
     assert step5.zero.stage == 3 and basic.zero.stage in (1, 2)
 
 
