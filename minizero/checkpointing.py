@@ -38,9 +38,10 @@ there are no sharded layers, every rank draws from its own default generator, an
 that generator is all that is needed.
 
 Layout: this file is the mechanism and the one owner of module state (config, contiguous
-buffers, timings). The options (keys, precedence, checks, meaning under pure data
-parallelism) are in checkpointing_config.py, the bytes-held-for-backward measuring tool in
-saved_bytes.py; their public names are re-exported here (minizero.checkpointing.configure).
+buffers, timings). The keys are declared once, as `ActivationCheckpointingConfig` in
+config.py; their precedence, checks and meaning under pure data parallelism are in
+checkpointing_config.py, the bytes-held-for-backward measuring tool in saved_bytes.py;
+their public names are re-exported here (minizero.checkpointing.configure).
 """
 from __future__ import annotations
 
@@ -52,20 +53,24 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .checkpointing_config import CheckpointConfig, _describe, _is_rank0, resolve
+from . import comm
+from .checkpointing_config import check, describe, resolve
+from .config import ActivationCheckpointingConfig
 from .saved_bytes import SavedBytes, count_saved_bytes, saved_bytes_for_backward
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "configure", "is_configured", "reset", "checkpoint", "CheckpointFunction", "get_config",
-    "CheckpointConfig", "timings", "in_recompute", "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
+    "configure", "configure_from", "is_configured", "reset", "checkpoint", "CheckpointFunction", "get_config",
+    "ActivationCheckpointingConfig", "CheckpointConfig", "timings", "in_recompute", "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
 ]
 
 
 # ----------------------------------------------------------------------------- configuration
 
-_cfg = CheckpointConfig()
+CheckpointConfig = ActivationCheckpointingConfig   # the name this module has always exported
+
+_cfg = ActivationCheckpointingConfig()
 _configured = False
 _mpu = None
 # contiguous_memory_optimization: one preallocated [number_checkpoints, numel] buffer per
@@ -86,15 +91,21 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
     `mpu_` is accepted for signature compatibility; a model-parallel size above 1 is an error
     (minizero is data-parallel only).
     """
+    configure_from(resolve(deepspeed_config, partition_activations=partition_activations,
+                           contiguous_checkpointing=contiguous_checkpointing, num_checkpoints=num_checkpoints,
+                           checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize, profile=profile), mpu_)
+
+
+def configure_from(section: ActivationCheckpointingConfig, mpu_=None) -> None:
+    """Set the options from an already parsed section: the engine passes
+    `Config.activation_checkpointing`. DeepSpeed's checks apply, as in configure."""
     global _cfg, _configured, _mpu
     mpu = mpu_ if mpu_ is not None else _mpu  # as DeepSpeed: configure(None, ...) keeps an earlier mpu
-    cfg = resolve(mpu, deepspeed_config, partition_activations=partition_activations,
-                  contiguous_checkpointing=contiguous_checkpointing, num_checkpoints=num_checkpoints,
-                  checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize, profile=profile)
-    _cfg, _configured, _mpu = cfg, True, mpu
+    check(section, mpu)
+    _cfg, _configured, _mpu = section, True, mpu
     reset()
-    if _is_rank0():
-        logger.info(_describe(cfg))
+    if comm.get_rank() == 0:
+        logger.info(describe(section))
 
 
 def is_configured() -> bool:
@@ -102,7 +113,7 @@ def is_configured() -> bool:
     return _configured
 
 
-def get_config() -> CheckpointConfig:
+def get_config() -> ActivationCheckpointingConfig:
     return _cfg
 
 
@@ -311,7 +322,7 @@ class CheckpointFunction(torch.autograd.Function):
             dt = time.perf_counter() - t0
             _timings["calls"] += 1
             _timings["forward_s"] += dt
-            if _is_rank0():
+            if comm.get_rank() == 0:
                 logger.info(f"checkpoint forward: {dt * 1e3:.3f} ms")
         return tuple(flat)
 
@@ -366,7 +377,7 @@ class CheckpointFunction(torch.autograd.Function):
             t2 = time.perf_counter()
             _timings["recompute_s"] += t1 - t0
             _timings["backward_s"] += t2 - t1
-            if _is_rank0():
+            if comm.get_rank() == 0:
                 logger.info(f"checkpoint recompute: {(t1 - t0) * 1e3:.3f} ms, backward: {(t2 - t1) * 1e3:.3f} ms")
 
         # One gradient per forward() argument: None for run_function, out_spec, non-tensors

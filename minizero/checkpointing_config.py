@@ -1,12 +1,13 @@
-"""The `activation_checkpointing` options: what each key means, read and checked.
+"""The `activation_checkpointing` options: what each key means, and DeepSpeed's precedence.
 
-Same keys, defaults and precedence as DeepSpeed (deepspeed/runtime/activation_checkpointing/
-config.py and `configure` in checkpointing.py): start from the defaults, apply the config's
-`activation_checkpointing` section (a dict or a JSON path), then any explicit keyword.
-Under pure data parallelism (minizero's only mode) the keys mean:
+The keys and their defaults are declared once, as `ActivationCheckpointingConfig` in
+config.py (load_config parses the section there; `configure` below reads the same table).
+Precedence as DeepSpeed's `configure` (checkpointing.py): start from the defaults, apply
+the config's `activation_checkpointing` section (a dict or a JSON path), then any explicit
+keyword. Under pure data parallelism (minizero's only mode) the keys mean:
 
 - partition_activations: split saved inputs across the *model-parallel* group, which has
-  one rank here: a no-op (`_describe` says so at configure).
+  one rank here: a no-op (`describe` says so at configure).
 - cpu_checkpointing: keep saved block inputs in (pinned) CPU memory until backward.
 - contiguous_memory_optimization / number_checkpoints: copy saved inputs into one
   preallocated buffer of `number_checkpoints` slots per input position.
@@ -14,52 +15,31 @@ Under pure data parallelism (minizero's only mode) the keys mean:
 - profile: time forward, recompute and backward of each checkpoint.
 
 This module is pure (no module state): the current config, the contiguous buffers and the
-timings live in exactly one place, `minizero.checkpointing`, whose `configure` calls
-`resolve` and `_describe` from here.
+timings live in exactly one place, `minizero.checkpointing`, whose `configure` and
+`configure_from` call `resolve`, `check` and `describe` from here.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 
-from minizero.config import read_json
+from minizero.config import ActivationCheckpointingConfig, read_json
 
-__all__ = ["CheckpointConfig", "resolve"]
+__all__ = ["resolve", "check", "describe"]
 
-
-@dataclass
-class CheckpointConfig:
-    """The `activation_checkpointing` section of a DeepSpeed config, same keys and defaults
-    (deepspeed/runtime/activation_checkpointing/config.py)."""
-    partition_activations: bool = False
-    contiguous_memory_optimization: bool = False
-    cpu_checkpointing: bool = False
-    number_checkpoints: int | None = None
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
+SECTION = "activation_checkpointing"
 
 
-_KEYS = {f.name for f in fields(CheckpointConfig)}
-
-
-def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _read_section(deepspeed_config) -> dict:
-    """The `activation_checkpointing` dict of a config given as a dict or a JSON path."""
+def _section_of(deepspeed_config) -> ActivationCheckpointingConfig:
+    """The parsed `activation_checkpointing` section of a config given as a dict or a JSON path."""
     if isinstance(deepspeed_config, (str, os.PathLike)):
         deepspeed_config = read_json(deepspeed_config)
     if not isinstance(deepspeed_config, dict):
         raise TypeError(f"deepspeed_config must be a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
-    section = deepspeed_config.get("activation_checkpointing", {})
-    unknown = sorted(set(section) - _KEYS)
-    if unknown:  # DeepSpeed ignores unknown keys silently; a typo there silently turns a feature off
-        raise ValueError(f"activation_checkpointing: unknown key(s) {unknown}; minizero implements {sorted(_KEYS)}")
-    return section
+    # DeepSpeed ignores unknown keys here silently; a typo would silently turn a feature off.
+    return ActivationCheckpointingConfig.parse(deepspeed_config.get(SECTION), SECTION)
 
 
 def _mp_world_size(mpu) -> int:
@@ -70,33 +50,30 @@ def _mp_world_size(mpu) -> int:
     return mpu.get_model_parallel_world_size()
 
 
-def resolve(mpu, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-            num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> CheckpointConfig:
-    """The config `minizero.checkpointing.configure(...)` sets, with DeepSpeed's precedence
-    and checks; `mpu` is the one configure will keep (an earlier one if it got None)."""
-    cfg = CheckpointConfig()
+def resolve(deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
+            num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None
+            ) -> ActivationCheckpointingConfig:
+    """The options `minizero.checkpointing.configure(...)` sets, with DeepSpeed's precedence."""
+    cfg = _section_of(deepspeed_config) if deepspeed_config is not None else ActivationCheckpointingConfig()
+    overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization": contiguous_checkpointing,
+                 "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
+                 "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def check(cfg: ActivationCheckpointingConfig, mpu) -> None:
+    """DeepSpeed's checks in configure(); `mpu` is the one configure will keep."""
     if _mp_world_size(mpu) > 1:
         raise NotImplementedError("activation checkpointing: minizero is data-parallel only; an mpu with "
                                   "model-parallel world size > 1 would need activation partitioning across it")
-    if deepspeed_config is not None:
-        for k, v in _read_section(deepspeed_config).items():
-            setattr(cfg, k, v)
-    for name, value in (("partition_activations", partition_activations),
-                        ("contiguous_memory_optimization", contiguous_checkpointing),
-                        ("number_checkpoints", num_checkpoints), ("cpu_checkpointing", checkpoint_in_cpu),
-                        ("synchronize_checkpoint_boundary", synchronize), ("profile", profile)):
-        if value is not None:
-            setattr(cfg, name, value)
-
-    # DeepSpeed's two assertions in configure(), word for word.
+    # DeepSpeed's two assertions, word for word.
     if cfg.contiguous_memory_optimization:
         assert cfg.partition_activations, "Contiguous Checkpointing is only available with partitioned activations. Set partitioned activations to true in deepspeed config"
     if cfg.contiguous_memory_optimization:
         assert cfg.number_checkpoints is not None, "Must specify the number of layers with contiguous memory checkpointing"
-    return cfg
 
 
-def _describe(cfg: CheckpointConfig) -> str:
+def describe(cfg: ActivationCheckpointingConfig) -> str:
     """What each option does in *this* run, said once (at configure, on rank 0)."""
     on_cuda = torch.cuda.is_available()
     lines = [f"activation checkpointing (Chen et al. 2016): {cfg}"]

@@ -20,10 +20,10 @@ from minizero.model import GPT, get_preset
 @pytest.fixture(autouse=True)
 def fresh_config():
     """Every test starts (and leaves) with DeepSpeed's defaults, unconfigured."""
-    ck._cfg, ck._configured = ck.CheckpointConfig(), False
+    ck._cfg, ck._configured = ck.ActivationCheckpointingConfig(), False
     ck.reset()
     yield
-    ck._cfg, ck._configured = ck.CheckpointConfig(), False
+    ck._cfg, ck._configured = ck.ActivationCheckpointingConfig(), False
     ck.reset()
 
 
@@ -330,7 +330,7 @@ def test_configure_from_dict_and_json_and_kwargs_override(tmp_path):
     section = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
                "number_checkpoints": 4, "synchronize_checkpoint_boundary": True, "profile": True}
     configure(None, deepspeed_config={"train_batch_size": 8, "activation_checkpointing": section})
-    assert ck.is_configured() and ck.get_config() == ck.CheckpointConfig(**section)
+    assert ck.is_configured() and ck.get_config() == ck.ActivationCheckpointingConfig(**section)
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"activation_checkpointing": section}))
@@ -340,12 +340,26 @@ def test_configure_from_dict_and_json_and_kwargs_override(tmp_path):
     assert cfg.partition_activations is True  # from the file
 
     configure(None)  # every call starts from the defaults, as DeepSpeed's _configure_defaults
-    assert ck.get_config() == ck.CheckpointConfig()
+    assert ck.get_config() == ck.ActivationCheckpointingConfig()
+
+
+def test_configure_from_the_parsed_section():
+    """What the engine does: the section load_config parsed, not the raw dict again."""
+    from minizero.config import load_config
+    section = load_config({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": True}},
+                          1).activation_checkpointing
+    ck.configure_from(section)
+    assert ck.is_configured() and ck.get_config() is section and section.cpu_checkpointing
+    with pytest.raises(AssertionError, match="Must specify the number of layers"):
+        ck.configure_from(ck.ActivationCheckpointingConfig(partition_activations=True,
+                                                           contiguous_memory_optimization=True))
 
 
 def test_unknown_key_is_an_error_naming_it():
     with pytest.raises(ValueError, match="partitioned_activations"):
         configure(None, deepspeed_config={"activation_checkpointing": {"partitioned_activations": True}})
+    with pytest.raises(ValueError, match="activation_checkpointing.profile must be true or false"):
+        configure(None, deepspeed_config={"activation_checkpointing": {"profile": "yes"}})
 
 
 def test_contiguous_needs_partition_and_number_checkpoints_as_in_deepspeed():
