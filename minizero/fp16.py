@@ -19,11 +19,12 @@ halves S. The budget is *not* refilled by halving: every further overflow halves
 until S is next raised (or, with `consecutive_hysteresis`, until one clean step). Without
 it, one spike costs `scale_window` steps at half the scale.
 
-DeepSpeed quirk, not copied (DEEPSPEED_FACTS.md): at ZeRO stage 0, DeepSpeed's fp16 path
-is `FP16_Optimizer`, whose own scaler has no hysteresis (halves on the first overflow)
-and clamps at the minimum instead of raising. The ZeRO-1/2/3 optimizers use this
-class via `CreateLossScaler` (runtime/fp16/loss_scaler.py) with hysteresis and
-`raise_error_at_min_scale=True`. minizero uses that ZeRO behaviour at every stage.
+DeepSpeed quirk, not copied (docs/deepspeed.md, "Stage 0 fp16 loss scaler has no
+hysteresis"): at ZeRO stage 0, DeepSpeed's fp16 path is `FP16_Optimizer`, whose own
+scaler has no hysteresis (halves on the first overflow) and clamps at the minimum
+instead of raising. The ZeRO-1/2/3 optimizers use this class via `CreateLossScaler`
+(runtime/fp16/loss_scaler.py) with hysteresis and `raise_error_at_min_scale=True`.
+minizero uses that ZeRO behaviour at every stage.
 """
 from __future__ import annotations
 
