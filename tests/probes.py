@@ -18,11 +18,10 @@ import torch
 def flat_layout(engine) -> List[Dict[str, Any]]:
     """One dict per FlatParam: label, param group, element counts (unpadded, padded, this
     rank's shard), ZeRO-3 persistence, how many parameters it holds, bytes per element."""
-    z = engine.zero
-    return [{"label": f.label, "group": g, "numel": f.numel, "padded": f.padded_numel,
+    return [{"label": f.label, "group": f.group, "numel": f.numel, "padded": f.padded_numel,
              "shard": f.shard_numel, "keep_full": bool(f.keep_full), "n_params": len(f.params),
              "elem": f.full.element_size()}
-            for f, g in zip(z.flat_params, z.flat_group)]
+            for f in engine.zero.flat_params]
 
 
 # ----------------------------------------------------------------------------- memory
@@ -34,7 +33,7 @@ def _storage_key(t):
 def measured_bytes(engine) -> dict:
     """Walk the live tensors of the model state (as reference/ds_memory.py counts DeepSpeed's),
     deduplicated by storage: what this rank really holds right now."""
-    z = engine.zero
+    z, opt = engine.zero, engine.sharded_optimizer
     seen = set()
 
     def count(tensors):
@@ -51,10 +50,10 @@ def measured_bytes(engine) -> dict:
 
     params = count([f.full for f in z.flat_params] + [f.shard for f in z.flat_params])
     grads = count([p.grad for f in z.flat_params for p in f.params] + [f.grad_shard for f in z.flat_params])
-    master = count(z.masters) if z.mixed else 0
-    opt = count([v for st in z.optimizer.state.values() for v in st.values()
-                 if torch.is_tensor(v) and v.dim() > 0])
-    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
+    master = count(opt.masters) if opt.mixed else 0
+    states = count([v for st in opt.optimizer.state.values() for v in st.values()
+                    if torch.is_tensor(v) and v.dim() > 0])
+    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": states}
 
 
 def watch_live_grad_numel(engine) -> dict:
@@ -80,7 +79,7 @@ def watch_z3_gathered(engine) -> dict:
     def count_gathered(*_):
         gathered_fwd["max"] = max(gathered_fwd["max"],
                                   sum(1 for f in z.flat_params if not f.keep_full and f.full_is_allocated()))
-    for u in z.units:
+    for u in z.buckets:            # ZeRO-3: each bucket is a Unit (one module)
         u.module.register_forward_pre_hook(count_gathered)
     return gathered_fwd
 
@@ -105,7 +104,7 @@ def z3_between_steps(engine) -> dict:
         n_partitioned=len(part),
         full_nbytes=[f.full.untyped_storage().nbytes() for f in part],
         param_numels=[p.numel() for f in part for p in f.params],
-        shard_states=[u.shard_state.name for u in z.units])
+        shard_states=[u.state.name for u in z.buckets])
 
 
 # ----------------------------------------------------------------------------- overflow
@@ -129,7 +128,7 @@ def unpoison(engine) -> None:
 
 def opt_step_counts(engine) -> list:
     """The distinct optimizer step counts over the inner optimizer's state."""
-    return sorted({float(st["step"]) for st in engine.zero.optimizer.state.values()})
+    return sorted({float(st["step"]) for st in engine.optimizer.state.values()})
 
 
 def grads_left(engine) -> int:
@@ -153,7 +152,7 @@ def apply_variant(engine, variant: str) -> Optional[List[float]]:
 
 
 def patch_clip(engine, variant: str) -> Optional[List[float]]:
-    """Replace the clip factor minizero's engine hands to `zero.step(combined_scale)`.
+    """Replace the clip factor minizero's step computes (`ShardedOptimizer.combined_scale`).
 
     Used only by the clipping tests: minizero and DeepSpeed differ in exactly one piece of
     arithmetic, the global gradient norm (test_grad_norm_matches_to_fp32_rounding), which
@@ -164,28 +163,29 @@ def patch_clip(engine, variant: str) -> Optional[List[float]]:
     loss scale is 1)."""
     if not (variant == "ds_norm" or variant.startswith("jitter")):
         return None
-    zero, orig = engine.zero, engine.zero.step
+    opt = engine.sharded_optimizer
+    orig = opt.combined_scale
     assert engine.loss_scaler is None, "patch_clip: fp32/bf16 runs only"
-    clip_value = float(engine.config.gradient_clipping)
     if variant == "ds_norm":
         norms: List[float] = []
 
-        def step(combined_scale):
-            total = ds_grad_norm(zero)
+        def combined_scale(norm_sq, loss_scale, clip_value):
+            total = ds_grad_norm(engine)
             norms.append(float(total))
-            orig(ds_clip_scale(total, clip_value))
-        zero.step = step
+            return ds_clip_scale(total, clip_value)
+        opt.combined_scale = combined_scale
         return norms
     gen = torch.Generator().manual_seed(int(variant[len("jitter"):]))
 
-    def step(combined_scale):
+    def combined_scale(norm_sq, loss_scale, clip_value):
+        combined = orig(norm_sq, loss_scale, clip_value)
         u = int(torch.randint(-3, 4, (), generator=gen))       # same draw on every rank
-        if float(combined_scale) > 1.0:                         # the step clips
-            toward = torch.tensor(float("inf") if u > 0 else 0.0)
+        if float(combined) > 1.0:                               # the step clips
+            toward = torch.tensor(float("inf") if u > 0 else 0.0, device=combined.device)
             for _ in range(abs(u)):
-                combined_scale = torch.nextafter(combined_scale, toward)
-        orig(combined_scale)
-    zero.step = step
+                combined = torch.nextafter(combined, toward)
+        return combined
+    opt.combined_scale = combined_scale
     return None
 
 
@@ -201,12 +201,12 @@ def ds_stage0_arithmetic(engine) -> None:
     3. gradients all-reduced as a sum, then multiplied by 1/N (postscale_gradients)."""
     import torch.distributed as dist
 
-    zero = engine.zero
-    assert zero.stage == 0 and zero.mixed
-    for m in zero.masters:
+    zero, opt = engine.zero, engine.sharded_optimizer
+    assert zero.stage == 0 and opt.mixed
+    for m in opt.masters:
         m.grad = torch.zeros_like(m)
-    zero.optimizer.step()
-    for m in zero.masters:
+    opt.optimizer.step()
+    for m in opt.masters:
         m.grad = None
 
     if engine.loss_scaler is not None:
@@ -224,7 +224,7 @@ def ds_stage0_arithmetic(engine) -> None:
         for f in zero.flat_params:
             buf = f.flat_grad()
             dist.all_reduce(buf)
-            buf.mul_(1.0 / zero.world_size)
+            buf.mul_(1.0 / dist.get_world_size())
             f.clear_param_grads()
             f.grad_shard = buf
     zero.reduce_gradients = reduce_gradients
@@ -233,29 +233,40 @@ def ds_stage0_arithmetic(engine) -> None:
 def unscale_by_updated_scale(engine) -> None:
     """DeepSpeed's ZeRO-1/2 fp16 step (stage_1_and_2.py: DeepSpeedZeroOptimizer.step) calls
     _update_scale before unscale_and_clip_grads, which then reads the NEW scale S'. The
-    engine updates its scaler before zero.step too, so here cur_scale is already S'.
+    engine updates its scaler before the step too, so here cur_scale is already S'.
     Exact only while clipping is inactive, where both factors are 1 and the combined
     scale is the loss scale alone (asserted)."""
-    zero, orig, scaler = engine.zero, engine.zero.step, engine.loss_scaler
+    opt, scaler = engine.sharded_optimizer, engine.loss_scaler
+    orig = opt.combined_scale
 
-    def step(combined_scale):
-        new = torch.tensor(scaler.cur_scale, dtype=torch.float32)
-        old = float(combined_scale)
+    def combined_scale(norm_sq, loss_scale, clip_value):
+        new = torch.tensor(scaler.cur_scale, dtype=torch.float32, device=norm_sq.device)
+        old = float(orig(norm_sq, loss_scale, clip_value))
         assert old in (float(new), float(new) / scaler.scale_factor), "clipping active: not exact"
-        orig(new)
-    zero.step = step
+        return new
+    opt.combined_scale = combined_scale
 
 
-def _full_grads(zero) -> Dict[int, torch.Tensor]:
+def _param_groups(engine) -> List[List[torch.nn.Parameter]]:
+    """The engine's param groups, each in model order (FlatParam.group says which group a
+    parameter is in; ZeRO-2's buckets hold them in another order). The harness builds its
+    groups in named_parameters() order (GPT.configure_param_groups, or model.parameters()),
+    so this is the order DeepSpeed laid them out in."""
+    group_of = {id(p): f.group for f in engine.zero.flat_params for p in f.params}
+    n = len(engine.optimizer.param_groups)
+    return [[p for p in engine.module.parameters() if group_of.get(id(p)) == gi] for gi in range(n)]
+
+
+def _full_grads(engine) -> Dict[int, torch.Tensor]:
     """id(param) -> its full reduced gradient (every rank's grad_shard gathered; plain
     torch.distributed, so minizero's comm ledger does not see it)."""
     import torch.distributed as dist
 
     out = {}
-    for f in zero.flat_params:
+    for f in engine.zero.flat_params:
         full = f.grad_shard
-        if zero.grads_partitioned():
-            full = torch.empty(f.padded_numel, dtype=f.grad_shard.dtype)
+        if f.num_shards > 1:
+            full = torch.empty(f.padded_numel, dtype=f.grad_shard.dtype, device=f.grad_shard.device)
             dist.all_gather_into_tensor(full, f.grad_shard.contiguous())
         off = 0
         for p, n in zip(f.params, f.numels):
@@ -264,7 +275,7 @@ def _full_grads(zero) -> Dict[int, torch.Tensor]:
     return out
 
 
-def ds_grad_norm(zero) -> torch.Tensor:
+def ds_grad_norm(engine) -> torch.Tensor:
     """DeepSpeed 0.19.8's global gradient norm, with its data layout and op order.
 
     ZeRO-1/2 (stage_1_and_2.py: get_grad_norm_direct per param group, scaled_global_norm):
@@ -276,12 +287,13 @@ def ds_grad_norm(zero) -> torch.Tensor:
     per partition, fp64 norm; sum of squares, all-reduce, pow(1/2) and the group combine
     all in fp64. Every rank computes every rank's partial sum from the gathered gradient;
     the fp32/fp64 all-reduce of 2 values is one commutative addition, so this is exact."""
-    N = zero.world_size
-    grads = _full_grads(zero)
+    import torch.distributed as dist
+
+    N = dist.get_world_size()
+    grads = _full_grads(engine)
     group_norms = []
-    for g in zero.param_groups:
-        params = list(g["params"])
-        if zero.stage == 3:
+    for params in _param_groups(engine):
+        if engine.zero.stage == 3:
             partial = []
             for r in range(N):
                 norms = []
@@ -322,7 +334,7 @@ def ds_grad_norm(zero) -> torch.Tensor:
 
 def ds_clip_scale(total_norm: torch.Tensor, clip_value: float) -> torch.Tensor:
     """DeepSpeed's unscale_and_clip_grads combined scale (loss scale 1): fp32 at ZeRO-1/2,
-    fp64 at ZeRO-3 (its norm is fp64). zero.step then multiplies the fp32 gradient by
+    fp64 at ZeRO-3 (its norm is fp64). The step then multiplies the fp32 gradient by
     1 / this, as DeepSpeed does (a 0-dim fp64 factor is rounded to fp32 by the multiply)."""
     clip = ((total_norm / 1.0) + 1e-6) / clip_value
     return torch.clamp(clip, min=1.0) * 1.0
