@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "configure", "configure_from", "is_configured", "reset", "checkpoint", "CheckpointFunction", "get_config",
-    "ActivationCheckpointingConfig", "CheckpointConfig", "timings", "in_recompute", "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
+    "ActivationCheckpointingConfig", "CheckpointConfig", "timings", "in_recompute",
+    "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
 ]
 
 
