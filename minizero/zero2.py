@@ -53,27 +53,17 @@ class Zero2:
     stage = 2
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        self.buckets = self.make_buckets(module, param_groups, zero_cfg)
-        self.flat_params = [f for b in self.buckets for f in b.flats]
-        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for b in self.buckets:
+        self.use_buckets(size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size)))
+
+    def use_buckets(self, buckets: list[Bucket]) -> None:
+        """Reduce each bucket's gradients as soon as all of them have arrived in backward:
+        a post-accumulate-grad hook on every parameter counts arrivals per bucket."""
+        self.buckets = buckets
+        self.flat_params = [f for b in buckets for f in b.flats]
+        self.bucket_of = {id(p): b for b in buckets for p in b.params}
+        for b in buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self.grad_ready)
-
-    def make_buckets(self, module, param_groups, zero_cfg) -> list[Bucket]:
-        """Per param group, buckets of at most reduce_bucket_size elements, formed in
-        reverse parameter order (the order backward produces gradients). One FlatParam each."""
-        names = {id(p): n for n, p in module.named_parameters()}
-        buckets = []
-        for gi, g in enumerate(param_groups):
-            params = list(g["params"])[::-1]  # backward order
-            for bi, idx in enumerate(bucketize([p.numel() for p in params], int(zero_cfg.reduce_bucket_size))):
-                members = [params[i] for i in idx][::-1]
-                label = f"group{gi}.bucket{bi}"
-                buckets.append(Bucket(label, [FlatParam(members, [names[id(p)] for p in members], label, group=gi,
-                                                        num_shards=comm.get_world_size(),
-                                                        shard_index=comm.get_rank())]))
-        return buckets
 
     # ------------------------------------------------------------------ backward
     def prepare_backward(self) -> None:
@@ -110,3 +100,19 @@ class Zero2:
 
     def grad_bytes(self) -> int:
         return sum(f.shard_numel for f in self.flat_params) * self.flat_params[0].full.element_size()
+
+
+def size_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
+    """Per param group, buckets of at most `bucket_numel` elements (reduce_bucket_size),
+    formed in reverse parameter order (the order backward produces gradients); each is
+    one FlatParam, padded and sharded on its own, so every rank owns slice r of every bucket."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    buckets = []
+    for gi, g in enumerate(param_groups):
+        params = list(g["params"])[::-1]  # backward order
+        for bi, idx in enumerate(bucketize([p.numel() for p in params], bucket_numel)):
+            members = [params[i] for i in idx][::-1]
+            label = f"group{gi}.bucket{bi}"
+            buckets.append(Bucket(label, [FlatParam(members, [names[id(p)] for p in members], label, group=gi,
+                                                    num_shards=comm.get_world_size(), shard_index=comm.get_rank())]))
+    return buckets

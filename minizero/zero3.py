@@ -18,7 +18,7 @@ the whole model at once. Vocabulary follows PyTorch FSDP2:
                    gradients into this rank's grad shard (ZeRO-2's bucket path), reshard
 
 What this file adds to ZeRO-2 (zero2.py), and all it adds:
-  1. layout: `make_buckets` makes one bucket per module (a `Unit`) instead of one per
+  1. layout: `module_units` makes one bucket per module (a `Unit`) instead of one per
      reduce_bucket_size elements, and its FlatParams keep only their shard (keep_full=False);
   2. forward: pre_forward / post_forward hooks gather and free each unit;
   3. backward: pre_backward gathers it again; `post_backward` is ZeRO-2's plus a reshard;
@@ -76,38 +76,12 @@ class Zero3(Zero2):
     stage = 3
 
     def __init__(self, module: nn.Module, param_groups: list[dict], zero_cfg):
-        super().__init__(module, param_groups, zero_cfg)   # units as buckets: gradient hooks as ZeRO-2
+        # 1. layout: one Unit per module instead of ZeRO-2's size buckets; its gradients
+        #    still take ZeRO-2's path (use_buckets: hooks, reduce-scatter when complete).
+        self.use_buckets(module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold)))
         for u in self.buckets:
             u.module.register_forward_pre_hook(self.pre_forward_hook(u))
             u.module.register_forward_hook(self.post_forward_hook(u))
-
-    # ------------------------------------------------------------------ 1. layout
-    def make_buckets(self, module, param_groups, zero_cfg) -> list[Unit]:
-        """One Unit per module of find_units(); per param group, its parameters above
-        stage3_param_persistence_threshold elements in one partitioned FlatParam, the rest
-        in one kept-gathered ("persistent") FlatParam."""
-        threshold = int(zero_cfg.stage3_param_persistence_threshold)
-        names = {id(p): n for n, p in module.named_parameters()}
-        group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
-        modules = find_units(module)
-        owner = {}  # parameter -> the innermost unit containing it (blocks come before the root)
-        for name, m in modules:
-            for p in m.parameters():
-                owner.setdefault(id(p), name)
-        units = []
-        for name, m in modules:
-            mine = [p for p in m.parameters() if owner[id(p)] == name and id(p) in group_of]
-            flats = []
-            for gi in range(len(param_groups)):
-                in_group = [p for p in mine if group_of[id(p)] == gi]
-                for params, keep_full, suffix in (([p for p in in_group if p.numel() > threshold], False, ""),
-                                                  ([p for p in in_group if p.numel() <= threshold], True, ".persist")):
-                    if params:
-                        flats.append(FlatParam(params, [names[id(p)] for p in params], f"{name}.g{gi}{suffix}",
-                                               group=gi, num_shards=comm.get_world_size(),
-                                               shard_index=comm.get_rank(), keep_full=keep_full))
-            units.append(Unit(name, m, flats))
-        return units
 
     # ------------------------------------------------------------------ 2. forward
     def pre_forward_hook(self, unit: Unit):
@@ -168,6 +142,34 @@ def _register_pre_backward(unit: Unit, output):
             out[i] = t
         return type(output)(out) if isinstance(output, tuple) else out
     return output
+
+
+def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int) -> list[Unit]:
+    """One Unit per module of find_units(); per param group, its parameters of more than
+    `persistence_threshold` elements in one partitioned FlatParam (keep_full=False), the
+    rest in one kept-gathered ("persistent") FlatParam."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
+    modules = find_units(model)
+    owner = {}  # parameter -> the innermost unit containing it (blocks come before the root)
+    for name, m in modules:
+        for p in m.parameters():
+            owner.setdefault(id(p), name)
+    units = []
+    for name, m in modules:
+        mine = [p for p in m.parameters() if owner[id(p)] == name and id(p) in group_of]
+        flats = []
+        for gi in range(len(param_groups)):
+            in_group = [p for p in mine if group_of[id(p)] == gi]
+            for params, keep_full, suffix in (([p for p in in_group if p.numel() > persistence_threshold], False, ""),
+                                              ([p for p in in_group if p.numel() <= persistence_threshold], True,
+                                               ".persist")):
+                if params:
+                    flats.append(FlatParam(params, [names[id(p)] for p in params], f"{name}.g{gi}{suffix}", group=gi,
+                                           num_shards=comm.get_world_size(), shard_index=comm.get_rank(),
+                                           keep_full=keep_full))
+        units.append(Unit(name, m, flats))
+    return units
 
 
 def find_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
