@@ -27,8 +27,8 @@ import math
 import torch
 from torch.profiler import record_function
 
-from . import comm
-from .config import build_optimizer, load_config
+from . import checkpointing, comm
+from .config import build_optimizer, ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_across_ranks
 from .lr_schedules import build_scheduler
 from .sharded_optimizer import ShardedOptimizer
@@ -226,32 +226,22 @@ class Engine(torch.nn.Module):
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return path, client
 
-    # Accepted so DeepSpeed configs load unchanged, but they tune *when* DeepSpeed moves data
-    # (overlap, prefetch, keeping parameters gathered for reuse), not *what* ZeRO computes.
-    # minizero always gathers a unit right before use and releases it right after.
-    PERFORMANCE_KNOBS = ("overlap_comm", "contiguous_gradients", "allgather_bucket_size", "reduce_scatter",
-                         "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                         "stage3_max_reuse_distance", "sub_group_size", "memory_efficient_linear")
-
-    def _explain_ignored_performance_knobs(self) -> None:
-        zero = self.config.raw.get("zero_optimization") or {}
-        knobs = [k for k in zero if k in self.PERFORMANCE_KNOBS or f"stage3_{k}" in self.PERFORMANCE_KNOBS]
-        if knobs and self.global_rank == 0:
-            logger.info(f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility; they tune "
-                        f"overlap/prefetch/reuse, which minizero does not do (it gathers each unit on use and "
-                        f"releases it after; see docs/zero.md)")
-
-    # ------------------------------------------------------------------ activation checkpointing
+    # ------------------------------------------------------------------ setup helpers
     def _configure_activation_checkpointing(self) -> None:
-        """DeepSpeed parses `activation_checkpointing` but leaves applying it to the user
-        (DEEPSPEED_FACTS). minizero applies it: configure the module and, when the model
-        exposes a `checkpoint_fn` hook (our GPT does), checkpoint every block."""
-        if "activation_checkpointing" not in self.config.raw:
+        """Apply the `activation_checkpointing` section (DeepSpeed parses it but leaves
+        applying it to the user: docs/deepspeed.md, "activation_checkpointing is parsed,
+        not applied"): configure the module and, when the model exposes a `checkpoint_fn`
+        hook (our GPT does), checkpoint every block."""
+        if self.config.activation_checkpointing is None:
             return
-        from . import checkpointing
-        checkpointing.configure(None, deepspeed_config=self.config.raw)
+        checkpointing.configure_from(self.config.activation_checkpointing)
         if hasattr(self.module, "checkpoint_fn"):
             self.module.checkpoint_fn = checkpointing.checkpoint
+
+    def _explain_ignored_performance_knobs(self) -> None:
+        note = ignored_knobs_note(self.config)   # overlap/prefetch knobs: accepted, not acted on
+        if note and self.global_rank == 0:
+            logger.info(note)
 
 
 def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:
