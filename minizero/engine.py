@@ -166,13 +166,11 @@ class Engine(torch.nn.Module):
                         f"loss_scale={self.loss_scale}")
 
     def _must_skip(self, norm_sq: float) -> bool:
-        """Skip this step? fp16: the overflow vote (all-reduce MAX, DeepSpeed's `has_overflow`)
-        and the loss-scale update. The summed norm already carries an inf from any rank at
-        stages 1-3, and stage 0 holds the same all-reduced gradient everywhere; the vote
-        makes "every rank skips together" true by construction rather than by arithmetic.
-        bf16 (with bf16.check_grad_overflow, DeepSpeed's default) and fp32: skip a step whose
-        norm is inf/NaN instead of writing NaN into every weight, as DeepSpeed's ZeRO
-        optimizers do (docs/agreement.md); the norm is the same on every rank, so no vote."""
+        """Skip this step? fp16: every rank votes (all-reduce MAX of "I overflowed"), so all
+        ranks skip together by construction, and the loss scale updates. bf16 (with
+        bf16.check_grad_overflow) and fp32: skip when the norm is inf/NaN rather than write
+        NaN into every weight (docs/deepspeed.md, "A non-finite gradient norm skips the step
+        in every dtype"); the norm is the same on every rank, so no vote is needed."""
         finite = math.isfinite(norm_sq)
         if self.loss_scaler is not None:
             overflow = overflow_across_ranks(not finite)
