@@ -2,9 +2,10 @@
 the model and the data: memory readout, the metrics line and files, comm-byte windows,
 the test loss, and minGPT's image sampling.
 
-Everything here is library-neutral: it never imports deepspeed, and it talks to the
-process group through torch.distributed directly, so the DeepSpeed reference can use it
-as it is.
+Everything here is library-neutral: it never imports deepspeed, so the DeepSpeed
+reference can use it as it is. Ranks come from minizero.comm, which reads the default
+process group whoever started it; the two collectives on metrics (a loss, a test loss)
+call torch.distributed directly, see mean_across_ranks.
 
 Files a run writes (rank 0, into its save dir):
 
@@ -25,6 +26,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from minizero import comm
+
 METRICS_COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s",
                    "mem_mb", "peak_mem_mb", "elapsed_s"]
 
@@ -34,16 +37,14 @@ SUMMARY_KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "p
 
 
 # ----------------------------------------------------------------------------- process group
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
+# The metrics' collectives call torch.distributed, not minizero.comm's wrappers: those
+# record into the ledger behind engine.comm_stats() and name a profiler range
+# minizero::<op>, which are for the engine's (ZeRO's) traffic only. The trainer's
+# bookkeeping stays out of both, under DeepSpeed as under minizero.
 
 def mean_across_ranks(value: float, device) -> float:
     """The average of a Python float over all ranks (a float64 all-reduce; 1 rank: itself)."""
-    _, world = rank_world()
+    world = comm.get_world_size()
     if world == 1:
         return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
@@ -58,23 +59,13 @@ def mean_across_ranks_many(values: list, device) -> list[float]:
     all-reduce of each value at 2 ranks, and the same result whatever the batch length
     (an all-reduce's order of additions may depend on the message size)."""
     local = torch.stack([v.detach().double().reshape(()) for v in values]).to(device)
-    _, world = rank_world()
+    world = comm.get_world_size()
     if world == 1:
         return local.tolist()
     gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(gathered, local)
     rows = gathered.view(world, len(values)).tolist()
     return [sum(r[i] for r in rows) / world for i in range(len(values))]
-
-
-def gather_objects(obj) -> list:
-    """Every rank's picklable obj, in rank order (control traffic; not in any comm count)."""
-    _, world = rank_world()
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ----------------------------------------------------------------------------- memory
@@ -262,9 +253,9 @@ def write_samples(engine, probs, args, codebook, device, path) -> None:
     except RuntimeError as e:
         # e.g. torch.multinomial on inf/NaN probabilities. Every rank holds the same weights
         # and seed, so every rank fails at the same forward: no collective is left waiting.
-        if rank_world()[0] == 0:
+        if comm.get_rank() == 0:
             print(f"warning: {os.path.basename(path)} not written: sampling failed ({str(e).splitlines()[0]})",
                   file=sys.stderr)
         return
-    if rank_world()[0] == 0:
+    if comm.get_rank() == 0:
         save_image_grid(tokens, codebook, args.image_size, path)

@@ -434,7 +434,7 @@ def finish(run: Run, status: str) -> None:
     # Model-state bytes first: evaluation and sampling call the module outside a training
     # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
     mine = run.lib.model_state_bytes(engine)
-    model_state = runlog.gather_objects(mine) if together else [mine]
+    model_state = comm.all_gather_object(mine) if together else [mine]
     test_loss = state["test_loss"]
     if status == "completed":
         if test_loss is None or state.get("eval_step") != state["step"]:   # e.g. resumed at the very end
@@ -442,7 +442,7 @@ def finish(run: Run, status: str) -> None:
         runlog.write_samples(engine, run.probs, run.args, run.codebook, device,
                              os.path.join(run.save_dir, "samples.png"))
     peak = runlog.memory_mb(device)[1]
-    peaks = runlog.gather_objects(peak) if together else [peak]
+    peaks = comm.all_gather_object(peak) if together else [peak]
     if rank == 0:
         write_results(run, status, test_loss, model_state, peaks)
     if together and status != "completed":
