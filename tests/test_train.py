@@ -11,11 +11,12 @@ import csv
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from minizero.comm import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -27,12 +28,6 @@ COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens
 KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses", "final_loss",
         "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s", "comm_wire_bytes_per_step",
         "skipped_steps", "config"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -49,7 +44,7 @@ def _run(args, timeout=240):
 
 
 def _torchrun(nproc):
-    return [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port())]
+    return [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
 
 
 @pytest.fixture(scope="module")
