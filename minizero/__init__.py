@@ -52,5 +52,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def consolidate(checkpoint_dir, tag=None):
     """Full fp32 state dict from a sharded minizero checkpoint (DeepSpeed's zero_to_fp32)."""
-    from .checkpoint_io import consolidate as _consolidate
+    from .zero_to_fp32 import consolidate as _consolidate
     return _consolidate(checkpoint_dir, tag)

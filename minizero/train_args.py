@@ -185,7 +185,7 @@ def build_config(args, world_size: int) -> dict:
 def find_checkpoint(path: str, tag: str | None = None) -> str:
     """The tag --resume loads: `tag`, or the one `latest` names. Refused early, with one
     line that lists the complete checkpoints there, unless it is a complete checkpoint."""
-    from minizero.checkpoint_io import complete_tags, describe_tags, read_latest
+    from minizero.checkpoint_folder import complete_tags, describe_tags, read_latest
 
     if not os.path.isdir(path):
         raise UserError(f"--resume {path}: no such directory")
@@ -205,7 +205,7 @@ def find_checkpoint(path: str, tag: str | None = None) -> str:
 def later_tags(save_dir: str, tag: str) -> list[str]:
     """Complete checkpoints in save_dir saved after `tag` (a resumed run would overwrite
     them); complete_tags is ordered by the step each checkpoint saved."""
-    from minizero.checkpoint_io import complete_tags
+    from minizero.checkpoint_folder import complete_tags
 
     tags = complete_tags(save_dir)
     return tags[tags.index(tag) + 1:] if tag in tags else []

@@ -10,9 +10,42 @@ import sys
 
 import torch
 
-from .checkpoint_io import CheckpointError, consolidate
+from .checkpoint_folder import MODEL_FILE, CheckpointError, describe_tags, load_file, optim_file, resolve_tag
+from .partition import unflatten
 
 PROG = "python -m minizero.zero_to_fp32"
+
+
+def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 state dict (name -> tensor) from a sharded checkpoint, on one process.
+
+    The fp32 masters of every rank are concatenated in rank order into each FlatParam's
+    padded buffer, the padding is cut off, and each parameter is viewed back into its
+    shape: the exact inverse of the partitioning in flat_param.py. Loadable by a plain
+    `GPT` with `model.load_state_dict(sd)`. (DeepSpeed's equivalent is zero_to_fp32.py.)
+    """
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir}: no such directory")
+    tag = resolve_tag(checkpoint_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir} ('latest' is missing); {describe_tags(checkpoint_dir)}")
+    path = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")
+    meta = load_file(checkpoint_dir, tag, MODEL_FILE)
+    if "layout" not in meta:
+        raise CheckpointError(f"{path} is not a minizero checkpoint (saved by DeepSpeed? use the zero_to_fp32.py "
+                              f"DeepSpeed saves next to its tag folders)")
+    n = meta["world_size"] if meta["stage"] > 0 else 1
+    ranks = [load_file(checkpoint_dir, tag, optim_file(r)) for r in range(n)]
+    out = {}
+    for i, f in enumerate(meta["layout"]):
+        full = torch.cat([r["masters"][i].float() for r in ranks])
+        if full.numel() != f["padded_numel"]:
+            raise CheckpointError(f"{path}: the shards of {f['label']} hold {full.numel()} values, the layout says "
+                                  f"{f['padded_numel']}; the optimizer files are not from one checkpoint")
+        out.update({name: t.clone() for name, t in unflatten(full, f["names"], f["shapes"]).items()})
+    return out
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import minizero
-from minizero.checkpoint_io import CheckpointError
+from minizero.checkpoint_folder import CheckpointError
 from tests.launcher import run_ranks
 
 MB = 4  # micro-batch per rank
@@ -190,7 +190,7 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
     killed before the k-th rename / delete / link of the publish, for every k: `latest`
     must name a complete checkpoint holding A or B, and the next save must clean up."""
     import shutil
-    from minizero.checkpoint_io import complete_tags
+    from minizero.checkpoint_folder import complete_tags
     engine, checker = _engine(1, "fp32"), _engine(1, "fp32")
     base = str(tmp_path / "base")
     for s in range(2):     # WarmupLR: the first two steps have lr 0

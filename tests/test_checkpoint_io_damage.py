@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from minizero.checkpoint_io import CheckpointError, complete_tags, describe_missing_latest, optim_file
+from minizero.checkpoint_folder import CheckpointError, complete_tags, describe_tags, optim_file
 from tests.launcher import run_ranks
 from tests.test_checkpoint_io import _engine, _one_step
 
@@ -57,8 +57,8 @@ def test_complete_tags_skips_tmp_and_incomplete_folders(two_rank_run, tmp_path):
     # global_step10 holds step 2 too: equal steps sort by name, global_step2 before global_step10
     assert complete_tags(d) == ["global_step1", "global_step2", "global_step10"]
     os.remove(step("latest"))
-    assert describe_missing_latest(d) == ("'latest' is missing; complete checkpoints here: global_step1, "
-                                          "global_step2, global_step10; pass --tag global_step10 to resume one")
+    assert describe_tags(d) == (f"complete checkpoints in {d}: global_step1, global_step2, global_step10 "
+                                "(pick one with --tag TAG)")
     assert complete_tags(str(tmp_path / "nowhere")) == []
 
 

@@ -1,0 +1,212 @@
+"""The checkpoint folder: file names, `latest`, which tags are complete, damaged files.
+
+Layout (DeepSpeed's names, so the folders look familiar):
+
+    <save_dir>/latest                                   the newest complete tag
+    <save_dir>/<tag>/mp_rank_00_model_states.pt         rank 0: counters, LR schedule, loss
+                                                        scaler, client_state, the layout
+    <save_dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+                                                        rank r: its fp32 master shards, its
+                                                        low-precision shards, its Adam state
+    <save_dir>/<tag>/rng_rank_<r>.pt                    rank r: its RNG state (dropout)
+
+The names are DeepSpeed's (it also prefixes bf16 optimizer files with `bf16_` and writes
+per-rank model-state files at ZeRO-3: docs/deepspeed.md, "Checkpoint folder layout").
+
+`latest` always names a complete checkpoint. A kill -9 of any rank, or of the whole job,
+at any instant (even mid-write) leaves it on one:
+
+1. Everything goes into `<tag>.tmp` first. After a barrier rank 0 publishes it: the old
+   `<tag>` folder, if any, is renamed to `<tag>.old.tmp` and deleted (a rename is atomic;
+   a half-deleted folder only ever carries a `.tmp` name), `<tag>.tmp` is renamed to
+   `<tag>`, and only then `latest` is rewritten (a temp file and `os.replace`).
+2. Saving a tag that `latest` already names (a fixed tag, or the same step twice) would
+   leave `latest` on a missing folder between those two renames. So first rank 0 hard-links
+   the old files into `<tag>.prev` (no data is copied) and points `latest` there; after
+   the swap `latest` names `<tag>` again and `<tag>.prev` goes. A crash in between leaves
+   `latest` on `<tag>.prev`, a complete checkpoint that resumes like any other.
+
+A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
+rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
+
+Damaged files. Every read goes through `load_file`: a truncated, garbled or missing
+file becomes "<file>: damaged or incomplete checkpoint file (...)" with the list of the
+other complete checkpoints. Only the rank that reads the damaged file sees the damage, so
+all ranks agree (a MAX all-reduce of a failure flag, then the message is gathered) before
+the engine is touched (checkpoint_io.py): every rank raises the same error, and none
+waits in a collective.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import zipfile
+
+import torch
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def optim_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank_{rank}.pt"
+
+
+# ----------------------------------------------------------------------------- listing
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag `latest` names, or None when there is no `latest` file."""
+    try:
+        with open(os.path.join(save_dir, "latest")) as fh:
+            return fh.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _needed_files(meta: dict) -> list[tuple[str, ...]]:
+    """The per-rank files a checkpoint cannot resume without (each: one of these names),
+    from its model-states file."""
+    if "layout" in meta:   # minizero: every rank's optimizer file (stage 0: rank 0's) and RNG
+        n = meta["world_size"]
+        return [(optim_file(r),) for r in range(n if meta["stage"] > 0 else 1)] + \
+               [(rng_file(r),) for r in range(n)]
+    # DeepSpeed (the reference trainer resumes its own folders through complete_tags too):
+    # ZeRO writes one optimizer file per rank (bf16_-prefixed in bf16), ZeRO-3 also one
+    # model-states file per rank; stage 0 keeps the optimizer in the model-states file.
+    ds = meta.get("ds_config") or {}
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0) or 0)
+    n = int(meta.get("dp_world_size", 1))
+    need = []
+    if stage > 0:
+        need += [(optim_file(r), "bf16_" + optim_file(r)) for r in range(n)]
+    if stage == 3:
+        need += [(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",) for r in range(n)]
+    return need
+
+
+def _complete_step(folder: str) -> int | None:
+    """The checkpoint's global step if `folder` is a complete checkpoint, else None."""
+    if folder.endswith(".tmp") or not os.path.isdir(folder):
+        return None
+    names = set(os.listdir(folder))
+    model = next((m for m in (MODEL_FILE, "zero_pp_rank_0_mp_rank_00_model_states.pt") if m in names), None)
+    if model is None:
+        return None
+    try:   # mmap: a DeepSpeed model-states file holds the weights; read only the small entries
+        meta = torch.load(os.path.join(folder, model), map_location="cpu", weights_only=False, mmap=True)
+        need = _needed_files(meta)
+    except Exception:   # truncated or not a checkpoint: not complete
+        return None
+    if not all(any(name in names for name in options) for options in need):
+        return None
+    return int(meta.get("global_steps", -1))
+
+
+def complete_tags(save_dir: str) -> list[str]:
+    """Tags of the complete checkpoints in save_dir (see the module docstring), oldest first
+    (by the saved global step, then by name). [] when save_dir does not exist. Complete means
+    every file is there (the model-states file is read); a file damaged inside is found on load."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = []
+    for name in os.listdir(save_dir):
+        step = _complete_step(os.path.join(save_dir, name))
+        if step is not None:
+            found.append((step, _natural(name), name))
+    return [name for *_, name in sorted(found)]
+
+
+def _natural(name: str) -> list:
+    # global_step9 before global_step10 when two folders hold the same step
+    return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", name)]
+
+
+def describe_tags(save_dir: str, exclude: str | None = None) -> str:
+    """One clause naming the complete checkpoints in save_dir other than `exclude`."""
+    tags = [t for t in complete_tags(save_dir) if t != exclude]
+    other = "other " if exclude is not None else ""
+    if not tags:
+        return f"no {other}complete checkpoint in {save_dir}"
+    return f"{other}complete checkpoints in {save_dir}: {', '.join(tags)} (pick one with --tag TAG)"
+
+
+# ----------------------------------------------------------------------------- reading
+
+def load_file(save_dir: str, tag: str, name: str):
+    """torch.load one checkpoint file; any failure is a one-line CheckpointError naming it."""
+    path = os.path.join(save_dir, tag, name)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:   # truncated zip, EOF, unpickling error, missing file, ...
+        raise CheckpointError(f"{path}: damaged or incomplete checkpoint file ({_why(path, e)}); "
+                              f"{describe_tags(save_dir, exclude=tag)}") from None
+
+
+def _why(path: str, e: Exception) -> str:
+    """A few words on why torch.load failed (its own messages name no file, and a truncated
+    file can surface as a bare '[Errno 22] Invalid argument')."""
+    if isinstance(e, FileNotFoundError):
+        return "missing"
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):   # torch.save writes a zip archive
+        return f"truncated or overwritten: not a complete zip archive, {os.path.getsize(path)} bytes"
+    first = (str(e).split(". ")[0].splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"[:160]
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    return tag if tag is not None else read_latest(load_dir)
+
+
+# ----------------------------------------------------------------------------- publishing
+
+def _write_latest(save_dir: str, tag: str) -> None:
+    tmp = os.path.join(save_dir, "latest.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(tag)
+    os.replace(tmp, os.path.join(save_dir, "latest"))
+
+
+def _discard(path: str) -> None:
+    """Delete a checkpoint folder so that no half-deleted folder ever has a non-.tmp name."""
+    trash = path + ".old.tmp"
+    shutil.rmtree(trash, ignore_errors=True)   # left by a crash mid-delete
+    if not os.path.exists(path):
+        return
+    os.replace(path, trash)   # atomic: `path` is whole until this instant, gone after it
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)     # a second name for the same bytes: instant, no extra disk
+    except OSError:           # a filesystem without hard links
+        shutil.copy2(src, dst)
+
+
+def publish(save_dir: str, tag: str, save_latest: bool) -> None:
+    """Rank 0, after every rank has written `<tag>.tmp`: make it `<tag>` and point `latest`
+    at it, such that at every instant `latest` names a complete checkpoint (module docstring)."""
+    final = os.path.join(save_dir, tag)
+    aside_tag = tag + ".prev"
+    aside = os.path.join(save_dir, aside_tag)
+    named = read_latest(save_dir)
+    if named == tag and os.path.isdir(final):   # `latest` must not name the folder being replaced:
+        _discard(aside)                          # give it a second name first (a leftover of an
+        shutil.copytree(final, aside, copy_function=_link_or_copy)   # earlier crash goes: `latest` names `tag`)
+        _write_latest(save_dir, aside_tag)
+        named = aside_tag
+    _discard(final)
+    os.replace(final + ".tmp", final)
+    if save_latest or named == aside_tag:      # (the aside stood in for `tag`: hand `latest` back)
+        _write_latest(save_dir, tag)
+        named = tag
+    if named != aside_tag:
+        _discard(aside)
