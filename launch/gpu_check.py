@@ -542,6 +542,8 @@ def judge_compare(results: str, stage: int):
 # ----------------------------------------------------------------------------- running
 
 def free_port() -> int:
+    # minizero.comm.free_port's twin: this process stays standard-library only (module
+    # docstring), and minizero.comm imports torch.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -20,9 +20,10 @@ import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
+
+from minizero.comm import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBS = ("minizero", "deepspeed")
@@ -89,12 +90,6 @@ def base_config(args) -> dict:
     zero = cfg.get("zero_optimization")   # (--stage replaces DeepSpeed's deprecated `true` form)
     cfg["zero_optimization"] = {**COMPARE_DEFAULTS, **(zero if isinstance(zero, dict) else {})}
     return cfg
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_command(lib, stage, args, extra, config_path, save_dir) -> list:

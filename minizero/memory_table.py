@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from .comm import free_port
 from .memory import human, paper_bytes, total
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank, world, port, model_name, dtype, stages, queue):
@@ -51,7 +45,7 @@ def _rank(rank, world, port, model_name, dtype, stages, queue):
 
 def measure(model_name: str, world: int, dtype: str, stages=(0, 1, 2, 3)) -> dict:
     ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), _free_port()
+    q, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, model_name, dtype, list(stages), q))
              for r in range(world)]
     for p in procs:

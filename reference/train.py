@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import sys
 import threading
 
@@ -144,6 +143,7 @@ COUNTER = CommCounter().install()   # before `import deepspeed` (see the class d
 
 import deepspeed  # noqa: E402
 
+from minizero import comm  # noqa: E402
 from minizero import train as mtrain  # noqa: E402
 from reference.ds_run import _loss_scale, patch_cpu_fp16, prepare_ds_config  # noqa: E402
 
@@ -190,12 +190,6 @@ DEEPSPEED = mtrain.Library(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> None:
     parser = mtrain.build_parser(prog="reference/train.py", description=__doc__.split("\n\n")[0])
     # DeepSpeed's own spellings: --deepspeed_config is --config; the deepspeed launcher
@@ -208,7 +202,7 @@ def main(argv=None) -> None:
         # One process without a launcher: DeepSpeed would go looking for MPI. Make it a
         # world of one instead.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(comm.free_port()))
     mtrain.main(argv, lib=DEEPSPEED, parser=parser)
 
 

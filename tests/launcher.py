@@ -16,8 +16,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
-import socket
 import traceback
+
+from minizero.comm import free_port  # noqa: F401  (tests import it from here too)
 
 # torch._dynamo: torch.optim's constructor imports it (sympy and more), ~2.5 s per rank
 # per run if the forkserver has not already paid for it.
@@ -40,12 +41,6 @@ def _context():
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(_PRELOAD)
     return _ctx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, env, queue):
