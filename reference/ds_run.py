@@ -75,8 +75,9 @@ def prepare_ds_config(config: Dict[str, Any], *, zero3_exact: bool = True) -> Di
       `LinearFunctionForZeroStage3` (runtime/zero/linear.py), which computes
       `input @ weight.t()` and then `+= bias`; that rounds differently from the fused
       addmm in bf16/fp16 and is the only reason ZeRO-3 differs from ZeRO-2 there
-      (DEEPSPEED_FACTS.md). Turning it off makes ZeRO-3 use the same F.linear as
-      minizero. (The patch would also leak into later models in the same process.)
+      (docs/deepspeed.md, "ZeRO-3 replaces F.linear (memory_efficient_linear)"). Turning
+      it off makes ZeRO-3 use the same F.linear as minizero. (The patch would also leak
+      into later models in the same process.)
     """
     cfg = copy.deepcopy(config)
     opt = cfg.get("optimizer")
@@ -326,7 +327,8 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
 
     if "activation_checkpointing" in cfg:
         # deepspeed.initialize parses this section but never applies it
-        # (DEEPSPEED_FACTS.md); configure the module-level checkpointing state ourselves.
+        # (docs/deepspeed.md, "activation_checkpointing is parsed, not applied"); configure
+        # the module-level checkpointing state ourselves.
         # After initialize: configure() calls deepspeed.comm.get_rank(), which asserts
         # that DeepSpeed's comm backend exists (initialize creates it).
         deepspeed.checkpointing.configure(None, deepspeed_config=cfg)

@@ -7,20 +7,23 @@
 Same flags (the parser, the loop, the model and the data are imported from minizero, not
 copied), same files (metrics.csv, summary.json with "library": "deepspeed", samples.png),
 default save dir runs/deepspeed-<stage>-<dtype>. Only the engine differs. What this file
-adds for DeepSpeed (see shared DEEPSPEED_FACTS.md for each):
+adds for DeepSpeed (docs/deepspeed.md has each fact and the test that pins it):
 
 - `torch_adam: true` goes *inside* optimizer.params (beside it DeepSpeed ignores it and
-  builds its JIT FusedAdam) and ZeRO-3 gets `memory_efficient_linear: false`:
-  reference.ds_run.prepare_ds_config.
-- fp16 on a CPU: the CPU accelerator claims no fp16 support; reference.ds_run.patch_cpu_fp16.
+  builds its JIT FusedAdam; docs/deepspeed.md, "torch_adam belongs inside optimizer.params")
+  and ZeRO-3 gets `memory_efficient_linear: false` (docs/deepspeed.md, "ZeRO-3 replaces
+  F.linear (memory_efficient_linear)"): reference.ds_run.prepare_ds_config.
+- fp16 on a CPU: the CPU accelerator claims no fp16 support (docs/deepspeed.md, "The CPU
+  accelerator refuses fp16"); reference.ds_run.patch_cpu_fp16.
 - activation checkpointing: deepspeed.initialize parses the section but never applies
-  it, so we call deepspeed.checkpointing.configure and hook GPT.checkpoint_fn ourselves.
+  it (docs/deepspeed.md, "activation_checkpointing is parsed, not applied"), so we call
+  deepspeed.checkpointing.configure and hook GPT.checkpoint_fn ourselves.
 - comm bytes: DeepSpeed has no byte ledger, so the collectives of torch.distributed are
   wrapped with counters (CommCounter below) *before* deepspeed is imported.
 - model_state_bytes: reference.ds_memory.deepspeed_model_state_bytes walks the live engine.
 
 Config keys are validated by DeepSpeed itself here (it ignores unknown top-level keys,
-minizero refuses them).
+docs/deepspeed.md, "Unknown top-level config keys are ignored"; minizero refuses them).
 """
 from __future__ import annotations
 

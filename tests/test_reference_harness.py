@@ -3,7 +3,8 @@
 The agreement tests trust this harness, so it is checked against facts that do not
 depend on minizero at all:
 - two identical DeepSpeed runs are bitwise equal (losses and final fp32 weights);
-- fp32 stage 0 and stage 2 are bitwise equal (DEEPSPEED_FACTS.md), so the harness feeds
+- fp32 stage 0 and stage 2 are bitwise equal (docs/deepspeed.md, "fp32 stage 0 and
+  stage 2 are bitwise equal"), so the harness feeds
   the same data and reads the right master weights at both stages;
 - bf16 ZeRO-3 with memory_efficient_linear off equals bf16 ZeRO-2 bitwise;
 - the memory probe's byte counts equal DeepSpeed's padding arithmetic exactly.
@@ -143,7 +144,7 @@ def test_fp32_deterministic_and_stage0_equals_stage2():
     # determinism: bitwise equal repeated runs
     assert a[0]["losses"] == b[0]["losses"] and a[0]["local_losses"] == b[0]["local_losses"]
     assert _states_equal(a[0]["final_state"], b[0]["final_state"])
-    # fp32 stage 0 == stage 2, bitwise (DEEPSPEED_FACTS.md)
+    # fp32 stage 0 == stage 2, bitwise (docs/deepspeed.md, "fp32 stage 0 and stage 2 are bitwise equal")
     assert a[0]["losses"] == c[0]["losses"]
     assert _states_equal(a[0]["final_state"], c[0]["final_state"])
 
