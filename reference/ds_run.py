@@ -1,9 +1,9 @@
 """Train a model with real DeepSpeed inside one rank process and report what happened.
 
-This is the DeepSpeed half of minizero's agreement tests: the same model (same seed,
-same initial weights), the same batches in the same order, the same JSON config, run
-under `deepspeed.initialize`, so that per-step losses, final weights and per-rank memory
-can be compared with minizero's.
+This is the DeepSpeed half of minizero's agreement tests (tests/harness.py runs either
+library through it): the same model (same seed, same initial weights), the same batches
+in the same order, the same JSON config, run under `deepspeed.initialize`, so that
+per-step losses, final weights and per-rank memory can be compared with minizero's.
 
 Call `run_deepspeed` from inside an already initialised process group, normally through
 `tests.launcher.run_ranks(run_deepspeed, world_size=2, args=(model_fn, config, batches, steps))`
@@ -237,7 +237,7 @@ def build_model(model_fn, cfg: dict, seed: int, weight_decay=None):
 
 
 def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None) -> dict:
-    """The measured loop, shared by run_deepspeed and tests.agreement.run_minizero so both
+    """The measured loop, shared by run_deepspeed and tests.harness.run_minizero so both
     libraries see the same batches and report losses the same way: `steps` optimizer
     steps of `gradient_accumulation_steps` micro-batches; per step the mean micro-batch
     loss (local, and averaged over ranks in fp64), loss scale (`loss_scale(engine)`),

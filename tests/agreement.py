@@ -1,5 +1,6 @@
-"""minizero's half of the agreement tests: `run_minizero` mirrors reference/ds_run.py's
-`run_deepspeed`, so the two can be compared number for number.
+"""The configurations of the agreement tests (minizero against DeepSpeed, number for
+number) and their session cache. The runs themselves are tests/harness.py's: `run_minizero`
+mirrors reference/ds_run.py's `run_deepspeed`.
 
 Same model (`torch.manual_seed(seed)` right before `model_fn()`), same param groups with
 the weight decay DeepSpeed would apply (`default_weight_decay`), same JSON config (both
@@ -17,16 +18,14 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional
-
-import torch
+from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from minizero.model import GPT, get_preset  # noqa: E402
-from reference.ds_run import (SyntheticBatches, build_model, prepare_ds_config,  # noqa: E402
-                              train_steps)
-from tests import probes  # noqa: E402
+from minizero.model import get_preset  # noqa: E402
+from tests import harness  # noqa: E402
+from tests.harness import (SyntheticBatches, max_abs_diff, max_list_diff,  # noqa: E402,F401
+                           run_minizero)
 
 N = 2
 STEPS = 20
@@ -38,94 +37,24 @@ STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
 
 MODEL_CFG = get_preset("tiny")  # 108,801 params, dropout 0.1 everywhere (on: RNG must replay)
-MODEL_FN = functools.partial(GPT, MODEL_CFG)
+MODEL_FN = functools.partial(harness.make_model, "tiny")
 BATCHES = SyntheticBatches(MODEL_CFG.vocab_size, MODEL_CFG.block_size, MICRO_BS, seed=11)
-
-CKPT_SECTION = {"partition_activations": True, "contiguous_memory_optimization": False,
-                "cpu_checkpointing": False, "number_checkpoints": None,
-                "synchronize_checkpoint_boundary": False, "profile": False}
 
 
 def make_config(stage: int, dtype: str = "fp32", ckpt: bool = False, clip: Optional[float] = None) -> Dict[str, Any]:
     """One config for both libraries. gradient_clipping is left at DeepSpeed's default (1.0)
     unless `clip` is given (the gradient norm of this run is 0.85-0.98, so at 1.0 clipping
     never fires; at 0.5 the first 10 of 20 steps clip)."""
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BS,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
-                              "stage3_param_persistence_threshold": 0},
-        "steps_per_print": 10 ** 9,
-    }
-    if dtype != "fp32":
-        cfg[dtype] = {"enabled": True}
-    if ckpt:
-        cfg["activation_checkpointing"] = dict(CKPT_SECTION)
-    if clip is not None:
-        cfg["gradient_clipping"] = clip
-    return cfg
+    return harness.make_config(stage, dtype, micro_batch=MICRO_BS, optimizer="Adam", lr=LR,
+                               zero={"reduce_bucket_size": BUCKET, "stage3_param_persistence_threshold": 0},
+                               torch_adam=None, steps_per_print=10 ** 9, ckpt=ckpt, clip=clip)
 
 
 # ----------------------------------------------------------------------------- the run
 
-def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
-                 capture_memory: bool = False, seed: int = 0, weight_decay: Optional[float] = None,
-                 return_final_state: bool = True, variant: str = "minizero") -> Dict[str, Any]:
-    """Train `steps` optimizer steps with minizero on this rank; the same keys as run_deepspeed
-    (losses, local_losses, loss_scales, grad_norms, lrs, skipped_steps, global_steps,
-    final_state, memory, init_seconds, step_seconds, rank, world_size, zero_stage, config)
-    plus `comm` (the ledger's by_label since initialize, before the final-state gather) and
-    `layout` (one dict per FlatParam).
-
-    `variant` (test harness only; the patches are in tests/probes.py): "minizero", the
-    engine as it is; "ds_norm", the clip factor from DeepSpeed's norm arithmetic for this
-    stage (`patch_clip`; `ds_grad_norms` holds the norms); "jitter<k>", minizero's clip factor moved by a random whole number
-    of fp32 ulps in [-3, 3] on every step that clips (seed k); "ds_stage0", stage 0 with
-    DeepSpeed's stage-0 bf16/fp16 arithmetic, quirks included (`ds_stage0_arithmetic`);
-    "ds_grown_scale", fp16 gradients unscaled by the loss scale as updated by this step
-    (`unscale_by_updated_scale`)."""
-    import minizero
-    from minizero import comm
-
-    cfg = prepare_ds_config(config)
-    model, model_parameters = build_model(model_fn, cfg, seed, weight_decay)
-
-    t0 = time.perf_counter()
-    engine, _, _, _ = minizero.initialize(model=model, model_parameters=model_parameters, config=cfg)
-    init_seconds = time.perf_counter() - t0
-    ds_norms = probes.apply_variant(engine, variant)
-    comm.ledger.reset()
-
-    rank, world = comm.get_rank(), comm.get_world_size()
-    memory = None
-    if capture_memory:
-        memory = {"after_init": engine.memory_breakdown(), "after_backward": [], "after_step": []}
-    out = train_steps(engine, batches, steps, lambda e: float(e.loss_scale),
-                      lambda e: e.memory_breakdown(), memory)
-    out.update({
-        "skipped_steps": int(engine.skipped_steps), "global_steps": int(engine.global_steps),
-        "init_seconds": init_seconds, "rank": rank, "world_size": world,
-        "zero_stage": int(engine.zero_optimization_stage()), "config": cfg,
-        "comm": {k: dict(v) for k, v in comm.ledger.by_label.items()},
-        "layout": probes.flat_layout(engine),
-        "n_blocks": len(getattr(model, "blocks", [])),
-    })
-    if ds_norms is not None:
-        out["ds_grad_norms"] = ds_norms
-    if return_final_state:
-        out["final_state"] = {k: v.detach().cpu().clone() for k, v in engine.full_fp32_state_dict().items()}
-    if memory is not None:
-        out["memory"] = memory
-    return out
-
-
 def run_minizero_many(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Several run_minizero calls in the same rank processes (one fork for many configs).
-    Safe because minizero patches nothing process-wide: every run builds a fresh model, and
-    the comm ledger is reset after each initialize. (DeepSpeed runs each get their own
-    processes: ZeRO-3 patches torch process-wide.)"""
-    return [run_minizero(**job) for job in jobs]
+    """Several run_minizero calls in the same rank processes (harness.run_many)."""
+    return harness.run_many(jobs)
 
 
 # ----------------------------------------------------------------------------- session cache
@@ -184,24 +113,15 @@ ALL_MZ_KEYS = ([(s, d, False, None) for d in DTYPES for s in STAGES]
 
 # ----------------------------------------------------------------------------- comparisons
 
-def max_abs_diff(a, b) -> float:
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
-def state_max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
 def ds_inter_stage_weight_drift(dtype: str, stages=(0, 1, 2, 3), clip: Optional[float] = None) -> float:
     W = {s: cached_ds(s, dtype, clip=clip)[0]["final_state"] for s in stages}
-    return max(state_max_diff(W[s], W[t]) for s in stages for t in stages)
+    return max(max_abs_diff(W[s], W[t]) for s in stages for t in stages)
 
 
 def ds_inter_stage_drift(dtype: str, stages=(0, 1, 2, 3), clip: Optional[float] = None) -> float:
     """max over stages s,t of max_step |loss_ds[s] - loss_ds[t]|: DeepSpeed's own disagreement."""
     L = {s: cached_ds(s, dtype, clip=clip)[0]["losses"] for s in stages}
-    return max(max_abs_diff(L[s], L[t]) for s in stages for t in stages)
+    return max(max_list_diff(L[s], L[t]) for s in stages for t in stages)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -216,8 +136,8 @@ def gap_table() -> str:
         drift03 = ds_inter_stage_drift(d)
         for s in STAGES:
             ds, mz = cached_ds(s, d)[0], cached_mz(s, d)[0]
-            lines.append(f"| {d} | {s} | {max_abs_diff(mz['losses'], ds['losses']):.3e} | "
-                         f"{state_max_diff(mz['final_state'], ds['final_state']):.3e} | "
+            lines.append(f"| {d} | {s} | {max_list_diff(mz['losses'], ds['losses']):.3e} | "
+                         f"{max_abs_diff(mz['final_state'], ds['final_state']):.3e} | "
                          f"{drift13:.3e}; {drift03:.3e} | {ds['losses'][-1]:.6f} |")
     return "\n".join(lines)
 

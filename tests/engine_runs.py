@@ -5,35 +5,33 @@ Every run function here is module level (the forkserver pickles it by reference)
 returns plain Python / CPU tensors. `get(spec)` caches results per spec in the pytest
 process, so one run feeds every assertion (in any test file) that needs it.
 
-A spec is a dict (see DEFAULTS). Data: each optimizer step has a global batch of
-`global_batch` rows, cut into `gas` micro-batches of `global_batch // gas` rows; on
-micro-step m rank r takes rows [r*mb, (r+1)*mb) of micro-batch m. A single process
-(world 1) therefore sees exactly the same rows per optimizer step as N ranks do.
-The rows are learnable (token_t = (a + b*t) mod V), so the loss really falls.
-Dropout is off, so ranks and world sizes compute the same function.
+A spec is a dict (see DEFAULTS); `config_of`, `build` and `batches_of` turn it into
+tests/harness.py's config, model and batches. The data are learnable PatternBatches rows,
+so the loss really falls, and a single process (world 1) sees exactly the same rows per
+optimizer step as N ranks do. Dropout is off, so ranks and world sizes compute the same
+function.
+What the runs read inside the engine comes from tests/probes.py.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 import torch
-import torch.nn as nn
 
 from tests import launcher, probes
+from tests.harness import (NO_DROPOUT, PatternBatches, build_model, make_config, make_model,  # noqa: F401
+                           max_abs_diff, max_list_diff)
 from tests.launcher import run_ranks
 
-# Let the forkserver import this module too (only possible before it starts), so ranks
-# forked for these runs start with it loaded.
-if launcher._ctx is None and "tests.engine_runs" not in launcher._PRELOAD:
-    launcher._PRELOAD.append("tests.engine_runs")
+# Let the forkserver import this module too, so ranks forked for these runs start with it loaded.
+launcher.preload("tests.engine_runs")
 
 DEFAULTS = dict(
     preset="micro", model="gpt", stage=0, dtype="fp32", world=2, steps=10, gas=1,
     global_batch=8, seq=16, lr=1e-2, eps=1e-6, clip=None, zero=(), fp16=(), perm=(),
 )
-
-NO_DROPOUT = dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
 
 
 def spec_of(**kw) -> dict:
@@ -46,91 +44,32 @@ def spec_of(**kw) -> dict:
     return s
 
 
-# ----------------------------------------------------------------------------- model, data, config
+# ----------------------------------------------------------------------------- config, model, data
 
-class GPTWithUnused(nn.Module):
-    """The GPT plus parameters that get no gradient:
-
-    - `extra` (its own ZeRO-3 unit, an nn.ModuleList child) is never called;
-    - `side` (in the root unit) is used on even optimizer steps only (set `use_side`),
-      so on odd steps it has momentum but no gradient: the case where DeepSpeed's ZeRO-3
-      reapplies a stale gradient (README.md, "How minizero and DeepSpeed differ"). Missing
-      must mean zero.
-    """
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.gpt = __import__("minizero.model", fromlist=["GPT"]).GPT(cfg)
-        self.extra = nn.ModuleList([nn.Linear(cfg.n_embd, cfg.n_embd)])
-        self.side = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.use_side = True
-
-    def forward(self, idx, targets):
-        logits, loss = self.gpt(idx, targets)
-        if self.use_side:
-            e = self.gpt.tok_emb(idx)
-            loss = loss + self.side(e).float().pow(2).mean()
-        return logits, loss
-
-
-def build_model(spec):
-    from minizero.model import GPT, get_preset
-    torch.manual_seed(0)
-    cfg = get_preset(spec["preset"], **NO_DROPOUT)
-    model = GPT(cfg) if spec["model"] == "gpt" else GPTWithUnused(cfg)
-    return model
-
-
-def param_groups(model, wd=0.1):
-    """Linear weights decay, everything else does not (minGPT's split, any model)."""
-    decay = {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules()
-             for pn, _ in m.named_parameters(recurse=False)
-             if isinstance(m, nn.Linear) and pn == "weight"}
-    named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-
-
-def vocab(spec):
-    from minizero.model import get_preset
-    return get_preset(spec["preset"]).vocab_size
-
-
-def global_batch(spec, step):
-    """(x, y) of the whole optimizer step: global_batch rows of seq tokens."""
-    g = torch.Generator().manual_seed(1000 + step)
-    B, T, V = spec["global_batch"], spec["seq"], vocab(spec)
-    a = torch.randint(0, V, (B, 1), generator=g)
-    b = torch.randint(1, 4, (B, 1), generator=g)
-    seq = (a + b * torch.arange(T + 1)) % V
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-
-def micro_rows(spec, m, rank, world):
-    """Rows of micro-batch m that `rank` trains on; with `perm`, those of rank perm[rank]
-    (the same rows per step, handed to the ranks in another order)."""
-    rows = spec["global_batch"] // spec["gas"]
-    mb = rows // world
-    if spec["perm"]:
-        rank = spec["perm"][rank]
-    lo = m * rows + rank * mb
-    return lo, lo + mb
-
-
-def ds_config(spec, world):
+def config_of(spec, world):
     rows = spec["global_batch"] // spec["gas"]
     assert rows % world == 0
-    cfg = {"train_micro_batch_size_per_gpu": rows // world,
-           "gradient_accumulation_steps": spec["gas"],
-           "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "eps": spec["eps"], "torch_adam": True}},
-           "zero_optimization": {"stage": spec["stage"], **dict(spec["zero"])}}
-    if spec["clip"] is not None:
-        cfg["gradient_clipping"] = spec["clip"]
-    if spec["dtype"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if spec["dtype"] == "fp16":
-        cfg["fp16"] = {"enabled": True, **dict(spec["fp16"])}
-    return cfg
+    return make_config(spec["stage"], spec["dtype"], micro_batch=rows // world, gas=spec["gas"],
+                       optimizer="AdamW", lr=spec["lr"], eps=spec["eps"], zero=spec["zero"],
+                       fp16=spec["fp16"], clip=spec["clip"])
+
+
+WEIGHT_DECAY = 0.1
+
+
+def model_fn_of(spec):
+    return functools.partial(make_model, spec["preset"], spec["model"], **NO_DROPOUT)
+
+
+def build(spec, cfg):
+    """(model, param groups): seed 0, the spec's model, Linear weights decaying by 0.1."""
+    return build_model(model_fn_of(spec), cfg, 0, WEIGHT_DECAY)
+
+
+def batches_of(spec) -> PatternBatches:
+    from minizero.model import get_preset
+    return PatternBatches(get_preset(spec["preset"]).vocab_size, spec["seq"], spec["global_batch"],
+                          spec["gas"], spec["perm"])
 
 
 # ----------------------------------------------------------------------------- ledger
@@ -184,9 +123,10 @@ def train_run(spec: dict) -> dict:
     if world > 1:
         _patch_dist(dist_record)
     comm.ledger.reset()
-    model = build_model(spec)
-    engine, *_ = minizero.initialize(model=model, model_parameters=param_groups(model),
-                                     config=ds_config(spec, world))
+    cfg = config_of(spec, world)
+    model, groups = build(spec, cfg)
+    batches = batches_of(spec)
+    engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
     out = {"rank": rank, "world": world, "losses": [], "norms": [], "scales": [], "skipped": [],
            "flats": probes.flat_layout(engine), "memory_breakdown_init": engine.memory_breakdown()}
     live = probes.watch_live_grad_numel(engine)
@@ -197,11 +137,9 @@ def train_run(spec: dict) -> dict:
             ledger_before = _ledger_state()
         if spec["model"] != "gpt":
             model.use_side = step % 2 == 0
-        x, y = global_batch(spec, step)
         tot = 0.0
         for m in range(spec["gas"]):
-            lo, hi = micro_rows(spec, m, rank, world)
-            loss = engine(x[lo:hi], y[lo:hi])[1]
+            loss = engine(*batches(step, m, rank, world))[1]
             engine.backward(loss)
             if step == 0 and m == spec["gas"] - 1:
                 out["after_backward"] = probes.after_backward(engine)
@@ -248,8 +186,8 @@ def reference_run(spec: dict) -> dict:
     an order-independent check of them."""
     N, gas = spec["world"], spec["gas"]
     assert N <= 2, "the reference copies the reduction order of at most 2 ranks"
-    model = build_model(spec)
-    groups = param_groups(model)
+    model, groups = build(spec, config_of(spec, N))
+    batches = batches_of(spec)
     opt = torch.optim.AdamW(groups, lr=spec["lr"], eps=spec["eps"])
     params = [p for g in groups for p in g["params"]]
     clip = 1.0 if spec["clip"] is None else spec["clip"]
@@ -257,13 +195,11 @@ def reference_run(spec: dict) -> dict:
     for step in range(spec["steps"]):
         if spec["model"] != "gpt":
             model.use_side = step % 2 == 0
-        x, y = global_batch(spec, step)
         g = [[None] * gas for _ in range(N)]      # g[r][m]: one list of per-parameter grads
         local = [0.0] * N
         for m in range(gas):
             for r in range(N):
-                lo, hi = micro_rows(spec, m, r, N)
-                loss = model(x[lo:hi], y[lo:hi])[1]
+                loss = model(*batches(step, m, r, N))[1]
                 got = torch.autograd.grad(loss.float() / gas, params, allow_unused=True)
                 g[r][m] = [torch.zeros_like(p) if t is None else t for p, t in zip(params, got)]
                 local[r] += float(loss.detach())
@@ -322,15 +258,14 @@ def overflow_run(stage: int) -> dict:
 
     spec = spec_of(stage=stage, dtype="fp16", steps=4, zero=Z3P0 if stage == 3 else {})
     rank, world = comm.get_rank(), comm.get_world_size()
-    model = build_model(spec)
-    engine, *_ = minizero.initialize(model=model, model_parameters=param_groups(model),
-                                     config=ds_config(spec, world))
+    cfg = config_of(spec, world)
+    model, groups = build(spec, cfg)
+    batches = batches_of(spec)
+    engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
     log = []
     for step in range(spec["steps"]):
-        x, y = global_batch(spec, step)
-        lo, hi = micro_rows(spec, 0, rank, world)
         before = engine.full_fp32_state_dict()
-        loss = engine(x[lo:hi], y[lo:hi])[1]
+        loss = engine(*batches(step, 0, rank, world))[1]
         if step == 1 and rank == 1:
             loss = loss * float("inf")
         engine.backward(loss)
@@ -394,20 +329,10 @@ def get_reference(**kw) -> dict:
 
 # ----------------------------------------------------------------------------- helpers for tests
 
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (set(a) ^ set(b))
-    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
-
-
 def global_losses(results) -> list[float]:
     """Mean over ranks of each rank's per-step loss = the loss over the global batch."""
     n = len(results)
     return [sum(r["losses"][i] for r in results) / n for i in range(len(results[0]["losses"]))]
-
-
-def max_list_diff(a, b) -> float:
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 def isfinite_all(xs) -> bool:

@@ -10,6 +10,9 @@ rank's return value to the test.
 Usage (the function must be importable at module level, i.e. picklable by reference):
 
     results = run_ranks(fn, world_size=2, args=(...))   # -> [rank0_result, rank1_result]
+
+A module whose functions the ranks run can call `preload(__name__)` at import, so the
+forkserver imports it once too (only possible before the forkserver starts).
 """
 from __future__ import annotations
 
@@ -41,6 +44,17 @@ def _context():
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(_PRELOAD)
     return _ctx
+
+
+def preload(module: str) -> bool:
+    """Have the forkserver import `module` too, so every rank starts with it loaded.
+    Returns False (and changes nothing) once the forkserver has started: ranks then import
+    it themselves, which is only slower."""
+    if _ctx is not None:
+        return False
+    if module not in _PRELOAD:
+        _PRELOAD.append(module)
+    return True
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, env, queue):

@@ -21,9 +21,10 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
 
-from minizero.model import GPT, get_preset  # noqa: E402
+from minizero.model import get_preset  # noqa: E402
 from reference.ds_run import (PortableTensorDict, SyntheticBatches, default_weight_decay,  # noqa: E402
                               get_batch, prepare_ds_config, run_deepspeed)
+from tests.harness import NO_DROPOUT, make_config, make_model, max_abs_diff  # noqa: E402
 from tests.launcher import run_ranks  # noqa: E402
 
 N = 2
@@ -32,25 +33,14 @@ MICRO_BS = 4
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def _model_cfg():
-    return get_preset("micro", embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
-
-
-MODEL_FN = functools.partial(GPT, _model_cfg())
-BATCHES = SyntheticBatches(_model_cfg().vocab_size, _model_cfg().block_size, MICRO_BS, seed=7)
+MODEL_FN = functools.partial(make_model, "micro", **NO_DROPOUT)
+BATCHES = SyntheticBatches(get_preset("micro").vocab_size, get_preset("micro").block_size, MICRO_BS, seed=7)
 
 
 def ds_config(stage, dtype="fp32", **zero):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BS,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, **zero},
-        "steps_per_print": 10**9,
-    }
-    if dtype != "fp32":
-        cfg[dtype] = {"enabled": True}
-    return cfg
+    """torch_adam left out: prepare_ds_config's job, which these tests check."""
+    return make_config(stage, dtype, micro_batch=MICRO_BS, optimizer="Adam", lr=1e-3, torch_adam=None,
+                       zero=zero, steps_per_print=10**9)
 
 
 def _run(cfg, **kw):
@@ -94,7 +84,7 @@ def test_batch_conventions_agree():
     x, y = BATCHES(1, 0, 1, N)
     x2, y2 = BATCHES(1, 0, 1, N)
     assert torch.equal(x, x2) and torch.equal(y, y2)
-    assert x.shape == (MICRO_BS, _model_cfg().block_size) and x.dtype == torch.long
+    assert x.shape == (MICRO_BS, get_preset("micro").block_size) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert not torch.equal(x, BATCHES(1, 0, 0, N)[0]), "ranks must see different data"
     nested = [[[BATCHES(s, m, r, N) for r in range(N)] for m in range(1)] for s in range(2)]
@@ -139,7 +129,7 @@ def test_fp32_deterministic_and_stage0_equals_stage2():
         assert _states_equal(res[0]["final_state"], res[1]["final_state"])
         fs = res[0]["final_state"]
         assert fs.keys() == init.keys()
-        assert max((fs[k] - init[k]).abs().max().item() for k in fs) > 1e-4, "weights did not train"
+        assert max_abs_diff(fs, init) > 1e-4, "weights did not train"
     assert a[0]["optimizer_kind"] == "AdamW" and c[0]["optimizer_kind"] == "DeepSpeedZeroOptimizer"
     # determinism: bitwise equal repeated runs
     assert a[0]["losses"] == b[0]["losses"] and a[0]["local_losses"] == b[0]["local_losses"]
