@@ -62,14 +62,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "configure", "configure_from", "is_configured", "reset", "checkpoint", "CheckpointFunction", "get_config",
-    "ActivationCheckpointingConfig", "CheckpointConfig", "timings", "in_recompute",
+    "ActivationCheckpointingConfig", "timings", "in_recompute",
     "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
 ]
 
 
 # ----------------------------------------------------------------------------- configuration
 
-CheckpointConfig = ActivationCheckpointingConfig   # the name this module has always exported
 
 _cfg = ActivationCheckpointingConfig()
 _configured = False

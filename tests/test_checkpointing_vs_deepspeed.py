@@ -28,7 +28,7 @@ def process_group():
     ds_init_single_process()
     yield
     deepspeed.checkpointing.configure(None, deepspeed_config={"train_batch_size": 1})
-    ck._cfg, ck._configured = ck.CheckpointConfig(), False
+    ck._cfg, ck._configured = ck.ActivationCheckpointingConfig(), False
     if owned and dist.is_initialized():
         dist.destroy_process_group()
 
