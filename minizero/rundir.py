@@ -21,6 +21,9 @@ import glob
 import os
 import socket
 
+from minizero import comm
+from minizero.train_args import later_tags
+
 LOCK_FILE = ".minizero.lock"
 # What a run writes; anything else (a compare run.log, a user's notes) is not a run.
 RUN_FILES = ("metrics.csv", "summary.json", "samples.png", "latest")
@@ -92,4 +95,27 @@ def claim(save_dir: str, resume_dir: str | None) -> RunDirLock:
     except BaseException:
         lock.release()
         raise
+    return lock
+
+
+def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str | None) -> RunDirLock | None:
+    """Rank 0 claims the folder (claim) and also refuses to resume an older checkpoint into
+    the folder that holds later ones; every rank gets the verdict, so all of them stop with
+    the same one line. Returns the lock on rank 0 (None elsewhere)."""
+    lock, err = None, None
+    if comm.get_rank() == 0:
+        try:
+            lock = claim(save_dir, resume_dir)
+            if resume_tag is not None and lock is not None:
+                later = later_tags(save_dir, resume_tag) if os.path.realpath(save_dir) == \
+                    os.path.realpath(resume_dir) else []
+                if later:
+                    lock.release()
+                    raise RunDirError(f"resuming {resume_tag} into {save_dir} would overwrite its later checkpoints "
+                                      f"({', '.join(later)}); pass a new --save-dir for the resumed run")
+        except RunDirError as e:
+            err = str(e)
+    err = comm.broadcast_object(err)
+    if err is not None:
+        raise RunDirError(err)
     return lock

@@ -1,6 +1,6 @@
 """What both training scripts (minizero/train.py and reference/train.py) share besides
 the model and the data: memory readout, the metrics line and files, comm-byte windows,
-the test loss, and minGPT's image sampling.
+the test loss, minGPT's image sampling, and the files written at the end of a run.
 
 Everything here is library-neutral: it never imports deepspeed, so the DeepSpeed
 reference can use it as it is. Ranks come from minizero.comm, which reads the default
@@ -66,6 +66,12 @@ def mean_across_ranks_many(values: list, device) -> list[float]:
     dist.all_gather_into_tensor(gathered, local)
     rows = gathered.view(world, len(values)).tolist()
     return [sum(r[i] for r in rows) / world for i in range(len(values))]
+
+
+def log0(*a, **k) -> None:
+    """print, on rank 0 only: one line per run, not one per rank."""
+    if comm.get_rank() == 0:
+        print(*a, **k)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -259,3 +265,54 @@ def write_samples(engine, probs, args, codebook, device, path) -> None:
         return
     if comm.get_rank() == 0:
         save_image_grid(tokens, codebook, args.image_size, path)
+
+
+# ----------------------------------------------------------------------------- the end of a run
+
+def finish(run, status: str) -> None:
+    """Write metrics.csv and summary.json whatever happened; samples and the test loss only
+    after a completed run. `status` is "completed", "diverged" (every rank stops at the same
+    step, so collectives are safe) or anything else (an error: rank 0 writes what it has,
+    without collectives, which could hang if another rank is gone). `run` is train.py's Run."""
+    engine, state, device = run.engine, run.state, comm.get_device()
+    together = status in ("completed", "diverged")
+    # Model-state bytes first: evaluation and sampling call the module outside a training
+    # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
+    mine = run.lib.model_state_bytes(engine)
+    model_state = comm.all_gather_object(mine) if together else [mine]
+    test_loss = state["test_loss"]
+    if status == "completed":
+        if test_loss is None or state.get("eval_step") != state["step"]:   # e.g. resumed at the very end
+            test_loss = evaluate(engine, run.test_loader, device)
+        write_samples(engine, run.probs, run.args, run.codebook, device, os.path.join(run.save_dir, "samples.png"))
+    peak = memory_mb(device)[1]
+    peaks = comm.all_gather_object(peak) if together else [peak]
+    if comm.get_rank() == 0:
+        write_results(run, status, test_loss, model_state, peaks)
+    if together and status != "completed":
+        # The run stops with an error on every rank; the first rank to exit makes torchrun
+        # kill the others, so nobody leaves before rank 0 has written the files.
+        comm.barrier()
+
+
+def write_results(run, status: str, test_loss, model_state: list, peaks: list) -> None:
+    """Rank 0: metrics.csv and summary.json, and the run's last line."""
+    state, losses = run.state, run.state["losses"]
+    write_metrics_csv(os.path.join(run.save_dir, "metrics.csv"), state["rows"])
+    summary = {
+        "library": run.lib.name, "status": status, "stage": run.stage, "dtype": run.dtype,
+        "world_size": comm.get_world_size(), "model": run.args.model, "params": run.n_params,
+        "steps": state["step"], "losses": losses, "final_loss": losses[-1] if losses else None,
+        "test_loss": test_loss, "model_state_bytes": model_state, "peak_mem_mb": peaks,
+        "samples_per_s": median_throughput(state["rows"]),
+        "comm_wire_bytes_per_step": run.window.per_step(), "skipped_steps": int(run.engine.skipped_steps),
+        "config": run.cfg,
+    }
+    write_summary(os.path.join(run.save_dir, "summary.json"), summary)
+    wrote = "metrics.csv, summary.json" + (", samples.png" if status == "completed" else "")
+    if status == "completed":
+        print(f"{run.lib.name}: {state['step']} steps, final loss {summary['final_loss']:.4f}, test loss "
+              f"{test_loss:.4f}, {summary['samples_per_s'] or 0:.1f} samples/s; wrote {wrote} to {run.save_dir}")
+    else:
+        print(f"{run.lib.name}: stopped at step {state['step']} ({status}); wrote {wrote} to {run.save_dir}",
+              file=sys.stderr)

@@ -1,0 +1,164 @@
+"""Everything a training run needs before its first step, built once: config, save folder,
+data, model, engine, LR schedule, and the trainer's state, restored from a checkpoint when
+resuming. train.py's loop reads it all from one Run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from minizero import comm, rundir, runlog
+from minizero.data import build_datasets, make_loader
+from minizero.lr_schedules import MinGPTSchedule
+from minizero.model import GPT, get_preset
+from minizero.train_args import UserError, build_config, dtype_of, find_checkpoint, stage_of
+
+# minGPT play_image warms up for 1 epoch out of 20: 5% of the run's tokens.
+WARMUP_FRACTION = 0.05
+
+
+@dataclass
+class Run:
+    """Everything the loop and the finish need; built by setup()."""
+    args: argparse.Namespace
+    lib: object                     # train.Library: what differs between minizero and DeepSpeed
+    cfg: dict
+    stage: int
+    dtype: str
+    save_dir: str
+    lock: object
+    engine: object
+    train_ds: object
+    loader: object
+    test_loader: object
+    codebook: torch.Tensor
+    block_size: int
+    n_params: int
+    batch: int
+    gas: int
+    steps_per_epoch: int
+    max_steps: int
+    n_epochs: int
+    sched: object
+    log_every: int
+    state: dict
+    window: object = None
+    probs: torch.Tensor | None = None
+    pending: list = field(default_factory=list)   # (step, loss on the device, grad norm) not yet read
+
+
+def setup(args, lib) -> Run:
+    """Config, save folder, data, model, engine, LR schedule; resume if asked."""
+    log = runlog.log0
+    world = comm.get_world_size()
+    device = comm.get_device()
+
+    cfg = build_config(args, world)
+    if args.lr_schedule is None:
+        args.lr_schedule = "config" if "scheduler" in cfg else "mingpt"
+        args.chosen.append(f"--lr-schedule {args.lr_schedule}")
+    cfg = lib.check_config(cfg, world)
+    stage, dtype = stage_of(cfg), dtype_of(cfg)
+    # The trainer prints one metrics line every steps_per_print steps; the engine's own
+    # step line (both libraries print one) would say the same again, so it is turned off.
+    log_every = cfg.get("steps_per_print") or 10
+    engine_cfg = dict(cfg, steps_per_print=10 ** 9)
+    resume_tag = find_checkpoint(args.resume, args.tag) if args.resume else None
+    # Resuming continues in the folder it resumes from, unless told otherwise.
+    save_dir = args.save_dir or args.resume or os.path.join("runs", f"{lib.name}-{stage}-{dtype}")
+    lock = rundir.claim_for_all_ranks(save_dir, args.resume, resume_tag)   # rank 0 holds the lock
+    log(f"{lib.name}: world size {world} on {device}; config {args.config or '(built-in CPU default)'} "
+        f"-> stage {stage}, {dtype}; writing to {save_dir}")
+    if args.chosen:
+        log(f"{lib.name}: defaults chosen: {' '.join(args.chosen)}")
+
+    # data (collective: the codebook is computed on rank 0 and broadcast)
+    train_ds, test_ds, codebook = build_datasets(
+        args.dataset, root=args.data_dir, image_size=args.image_size, ncluster=args.ncluster,
+        seed=args.seed, n_synthetic_train=args.synthetic_train, n_synthetic_test=args.synthetic_test)
+    block_size = args.image_size ** 2 - 1
+
+    torch.manual_seed(args.seed)   # the same initial weights on every rank (and in both libraries)
+    model = GPT(get_preset(args.model, block_size=block_size, vocab_size=args.ncluster))
+    n_params = model.num_params()   # before the engine: ZeRO-3 leaves empty parameters on the module
+    opt_params = (cfg.get("optimizer") or {}).get("params") or {}
+    # minGPT's split: decay only the Linear weights. The groups carry their weight_decay,
+    # which overrides the optimizer's default in both libraries.
+    param_groups = model.configure_param_groups(opt_params.get("weight_decay", 0.01))
+    engine = lib.initialize(model, param_groups, engine_cfg, args)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    batch = engine.train_batch_size()            # samples per optimizer step, all ranks
+    log(f"{lib.name}: model {args.model}: {n_params:,} params, block_size {block_size}, vocab "
+        f"{args.ncluster}; {len(train_ds)} train / {len(test_ds)} test images of {args.image_size}x"
+        f"{args.image_size}; batch {batch} = micro {micro} x accum {gas} x {world} ranks")
+
+    loader = make_loader(train_ds, micro, shuffle=True, seed=args.seed)
+    test_loader = make_loader(test_ds, micro, shuffle=False)
+    # Each new DataLoader iterator draws a base seed from the global RNG unless the loader
+    # has its own generator; give them one, so the global RNG (dropout) sees only the model,
+    # and a resumed run continues with exactly the masks the uninterrupted run would draw.
+    loader.generator = torch.Generator().manual_seed(args.seed)
+    test_loader.generator = torch.Generator().manual_seed(args.seed)
+    # An epoch is a whole number of optimizer steps; the last < gas micro-batches are dropped.
+    steps_per_epoch = len(loader) // gas
+    if steps_per_epoch == 0:
+        raise UserError(f"an epoch has {len(loader)} micro-batches per rank, fewer than gradient_accumulation_steps "
+                        f"{gas}: use more data or a smaller --grad-accum")
+    max_steps = steps_per_epoch * (args.epochs or 10**9)
+    if args.max_steps is not None:
+        max_steps = min(max_steps, args.max_steps)
+
+    # minGPT's schedule counts tokens, so it does not depend on the batch size; we step it
+    # ourselves (after every optimizer step that was not skipped), so it is not handed to the engine.
+    sched = None
+    if args.lr_schedule == "mingpt":
+        final_tokens = max_steps * batch * block_size
+        sched = MinGPTSchedule(engine.optimizer, learning_rate=opt_params.get("lr", 1e-3),
+                               warmup_tokens=int(WARMUP_FRACTION * final_tokens), final_tokens=final_tokens)
+
+    run = Run(args=args, lib=lib, cfg=cfg, stage=stage, dtype=dtype, save_dir=save_dir, lock=lock,
+              engine=engine, train_ds=train_ds, loader=loader, test_loader=test_loader, codebook=codebook,
+              block_size=block_size, n_params=n_params, batch=batch, gas=gas,
+              steps_per_epoch=steps_per_epoch, max_steps=max_steps, n_epochs=math.ceil(max_steps / steps_per_epoch),
+              sched=sched, log_every=log_every,
+              state={"step": 0, "epoch": 0, "batch_in_epoch": 0, "losses": [], "rows": [], "test_loss": None,
+                     "elapsed_s": 0.0})
+    if args.resume:
+        resume(run, resume_tag)
+    run.probs = runlog.first_token_probs(train_ds, args.ncluster, seed=args.seed)
+    run.window = runlog.StepCommWindow(lambda: lib.comm_snapshot(engine))
+    return run
+
+
+def resume(run: Run, tag: str | None) -> None:
+    """Load the checkpoint and the trainer's own state: data position, losses, RNG, schedule.
+
+    The data position is (epoch, micro-batches consumed in it): the DistributedSampler's
+    order is a function of (seed, epoch), so skipping that many batches continues exactly."""
+    args, state, sched, log = run.args, run.state, run.sched, runlog.log0
+    path, client = run.engine.load_checkpoint(args.resume, tag=tag)
+    if path is None or not client or "train_state" not in client:
+        raise UserError(f"--resume {args.resume}: the checkpoint has no training state (was it written by this script?)")
+    state.update(client["train_state"])
+    # Dropout draws from the global RNG: restore it, or the resumed run sees other masks.
+    # (Every rank seeds alike and draws alike, so rank 0's state serves all ranks.)
+    if state.get("rng") is not None:
+        torch.set_rng_state(torch.as_tensor(state["rng"], dtype=torch.uint8).cpu())
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.as_tensor(state["cuda_rng"], dtype=torch.uint8).cpu())
+    log(f"{run.lib.name}: resumed from {path} at step {state['step']} (epoch {state['epoch']}, "
+        f"micro-batch {state['batch_in_epoch']})")
+    saved = state.get("lr_schedule")
+    if sched is not None and saved:
+        planned = sched.final_tokens
+        sched.load_state_dict(saved)   # the schedule the run was started with, not one for the new length
+        if sched.final_tokens != planned:
+            tokens_per_step = run.batch * run.block_size
+            end = sched.final_tokens // tokens_per_step
+            log(f"{run.lib.name}: keeping the saved lr schedule (minGPT cosine ending at step {end}); --max-steps "
+                f"{run.max_steps} " + (f"goes on past it at the floor lr {0.1 * sched.learning_rate:.1e}"
+                                       if run.max_steps > end else "stops before its end"))
