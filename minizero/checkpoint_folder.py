@@ -124,6 +124,13 @@ def complete_tags(save_dir: str) -> list[str]:
     return [name for *_, name in sorted(found)]
 
 
+def later_tags(save_dir: str, tag: str) -> list[str]:
+    """Complete checkpoints in save_dir saved after `tag` (a run resumed from `tag` into
+    save_dir would overwrite them); complete_tags is ordered by the step each one saved."""
+    tags = complete_tags(save_dir)
+    return tags[tags.index(tag) + 1:] if tag in tags else []
+
+
 def _natural(name: str) -> list:
     # global_step9 before global_step10 when two folders hold the same step
     return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", name)]

@@ -22,7 +22,7 @@ import os
 import socket
 
 from minizero import comm
-from minizero.train_args import later_tags
+from minizero.checkpoint_folder import later_tags
 
 LOCK_FILE = ".minizero.lock"
 # What a run writes; anything else (a compare run.log, a user's notes) is not a run.

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from minizero.checkpoint_folder import complete_tags, describe_tags, read_latest
 from minizero.config import ActivationCheckpointingConfig, ConfigError, read_json, resolve_batch_size
 from minizero.data import DATASETS
 from minizero.model import PRESETS
@@ -185,8 +186,6 @@ def build_config(args, world_size: int) -> dict:
 def find_checkpoint(path: str, tag: str | None = None) -> str:
     """The tag --resume loads: `tag`, or the one `latest` names. Refused early, with one
     line that lists the complete checkpoints there, unless it is a complete checkpoint."""
-    from minizero.checkpoint_folder import complete_tags, describe_tags, read_latest
-
     if not os.path.isdir(path):
         raise UserError(f"--resume {path}: no such directory")
     tags = complete_tags(path)
@@ -200,12 +199,3 @@ def find_checkpoint(path: str, tag: str | None = None) -> str:
     elif tag not in tags:
         raise UserError(f"--resume {path} --tag {tag}: no complete checkpoint {tag!r}; {describe_tags(path)}")
     return tag
-
-
-def later_tags(save_dir: str, tag: str) -> list[str]:
-    """Complete checkpoints in save_dir saved after `tag` (a resumed run would overwrite
-    them); complete_tags is ordered by the step each checkpoint saved."""
-    from minizero.checkpoint_folder import complete_tags
-
-    tags = complete_tags(save_dir)
-    return tags[tags.index(tag) + 1:] if tag in tags else []
