@@ -16,7 +16,8 @@ if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's lo
     _h = _logging.StreamHandler()
     _h.setFormatter(_logging.Formatter("[minizero] %(message)s"))
     _log.addHandler(_h)
-    _log.setLevel(_logging.INFO if _os.environ.get("RANK", "0") == "0" else _logging.WARNING)
+    from .comm import get_rank as _get_rank   # the launcher's rank, before any process group exists
+    _log.setLevel(_logging.INFO if _get_rank() == 0 else _logging.WARNING)
     _log.propagate = False
 
 

@@ -33,18 +33,14 @@ from minizero.model import GPT, get_preset  # noqa: E402
 def ds_init_single_process() -> None:
     """deepspeed.checkpointing.configure calls dist.get_rank(), so it needs a process group:
     a 1-rank gloo group on a free port, unless one is already up."""
-    import socket
-
     import deepspeed
     import torch.distributed as dist
 
     if dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the existing group
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+    from minizero.comm import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     deepspeed.init_distributed(dist_backend="gloo")
 

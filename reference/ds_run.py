@@ -31,6 +31,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from minizero import comm
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -243,8 +245,7 @@ def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None
     loss (local, and averaged over ranks in fp64), loss scale (`loss_scale(engine)`),
     global grad norm, lrs and wall time; `probe(engine)` into `memory` after the last
     backward and after each step."""
-    up = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
+    rank, world = comm.get_rank(), comm.get_world_size()
     gas = engine.gradient_accumulation_steps()
     engine.train()
     losses, local_losses, scales, norms, lrs, step_seconds = [], [], [], [], [], []
@@ -334,7 +335,7 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         deepspeed.checkpointing.configure(None, deepspeed_config=cfg)
         engine.module.checkpoint_fn = deepspeed.checkpointing.checkpoint
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = comm.get_rank(), comm.get_world_size()
     probe = None
     memory = None
     if capture_memory:
