@@ -306,7 +306,9 @@ class ZeroConfig(Section):
         False, _only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")
 
     def __post_init__(self):
-        if self.overlap_comm is None:   # DeepSpeedZeroConfig.overlap_comm_valid
+        # DeepSpeed's default (DeepSpeedZeroConfig.overlap_comm_valid), kept so the parsed config
+        # equals DeepSpeed's (tests/test_config.py); minizero does not act on it
+        if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
 
 
@@ -343,7 +345,7 @@ _BATCH = _optional(_int(lo=1))
 @dataclass
 class Config(Section):
     """The whole config; its fields are the top-level table. load_config fills in the
-    batch-size triple (resolve_batch_size), world_size and raw, the dict it parsed (kept for
+    batch-size triple (resolve_batch_size) and raw, the dict it parsed (kept for
     checkpoint metadata; nothing parses it again)."""
     train_batch_size: Optional[int] = key(None, _BATCH)
     train_micro_batch_size_per_gpu: Optional[int] = key(None, _BATCH)
@@ -368,8 +370,7 @@ class Config(Section):
     memory_breakdown: bool = key(False, _only(False, "use engine.memory_breakdown()"))
     dump_state: bool = key(False, _only(False, "there is no state dump"))
     dataloader_drop_last: bool = key(False, _only(False, "the DistributedSampler loader keeps the last batch"))
-    # not keys: set by load_config
-    world_size: int = 1
+    # not a key: the user's dict as given (saved in checkpoint metadata; never parsed again)
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -496,14 +497,14 @@ def load_config(config: dict | str | Path, world_size: int | None = None) -> Con
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = \
         resolve_batch_size(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                            cfg.gradient_accumulation_steps, world_size)
-    cfg.world_size, cfg.raw = world_size, raw
+    cfg.raw = raw
     return cfg
 
 
 # ----------------------------------------------------------------------------- optimizer
 
-def build_optimizer(param_groups, opt_cfg: OptimizerConfig | dict) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed would build from the `optimizer` config section.
+def build_optimizer(param_groups, opt_cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed would build from the parsed `optimizer` section.
 
     Mirrors `DeepSpeedEngine._configure_basic_optimizer` + `get_optimizer_configuration`
     (runtime/engine.py):
@@ -516,8 +517,6 @@ def build_optimizer(param_groups, opt_cfg: OptimizerConfig | dict) -> torch.opti
       whose weight_decay default is 0.0. minizero always builds the torch optimizer, so
       in that case it passes weight_decay=0.0 explicitly to keep DS's effective default.
     """
-    if isinstance(opt_cfg, dict):
-        opt_cfg = _optimizer(opt_cfg, "optimizer")
     params = dict(opt_cfg.params)
     adam_w_mode = params.pop("adam_w_mode", True)
     torch_adam = params.pop("torch_adam", False)

@@ -33,7 +33,6 @@ import logging
 import torch
 
 from minizero import comm
-from minizero.config import FP16Config
 
 logger = logging.getLogger("minizero")
 
@@ -189,7 +188,7 @@ class DynamicLossScaler(LossScaler):
 
 
 def create_loss_scaler(fp16_cfg) -> LossScaler:
-    """The scaler DS's ZeRO optimizers build from the `fp16` section (an FP16Config or its dict).
+    """The scaler DS's ZeRO optimizers build from the parsed `fp16` section (Config.fp16).
 
     As `CreateLossScaler(dtype, static_loss_scale, dynamic_scaling, dynamic_loss_args)` with
     `FP16Config.dynamic_loss_scale_args()` (runtime/precision_config.py):
@@ -197,8 +196,6 @@ def create_loss_scaler(fp16_cfg) -> LossScaler:
     delayed_shift = hysteresis, min_scale = min_loss_scale. fp16 off (fp32/bf16) -> a
     static scaler of 1.0; `loss_scale` > 0 -> a static scaler of that value.
     """
-    if isinstance(fp16_cfg, dict) or fp16_cfg is None:
-        fp16_cfg = FP16Config.parse(fp16_cfg, "fp16")
     if not fp16_cfg.enabled:
         return LossScaler(1.0)
     if fp16_cfg.loss_scale != 0:

@@ -266,15 +266,9 @@ def check_scheduler_params(name, params) -> None:
 def build_scheduler(optimizer, sched_cfg):
     """The schedule for the config's `scheduler` section; None -> None.
 
-    `sched_cfg` is the parsed section (`Config.scheduler`, checked by load_config) or a
-    raw {"type": ..., "params": ...} dict, checked here. As
+    `sched_cfg` is the parsed section (`Config.scheduler`, checked by load_config). As
     `DeepSpeedEngine._scheduler_from_config`: `cls(optimizer, **params)`.
     """
     if sched_cfg is None:
         return None
-    if isinstance(sched_cfg, dict):
-        name, params = sched_cfg.get("type"), sched_cfg.get("params") or {}
-        check_scheduler_params(name, params)
-    else:
-        name, params = sched_cfg.type, sched_cfg.params or {}
-    return SCHEDULERS[name](optimizer, **params)
+    return SCHEDULERS[sched_cfg.type](optimizer, **(sched_cfg.params or {}))

@@ -24,15 +24,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from minizero.config import ActivationCheckpointingConfig
 from reference.ds_run import (SyntheticBatches, build_model, get_batch,  # noqa: F401
                               prepare_ds_config, run_deepspeed, train_steps)
 from tests import probes
 
 LIBS = ("minizero", "deepspeed")
 NO_DROPOUT = dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
-CKPT_SECTION = {"partition_activations": True, "contiguous_memory_optimization": False,
-                "cpu_checkpointing": False, "number_checkpoints": None,
-                "synchronize_checkpoint_boundary": False, "profile": False}
+CKPT_SECTION = dict(ActivationCheckpointingConfig().to_dict(), partition_activations=True)
 
 
 # ----------------------------------------------------------------------------- config

@@ -278,18 +278,22 @@ def _params():
     return [torch.nn.Parameter(torch.zeros(3))]
 
 
+def _opt(section):
+    return load_config({"train_batch_size": 8, "optimizer": section}, 1).optimizer
+
+
 def test_build_optimizer_mapping():
     def build(params):
-        return build_optimizer(_params(), {"type": "Adam", "params": params})
+        return build_optimizer(_params(), _opt({"type": "Adam", "params": params}))
     opt = build({"lr": 1e-3, "torch_adam": True})
     assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.01   # torch AdamW default
     opt = build({"lr": 1e-3, "torch_adam": True, "adam_w_mode": False})
     assert type(opt) is torch.optim.Adam and opt.defaults["weight_decay"] == 0
-    opt = build_optimizer(_params(), {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True,
-                                                                  "adam_w_mode": False}})
+    opt = build_optimizer(_params(), _opt({"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True,
+                                                                       "adam_w_mode": False}}))
     assert type(opt) is torch.optim.AdamW        # "AdamW" forces adam_w_mode
-    opt = build_optimizer(_params(), {"type": "adamw", "params": {"lr": 2e-3, "betas": [0.9, 0.95],
-                                                                  "weight_decay": 0.1, "torch_adam": True}})
+    opt = build_optimizer(_params(), _opt({"type": "adamw", "params": {"lr": 2e-3, "betas": [0.9, 0.95],
+                                                                       "weight_decay": 0.1, "torch_adam": True}}))
     assert type(opt) is torch.optim.AdamW
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.1
     # Without torch_adam DS builds FusedAdam, whose weight_decay default is 0.0: keep that.
@@ -305,4 +309,4 @@ def test_build_optimizer_from_config_and_unknown_params():
     opt = build_optimizer(_params(), cfg.optimizer)
     assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 3e-3
     with pytest.raises(ConfigError, match="momentum"):
-        build_optimizer(_params(), {"type": "Adam", "params": {"momentum": 0.9}})
+        _opt({"type": "Adam", "params": {"momentum": 0.9}})

@@ -117,11 +117,13 @@ def test_create_loss_scaler_matches_zero_optimizers():
         m.update_scale(True)
 
 
-def test_create_loss_scaler_from_dict_and_defaults():
-    m = mz.create_loss_scaler({"enabled": True})
+def test_create_loss_scaler_defaults():
+    def fp16(section):
+        return load_config({"train_batch_size": 8, **({"fp16": section} if section is not None else {})}, 1).fp16
+    m = mz.create_loss_scaler(fp16({"enabled": True}))
     assert m.cur_scale == 2**16 and m.delayed_shift == 2 and m.scale_window == 1000 and m.min_scale == 1
-    assert mz.create_loss_scaler({"enabled": False}).cur_scale == 1.0
-    assert mz.create_loss_scaler(None).cur_scale == 1.0
+    assert mz.create_loss_scaler(fp16({"enabled": False})).cur_scale == 1.0
+    assert mz.create_loss_scaler(fp16(None)).cur_scale == 1.0
 
 
 def test_static_scaler():

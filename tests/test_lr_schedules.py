@@ -122,9 +122,10 @@ def test_build_scheduler_like_deepspeed_engine():
         s_mz.step()
         assert _lrs(opt_mz) == _lrs(opt_ds)
     assert mz.build_scheduler(opt_mz, None) is None
-    assert isinstance(mz.build_scheduler(opt_mz, {"type": "WarmupLR", "params": {}}), mz.WarmupLR)
+    warmup = load_config({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {}}}, 1).scheduler
+    assert isinstance(mz.build_scheduler(opt_mz, warmup), mz.WarmupLR)
     with pytest.raises(ConfigError, match="Cyclic"):
-        mz.build_scheduler(opt_mz, {"type": "Cyclic", "params": {}})
+        load_config({"train_batch_size": 8, "scheduler": {"type": "Cyclic", "params": {}}}, 1)
 
 
 def test_bad_warmup_args():
