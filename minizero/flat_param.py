@@ -34,18 +34,10 @@ Every collective that moves a FlatParam is a method here, so they read together:
 """
 from __future__ import annotations
 
-from enum import Enum, auto
-
 import torch
 
 from . import comm
 from .partition import padded_numel, shard_range, unflatten
-
-
-class ShardState(Enum):
-    """Read from the full buffer's storage, never stored beside it (so it cannot go stale)."""
-    SHARDED = auto()      # only this rank's shard exists; parameters are empty placeholders
-    UNSHARDED = auto()    # the full buffer is allocated; parameters are views into it
 
 
 class FlatParam:
@@ -87,10 +79,6 @@ class FlatParam:
         self.grad_shard: torch.Tensor | None = None
 
     # -- parameters: gather, free ---------------------------------------------------------
-    @property
-    def state(self) -> ShardState:
-        return ShardState.UNSHARDED if self.full_is_allocated() else ShardState.SHARDED
-
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
 
@@ -161,10 +149,6 @@ class FlatParam:
     def zero_grad(self) -> None:
         self.clear_param_grads()
         self.grad_shard = None
-
-    def grad_numel(self) -> int:
-        """Elements of full gradient currently held in `.grad` of this group's parameters."""
-        return sum(p.grad.numel() for p in self.params if p.grad is not None)
 
     def __repr__(self) -> str:
         return (f"FlatParam({self.label}: {len(self.params)} params, Ψ={self.numel}, "

@@ -29,19 +29,11 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return rank * n, (rank + 1) * n
 
 
-def offsets(numels: Sequence[int]) -> list[int]:
-    """Start offset of each tensor when `numels` are laid end to end."""
-    out, acc = [], 0
-    for n in numels:
-        out.append(acc)
-        acc += n
-    return out
-
-
 def unflatten(flat, names: Sequence[str], shapes: Sequence) -> dict:
     """Cut a flat buffer (parameters laid end to end, then padding) back into named
     tensors of their shapes: views into `flat`, no copy. The inverse of the layout in
     flat_param.py; used for the live fp32 state and for a checkpoint's saved shards."""
+    assert len(set(names)) == len(names), "unflatten: names must be unique"
     out, off = {}, 0
     for name, shape in zip(names, shapes):
         n = math.prod(shape)

@@ -6,8 +6,9 @@ ZeRO paper's baseline (Rajbhandari et al., SC'20, section 3.1). After backward, 
 all-reduce of the flat gradient averages it across ranks; each rank then takes the same
 optimizer step on the same numbers.
 
-Each stage (zero0-3.py) is a class with the same five methods, called by engine.py in
-this order; they say *where state lives and which collective moves it*. The step itself
+Each stage (zero0-3.py) is a class with the same four methods, called by engine.py in
+this order (plus `grad_bytes` for memory_breakdown); they say *where state lives and which
+collective moves it*. The step itself
 (norm, clip, Adam on the fp32 masters) is the same at every stage: sharded_optimizer.py.
 
     prepare_backward()   before each micro-batch's backward
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
 from .flat_param import FlatParam
 
 

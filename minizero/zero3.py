@@ -12,7 +12,7 @@ the whole model at once. Vocabulary follows PyTorch FSDP2:
 
     pre_forward    unshard: all-gather the unit's parameters
     post_forward   reshard: free them; hook the outputs so backward can find the unit
-    pre_backward   unshard again (backward needs the weights), fired by an autograd
+    pre_backward   unshard again (backward needs the weights): `_PreBackward`, an autograd
                    Function placed on the unit's outputs in post_forward
     post_backward  when every parameter of the unit has its gradient: reduce-scatter the
                    gradients into this rank's grad shard (ZeRO-2's bucket path), reshard
@@ -21,7 +21,7 @@ What this file adds to ZeRO-2 (zero2.py), and all it adds:
   1. layout: `module_units` makes one bucket per module (a `Unit`) instead of one per
      reduce_bucket_size elements, and its FlatParams keep only their shard (keep_full=False);
   2. forward: pre_forward / post_forward hooks gather and free each unit;
-  3. backward: pre_backward gathers it again; `post_backward` is ZeRO-2's plus a reshard;
+  3. backward: `_PreBackward` gathers it again; `post_backward` is ZeRO-2's plus a reshard;
   4. step: `after_step` gathers only the persistent parameters (the rest on next use).
 
 Per optimizer step every parameter is all-gathered twice (forward, backward) and its
@@ -40,12 +40,21 @@ each parameter on its own to ceil(n/N) elements per rank; the difference is padd
 """
 from __future__ import annotations
 
+from enum import Enum, auto
+
 import torch
 from torch import nn
 
 from . import checkpointing, comm
-from .flat_param import FlatParam, ShardState
+from .flat_param import FlatParam
 from .zero2 import Bucket, Zero2
+
+
+class ShardState(Enum):
+    """A unit's state, read from its FlatParams' storage, never stored beside it (so it
+    cannot go stale)."""
+    SHARDED = auto()      # only this rank's shards exist; parameters are empty placeholders
+    UNSHARDED = auto()    # the full buffers are allocated; parameters are views into them
 
 
 class Unit(Bucket):
@@ -86,6 +95,8 @@ class Zero3(Zero2):
     # ------------------------------------------------------------------ 2. forward
     def pre_forward_hook(self, unit: Unit):
         def pre_forward(module, args):
+            # label only: a forward inside minizero's activation-checkpointing backward is
+            # a recompute (another library's recompute is labelled "fwd")
             unit.unshard("recompute" if checkpointing.in_recompute() else "fwd")
         return pre_forward
 

@@ -144,8 +144,8 @@ def test_stage0_low_precision_minizero_equals_its_stage1_and_deepspeed_quirk_is_
 def test_grad_norm_matches_to_fp32_rounding(stage, dtype):
     """get_global_grad_norm() agrees to a few fp32 roundings, not bitwise: the arithmetic differs.
 
-    minizero (engine._take_model_step + zero0.local_grad_sq): fp64 sum of squares over each
-    whole grad shard, ONE fp64 all_reduce, fp64 sqrt, then rounded once to fp32.
+    minizero (engine._take_model_step + ShardedOptimizer.grad_norm_sq): fp64 sum of squares
+    over each whole grad shard, ONE fp64 all_reduce, fp64 sqrt, then rounded once to fp32.
     DeepSpeed ZeRO-1/2 (stage_1_and_2.py get_grad_norm_direct + scaled_global_norm): per
     param-piece fp64 vector_norm, stack().pow(2).sum() ROUNDED TO fp32, fp32 all_reduce,
     fp32 sqrt per param group, then combine_grad_norm_groups = fp32 vector_norm of the

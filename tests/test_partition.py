@@ -13,7 +13,7 @@ import pytest
 from minizero import memory
 import torch
 
-from minizero.partition import bucketize, offsets, padded_numel, shard_numel, shard_range, unflatten
+from minizero.partition import bucketize, padded_numel, shard_numel, shard_range, unflatten
 
 WORLDS = range(1, 9)
 
@@ -59,10 +59,6 @@ def test_shard_range_numel_smaller_than_world():
 
 
 # ----------------------------------------------------------------------------- unflatten
-
-def test_offsets():
-    assert offsets([3, 4, 2]) == [0, 3, 7] and offsets([]) == []
-
 
 def _round_trip(shapes, n):
     """Lay tensors end to end, pad to a multiple of n, cut into n shards (as each rank holds
