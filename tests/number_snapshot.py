@@ -1,0 +1,166 @@
+"""Fingerprint every number minizero produces, to check that a refactor changes none of them.
+
+    python -m tests.number_snapshot OUT.json          # before the change (e.g. on a worktree)
+    python -m tests.number_snapshot OUT2.json         # after
+    python -m tests.number_snapshot --compare OUT.json OUT2.json
+
+Not a test: the numbers are bitwise only on one machine (another CPU rounds differently),
+so the two snapshots must come from the same machine. It records, per run and rank: each
+micro-step's loss and each step's grad norm (as hex floats), loss scale, skipped steps,
+memory_breakdown, comm_stats, the ledger per label, and hashes of the full fp32 state and
+of every optimizer-state tensor. Runs: a matrix of engine configurations on gloo ranks
+(stages 0-3 x fp32/bf16/fp16 x gradient accumulation 1/2, clipping off, fp16 overflows,
+activation checkpointing, a model with unused parameters, small ZeRO-2 buckets, ZeRO-3
+persistence thresholds, world sizes 1/2/4), plus every minizero run of the agreement tests
+(tests/agreement.py ALL_MZ_KEYS).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+from tests.harness import PatternBatches, make_model
+from tests.launcher import run_ranks
+
+STEPS, GLOBAL_BATCH, SEQ = 6, 8, 16
+
+
+def _hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def cases() -> list[dict]:
+    out = []
+    for st in range(4):
+        for dt in ("fp32", "bf16", "fp16"):
+            for gas in (1, 2):
+                out.append(dict(stage=st, dtype=dt, gas=gas, world=2))
+        out.append(dict(stage=st, dtype="bf16", gas=1, world=2, ckpt=True))
+        out.append(dict(stage=st, dtype="fp16", gas=1, world=2, fp16=dict(initial_scale_power=30)))   # overflows
+        out.append(dict(stage=st, dtype="fp32", gas=1, world=2, clip=0.0))
+        out.append(dict(stage=st, dtype="bf16", gas=1, world=4))
+        out.append(dict(stage=st, dtype="fp16", gas=2, world=1))
+    out.append(dict(stage=2, dtype="bf16", gas=2, world=2, zero=dict(reduce_bucket_size=3000)))
+    out.append(dict(stage=3, dtype="bf16", gas=2, world=2, zero=dict(stage3_param_persistence_threshold=0)))
+    out.append(dict(stage=3, dtype="fp16", gas=1, world=2, zero=dict(stage3_param_persistence_threshold=10**9)))
+    out.append(dict(stage=3, dtype="bf16", gas=1, world=2, ckpt=True, plain=True))
+    return out
+
+
+def _run_case(c: dict, rank: int, world: int) -> dict:
+    import minizero
+    from minizero import comm
+
+    torch.manual_seed(0)
+    model = make_model("micro", "gpt" if c.get("plain") else "unused", embd_pdrop=0.0, resid_pdrop=0.0,
+                       attn_pdrop=0.0)
+    mb = GLOBAL_BATCH // c["gas"] // world
+    cfg = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": c["gas"],
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+           "gradient_clipping": c.get("clip", 1.0), "zero_optimization": {"stage": c["stage"], **c.get("zero", {})}}
+    if c["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if c["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True, **c.get("fp16", {})}
+    if c.get("ckpt"):
+        cfg["activation_checkpointing"] = {"partition_activations": False}
+    labels0 = {k: dict(v) for k, v in comm.ledger.by_label.items()}
+    engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1), config=cfg)
+    vocab = (model.gpt if hasattr(model, "gpt") else model).tok_emb.num_embeddings
+    batches = PatternBatches(vocab, SEQ, GLOBAL_BATCH, c["gas"])
+    rec = {"steps": []}
+    for step in range(STEPS):
+        if hasattr(model, "use_side"):
+            model.use_side = step % 2 == 0   # unused on odd steps: missing gradients must count as zero
+        x, y = batches.step_batch(step)
+        losses = []
+        for m in range(c["gas"]):
+            lo = m * (GLOBAL_BATCH // c["gas"]) + rank * mb
+            _, loss = engine(x[lo:lo + mb], y[lo:lo + mb])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()).hex())
+        norm = engine.get_global_grad_norm()
+        rec["steps"].append(dict(loss=losses, norm=None if norm is None else float(norm).hex(),
+                                 scale=engine.loss_scale, skipped=engine.skipped_steps))
+    rec["memory"] = engine.memory_breakdown()
+    rec["comm"] = engine.comm_stats()
+    rec["labels"] = {k: {kk: v[kk] - labels0.get(k, {}).get(kk, 0) for kk in v}
+                     for k, v in comm.ledger.by_label.items() if v != labels0.get(k)}
+    rec["fp32"] = {k: _hash(v) for k, v in sorted(engine.full_fp32_state_dict().items())}
+    rec["optimizer"] = [_hash(t) for st in engine.optimizer.state.values() for _, t in sorted(st.items())
+                        if torch.is_tensor(t)]
+    return rec
+
+
+def _run_world(world: int) -> dict:
+    from minizero import comm
+    rank = comm.get_rank()
+    return {json.dumps(c, sort_keys=True): _run_case(c, rank, world) for c in cases() if c["world"] == world}
+
+
+def _plain(v):
+    if isinstance(v, float):
+        return v.hex()
+    if torch.is_tensor(v):
+        return _hash(v)
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def snapshot() -> dict:
+    out = {}
+    for world in (1, 2, 4):
+        for rank, runs in enumerate(run_ranks(_run_world, world_size=world, args=(world,), timeout=900)):
+            for key, rec in runs.items():
+                out[f"engine {key} rank {rank}"] = rec
+    import tests.agreement as A
+    A.prefetch_mz(A.ALL_MZ_KEYS)
+    for k in A.ALL_MZ_KEYS:
+        for rank, res in enumerate(A.cached_mz(*k)):
+            keep = {kk: vv for kk, vv in res.items() if kk not in ("init_seconds", "step_seconds", "config")}
+            out[f"agreement {k!r} rank {rank}"] = _plain(keep)
+    return out
+
+
+def compare(a: dict, b: dict) -> list[str]:
+    diffs = [f"only in {'first' if k in a else 'second'}: {k}" for k in sorted(set(a) ^ set(b))]
+    for k in sorted(set(a) & set(b)):
+        for field in sorted(set(a[k]) | set(b[k])):
+            if a[k].get(field) != b[k].get(field):
+                diffs.append(f"{k}: {field} differs")
+    return diffs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.number_snapshot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", help="write the snapshot here (JSON)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two snapshots; exit 1 if any differs")
+    args = ap.parse_args(argv)
+    if args.compare:
+        for p in args.compare:
+            if not os.path.isfile(p):
+                ap.error(f"{p}: no such file (make it with: python -m tests.number_snapshot {p})")
+        a, b = (json.load(open(p)) for p in args.compare)
+        diffs = compare(a, b)
+        print("\n".join(diffs[:50]) or f"identical: {len(a)} run-ranks")
+        return 1 if diffs else 0
+    if not args.out:
+        ap.error("give OUT.json, or --compare A B")
+    snap = snapshot()
+    with open(args.out, "w") as fh:
+        json.dump(snap, fh, indent=0, sort_keys=True)
+    print(f"wrote {len(snap)} run-ranks to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
