@@ -260,7 +260,7 @@ def _offload_device(v, path):
 class OffloadConfig(Section):
     """`zero_optimization.offload_optimizer` / `offload_param`: only device "none" is implemented."""
     device: str = key("none", _offload_device)
-    pin_memory: bool = key(False, _bool, acts=False)
+    pin_memory: bool = key(True, _bool, acts=False)   # DeepSpeed's default (offload_config.py)
 
 
 def _stage(v, path):

@@ -169,6 +169,8 @@ def test_offload_none_and_harmless_keys_accepted(ds_parse):
                                  "prefetch_bucket_size": 123}}
     ours, ds = load_config(raw, 1), ds_parse(raw, 1)
     assert ours.zero.offload_optimizer.device == "none" and ours.zero.offload_param is None
+    # the section's defaults are DeepSpeed's (pin_memory True, in runtime/zero/offload_config.py)
+    assert ours.zero.offload_optimizer.pin_memory == ds.zero_config.offload_optimizer.pin_memory is True
     assert ours.zero.reduce_bucket_size == ds.zero_config.reduce_bucket_size == 200_000_000
     assert ours.zero.stage3_prefetch_bucket_size == ds.zero_config.prefetch_bucket_size == 123
 
