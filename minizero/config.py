@@ -1,15 +1,16 @@
 """The DeepSpeed JSON config, parsed into typed dataclasses with DeepSpeed 0.19.8's defaults.
 
 Each section is one table: a dataclass whose every field is one key, declared once with
-`key(default, check, alias=..., acts=...)`. The parser, the defaults, the list of accepted
-keys in error messages and the typed result all come from that one declaration.
+`key(default, check, alias=..., acts=...)` (config_schema.py: how a table parses). The
+parser, the defaults, the list of accepted keys in error messages and the typed result all
+come from that one declaration.
 
 Why a strict parser: DeepSpeed silently ignores unknown *top-level* keys (only the
 pydantic sub-sections such as `zero_optimization` forbid extras). A student who types
 `"gradient_cliping"` then trains with the default clip of 1.0 and never knows. minizero
 refuses every key it does not implement, naming the key's path and the keys accepted
 there. DeepSpeed keys that minizero does not implement are accepted either only at the
-value matching minizero's behaviour (`_only`), or, for pure performance knobs, at any
+value matching minizero's behaviour (`only`), or, for pure performance knobs, at any
 value with `acts=False`: minizero then does nothing with them (`ignored_knobs` lists
 those a config sets).
 
@@ -22,133 +23,19 @@ and `get_optimizer_configuration` (`runtime/engine.py`).
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from minizero import lr_schedules
+from minizero.config_schema import Section, anything, boolean, integer, key, number, only, optional, real
 from minizero.errors import ConfigError
 
 __all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig",
            "ActivationCheckpointingConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
-           "ignored_knobs", "ignored_knobs_note", "build_optimizer", "resolve_batch_size"]
-
-
-# ----------------------------------------------------------------------------- value checks
-# Each takes (value, path) and returns the cleaned value or raises ConfigError.
-
-def _bool(v, path):
-    if not isinstance(v, bool):
-        raise ConfigError(f"{path} must be true or false, got {v!r}")
-    return v
-
-
-def _number(lo=None, lo_open=False):
-    def check(v, path):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"{path} must be a finite number, got {v!r}")
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            raise ConfigError(f"{path} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
-        return v
-    return check
-
-
-def _float(lo=None):
-    return lambda v, path: float(_number(lo)(v, path))
-
-
-def _int(lo=0):
-    """Integers; integral floats such as 5e8 (JSON has no int exponent form) are accepted."""
-    def check(v, path):
-        if isinstance(v, float) and math.isfinite(v) and v == int(v):
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{path} must be an integer, got {v!r}")
-        if v < lo:
-            raise ConfigError(f"{path} must be >= {lo}, got {v}")
-        return v
-    return check
-
-
-def _optional(check):
-    return lambda v, path: None if v is None else check(v, path)
-
-
-def _only(value, why):
-    """A DeepSpeed key minizero accepts only at the value matching what minizero does."""
-    def check(v, path):
-        if v != value:
-            raise ConfigError(f"{path} = {v!r} is not implemented in minizero ({why}); "
-                              f"remove it or set it to {json.dumps(value)}")
-        return v
-    return check
-
-
-def _any(v, path):
-    return v
-
-
-# ----------------------------------------------------------------------------- tables
-
-def key(default, check, *, alias=None, acts=True, name=None):
-    """One row of a section's table, declared as a dataclass field.
-
-    default: DeepSpeed 0.19.8's default (a Section class: that section's defaults; `dict`:
-             an empty dict). check(value, path): the cleaned value, or a ConfigError.
-    alias:   DeepSpeed's other spelling of the key. name: the JSON key, when the attribute
-             is called otherwise (`zero` for "zero_optimization").
-    acts:    False for a key accepted only so DeepSpeed configs load unchanged: any value
-             is accepted and minizero does nothing with it.
-    """
-    default_kw = {"default_factory": default} if isinstance(default, type) else {"default": default}
-    return field(**default_kw, metadata={"check": check, "alias": alias, "acts": acts, "name": name})
-
-
-@dataclass
-class Section:
-    """A config section parsed by its table: every field declared with `key` is one key."""
-    given: tuple = field(default=(), init=False, repr=False, compare=False)   # the keys the config wrote
-
-    @classmethod
-    def rows(cls) -> dict:
-        """{key as a config may spell it (aliases too): its field}."""
-        out = {}
-        for f in fields(cls):
-            if "check" in f.metadata:
-                out[f.metadata["name"] or f.name] = f
-                if f.metadata["alias"]:
-                    out[f.metadata["alias"]] = f
-        return out
-
-    @classmethod
-    def parse(cls, d, path):
-        """The section at `path` of a config; None (key absent or null) gives the defaults."""
-        if d is None:
-            d = {}
-        if not isinstance(d, dict):
-            raise ConfigError(f"{path} must be a JSON object, got {d!r}")
-        rows, values, spelled = cls.rows(), {}, {}
-        for k, v in d.items():
-            full = f"{path}.{k}" if path else k
-            if k not in rows:
-                raise ConfigError(f"unknown config key '{full}': minizero does not implement it. "
-                                  f"Accepted keys in {path or 'the top level'}: {', '.join(sorted(rows))}")
-            f = rows[k]
-            if f.name in values:
-                main = f.metadata["name"] or f.name
-                raise ConfigError(f"'{spelled[f.name]}' and '{full}' are two spellings of one key (DeepSpeed "
-                                  f"would silently read only one); keep only '{main}'")
-            values[f.name], spelled[f.name] = f.metadata["check"](v, full), full
-        section = cls(**values)
-        section.given = tuple(d)
-        return section
-
-    def to_dict(self) -> dict:
-        """{JSON key: value} of a section whose values are plain JSON values."""
-        return {f.metadata["name"] or f.name: getattr(self, f.name) for f in fields(self) if "check" in f.metadata}
+           "ignored_knobs", "ignored_knobs_note", "resolve_batch_size"]
 
 
 # ----------------------------------------------------------------------------- sections
@@ -156,18 +43,18 @@ class Section:
 def _betas(v, path):
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ConfigError(f"{path} must be a list of two numbers like [0.9, 0.999], got {v!r}")
-    return tuple(_number(lo=0)(b, path) for b in v)
+    return tuple(number(lo=0)(b, path) for b in v)
 
 
 @dataclass
 class AdamParams(Section):
     """`optimizer.params`. None: not given, the torch optimizer's own default applies."""
-    lr: Optional[float] = key(None, _number(lo=0))
+    lr: Optional[float] = key(None, number(lo=0))
     betas: Optional[tuple] = key(None, _betas)
-    eps: Optional[float] = key(None, _number(lo=0, lo_open=True))
-    weight_decay: Optional[float] = key(None, _number(lo=0))
-    torch_adam: bool = key(False, _bool)       # see build_optimizer
-    adam_w_mode: bool = key(True, _bool)
+    eps: Optional[float] = key(None, number(lo=0, lo_open=True))
+    weight_decay: Optional[float] = key(None, number(lo=0))
+    torch_adam: bool = key(False, boolean)       # see sharded_optimizer.build_optimizer
+    adam_w_mode: bool = key(True, boolean)
 
 
 def _adam_params(v, path) -> dict:
@@ -205,8 +92,8 @@ def _optimizer(v, path) -> OptimizerConfig:
 
 @dataclass
 class SchedulerConfig(Section):
-    type: Optional[str] = key(None, _any)   # "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
-    params: dict = key(dict, _any)          # checked against the schedule's constructor
+    type: Optional[str] = key(None, anything)   # "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
+    params: dict = key(dict, anything)          # checked against the schedule's constructor
 
 
 def _scheduler(v, path) -> SchedulerConfig:
@@ -221,17 +108,17 @@ def _scheduler(v, path) -> SchedulerConfig:
 @dataclass
 class FP16Config(Section):
     """`fp16`, as DeepSpeedFP16Config (runtime/precision_config.py)."""
-    enabled: bool = key(False, _bool)
-    loss_scale: float = key(0.0, _float(lo=0))                # 0 = dynamic loss scaling
-    initial_scale_power: int = key(16, _int(lo=0))            # dynamic scaling starts at 2**16
-    loss_scale_window: int = key(1000, _int(lo=1))
+    enabled: bool = key(False, boolean)
+    loss_scale: float = key(0.0, real(lo=0))                # 0 = dynamic loss scaling
+    initial_scale_power: int = key(16, integer(lo=0))            # dynamic scaling starts at 2**16
+    loss_scale_window: int = key(1000, integer(lo=1))
     # DS accepts hysteresis 0, but then DynamicLossScaler never lowers the scale (it only
     # shifts when cur_hysteresis == 1, and 0 counts down past it): reject it.
-    hysteresis: int = key(2, _int(lo=1))
-    consecutive_hysteresis: bool = key(False, _bool)
-    min_loss_scale: float = key(1, _number(lo=0, lo_open=True))
-    auto_cast: bool = key(False, _bool, acts=False)           # minizero's engine always casts float inputs
-    fp16_master_weights_and_grads: bool = key(False, _only(False, "master weights are always fp32"))
+    hysteresis: int = key(2, integer(lo=1))
+    consecutive_hysteresis: bool = key(False, boolean)
+    min_loss_scale: float = key(1, number(lo=0, lo_open=True))
+    auto_cast: bool = key(False, boolean, acts=False)           # minizero's engine always casts float inputs
+    fp16_master_weights_and_grads: bool = key(False, only(False, "master weights are always fp32"))
 
     @property
     def dynamic(self) -> bool:
@@ -240,9 +127,9 @@ class FP16Config(Section):
 
 @dataclass
 class BF16Config(Section):
-    enabled: bool = key(False, _bool)
+    enabled: bool = key(False, boolean)
     # DeepSpeed >= 0.16: skip a step whose gradient norm is inf/NaN (as fp16 does), default on.
-    check_grad_overflow: bool = key(True, _bool)
+    check_grad_overflow: bool = key(True, boolean)
 
 
 def _offload_device(v, path):
@@ -260,7 +147,7 @@ def _offload_device(v, path):
 class OffloadConfig(Section):
     """`zero_optimization.offload_optimizer` / `offload_param`: only device "none" is implemented."""
     device: str = key("none", _offload_device)
-    pin_memory: bool = key(True, _bool, acts=False)   # DeepSpeed's default (offload_config.py)
+    pin_memory: bool = key(True, boolean, acts=False)   # DeepSpeed's default (offload_config.py)
 
 
 def _stage(v, path):
@@ -279,31 +166,31 @@ class ZeroConfig(Section):
     unit right before use and releases it right after (docs/zero.md).
     """
     stage: int = key(0, _stage)
-    reduce_bucket_size: int = key(500_000_000, _int(lo=1))
-    stage3_param_persistence_threshold: int = key(100_000, _int(lo=0), alias="param_persistence_threshold")
-    offload_optimizer: Optional[OffloadConfig] = key(None, _optional(OffloadConfig.parse))
-    offload_param: Optional[OffloadConfig] = key(None, _optional(OffloadConfig.parse))
+    reduce_bucket_size: int = key(500_000_000, integer(lo=1))
+    stage3_param_persistence_threshold: int = key(100_000, integer(lo=0), alias="param_persistence_threshold")
+    offload_optimizer: Optional[OffloadConfig] = key(None, optional(OffloadConfig.parse))
+    offload_param: Optional[OffloadConfig] = key(None, optional(OffloadConfig.parse))
     # accepted, minizero does nothing with them
-    overlap_comm: Optional[bool] = key(None, _optional(_bool), acts=False)   # None: True only at stage 3
-    contiguous_gradients: bool = key(True, _bool, acts=False)
-    reduce_scatter: bool = key(True, _bool, acts=False)
-    allgather_bucket_size: int = key(500_000_000, _int(lo=1), acts=False)
-    stage3_prefetch_bucket_size: int = key(50_000_000, _int(lo=0), alias="prefetch_bucket_size", acts=False)
-    stage3_max_live_parameters: int = key(1_000_000_000, _int(lo=0), alias="max_live_parameters", acts=False)
-    stage3_max_reuse_distance: int = key(1_000_000_000, _int(lo=0), alias="max_reuse_distance", acts=False)
-    sub_group_size: int = key(1_000_000_000, _int(lo=0), acts=False)
+    overlap_comm: Optional[bool] = key(None, optional(boolean), acts=False)   # None: True only at stage 3
+    contiguous_gradients: bool = key(True, boolean, acts=False)
+    reduce_scatter: bool = key(True, boolean, acts=False)
+    allgather_bucket_size: int = key(500_000_000, integer(lo=1), acts=False)
+    stage3_prefetch_bucket_size: int = key(50_000_000, integer(lo=0), alias="prefetch_bucket_size", acts=False)
+    stage3_max_live_parameters: int = key(1_000_000_000, integer(lo=0), alias="max_live_parameters", acts=False)
+    stage3_max_reuse_distance: int = key(1_000_000_000, integer(lo=0), alias="max_reuse_distance", acts=False)
+    sub_group_size: int = key(1_000_000_000, integer(lo=0), acts=False)
     # minizero's ZeRO-3 never swaps F.linear: docs/deepspeed.md, "ZeRO-3 replaces F.linear
     # (memory_efficient_linear)"
-    memory_efficient_linear: bool = key(True, _bool, acts=False)
-    use_multi_rank_bucket_allreduce: bool = key(True, _bool, acts=False)
+    memory_efficient_linear: bool = key(True, boolean, acts=False)
+    use_multi_rank_bucket_allreduce: bool = key(True, boolean, acts=False)
     # accepted only at the value that is what minizero always does
-    allgather_partitions: bool = key(True, _only(True, "parameters are always all-gathered"))
-    load_from_fp32_weights: bool = key(True, _only(True, "checkpoints always restore the fp32 master"))
-    ignore_unused_parameters: bool = key(True, _only(True, "unused parameters get a zero gradient"))
-    round_robin_gradients: bool = key(False, _only(False, "it is an offload optimization"))
-    elastic_checkpoint: bool = key(False, _only(False, "use the same world size to resume"))
+    allgather_partitions: bool = key(True, only(True, "parameters are always all-gathered"))
+    load_from_fp32_weights: bool = key(True, only(True, "checkpoints always restore the fp32 master"))
+    ignore_unused_parameters: bool = key(True, only(True, "unused parameters get a zero gradient"))
+    round_robin_gradients: bool = key(False, only(False, "it is an offload optimization"))
+    elastic_checkpoint: bool = key(False, only(False, "use the same world size to resume"))
     stage3_gather_16bit_weights_on_model_save: bool = key(
-        False, _only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")
+        False, only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")
 
     def __post_init__(self):
         # DeepSpeed's default (DeepSpeedZeroConfig.overlap_comm_valid), kept so the parsed config
@@ -322,7 +209,7 @@ def _zero(v, path) -> ZeroConfig:
 def _number_checkpoints(v, path):
     if v is False:   # configs in the wild write false for "not set"
         return None
-    return _optional(_int(lo=1))(v, path)
+    return optional(integer(lo=1))(v, path)
 
 
 @dataclass
@@ -331,15 +218,15 @@ class ActivationCheckpointingConfig(Section):
     (runtime/activation_checkpointing/config.py). DeepSpeed only parses it; minizero applies
     it (docs/deepspeed.md, "activation_checkpointing is parsed, not applied"). What each key
     does under pure data parallelism: checkpointing_config.py."""
-    partition_activations: bool = key(False, _bool)   # one model-parallel rank: nothing to split, see there
-    contiguous_memory_optimization: bool = key(False, _bool)
-    cpu_checkpointing: bool = key(False, _bool)
+    partition_activations: bool = key(False, boolean)   # one model-parallel rank: nothing to split, see there
+    contiguous_memory_optimization: bool = key(False, boolean)
+    cpu_checkpointing: bool = key(False, boolean)
     number_checkpoints: Optional[int] = key(None, _number_checkpoints)
-    synchronize_checkpoint_boundary: bool = key(False, _bool)
-    profile: bool = key(False, _bool)
+    synchronize_checkpoint_boundary: bool = key(False, boolean)
+    profile: bool = key(False, boolean)
 
 
-_BATCH = _optional(_int(lo=1))
+_BATCH = optional(integer(lo=1))
 
 
 @dataclass
@@ -350,26 +237,26 @@ class Config(Section):
     train_batch_size: Optional[int] = key(None, _BATCH)
     train_micro_batch_size_per_gpu: Optional[int] = key(None, _BATCH)
     gradient_accumulation_steps: Optional[int] = key(None, _BATCH)
-    optimizer: Optional[OptimizerConfig] = key(None, _optional(_optimizer))
-    scheduler: Optional[SchedulerConfig] = key(None, _optional(_scheduler))
-    gradient_clipping: float = key(1.0, _float(lo=0))     # DS default is 1.0, not "off" (runtime/constants.py)
+    optimizer: Optional[OptimizerConfig] = key(None, optional(_optimizer))
+    scheduler: Optional[SchedulerConfig] = key(None, optional(_scheduler))
+    gradient_clipping: float = key(1.0, real(lo=0))     # DS default is 1.0, not "off" (runtime/constants.py)
     fp16: FP16Config = key(FP16Config, FP16Config.parse)
     bf16: BF16Config = key(BF16Config, BF16Config.parse, alias="bfloat16")   # DS's old name (BFLOAT16_OLD)
     zero: ZeroConfig = key(ZeroConfig, _zero, name="zero_optimization")
     # None when the config has none: then the engine does not checkpoint the model's blocks.
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = key(
-        None, _optional(ActivationCheckpointingConfig.parse))
-    steps_per_print: Optional[int] = key(None, _optional(_int(lo=1)))   # DS 0.19.8 default: None (never print)
-    wall_clock_breakdown: bool = key(False, _bool, acts=False)
-    zero_allow_untested_optimizer: bool = key(False, _bool, acts=False)
-    zero_force_ds_cpu_optimizer: bool = key(True, _bool, acts=False)
+        None, optional(ActivationCheckpointingConfig.parse))
+    steps_per_print: Optional[int] = key(None, optional(integer(lo=1)))   # DS 0.19.8 default: None (never print)
+    wall_clock_breakdown: bool = key(False, boolean, acts=False)
+    zero_allow_untested_optimizer: bool = key(False, boolean, acts=False)
+    zero_force_ds_cpu_optimizer: bool = key(True, boolean, acts=False)
     # accepted only at the value that is what minizero always does
-    prescale_gradients: bool = key(False, _only(False, "gradients are averaged after the reduction"))
-    gradient_predivide_factor: float = key(1.0, _only(1.0, "gradients are averaged after the reduction"))
-    communication_data_type: Optional[str] = key(None, _only(None, "gradients are reduced in the training dtype"))
-    memory_breakdown: bool = key(False, _only(False, "use engine.memory_breakdown()"))
-    dump_state: bool = key(False, _only(False, "there is no state dump"))
-    dataloader_drop_last: bool = key(False, _only(False, "the DistributedSampler loader keeps the last batch"))
+    prescale_gradients: bool = key(False, only(False, "gradients are averaged after the reduction"))
+    gradient_predivide_factor: float = key(1.0, only(1.0, "gradients are averaged after the reduction"))
+    communication_data_type: Optional[str] = key(None, only(None, "gradients are reduced in the training dtype"))
+    memory_breakdown: bool = key(False, only(False, "use engine.memory_breakdown()"))
+    dump_state: bool = key(False, only(False, "there is no state dump"))
+    dataloader_drop_last: bool = key(False, only(False, "the DistributedSampler loader keeps the last batch"))
     # not a key: the user's dict as given (saved in checkpoint metadata; never parsed again)
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -499,29 +386,3 @@ def load_config(config: dict | str | Path, world_size: int | None = None) -> Con
                            cfg.gradient_accumulation_steps, world_size)
     cfg.raw = raw
     return cfg
-
-
-# ----------------------------------------------------------------------------- optimizer
-
-def build_optimizer(param_groups, opt_cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed would build from the parsed `optimizer` section.
-
-    Mirrors `DeepSpeedEngine._configure_basic_optimizer` + `get_optimizer_configuration`
-    (runtime/engine.py):
-
-    - `adam_w_mode` (default true) is popped; "AdamW" forces it on. So "Adam" means
-      AdamW math (decoupled weight decay) unless `"adam_w_mode": false`.
-    - with `"torch_adam": true` DS builds `torch.optim.AdamW` / `torch.optim.Adam` with
-      the remaining params: torch's own defaults apply, notably AdamW's weight_decay 0.01.
-    - without `torch_adam` DS builds its `FusedAdam` (same update, results < 1e-6 apart),
-      whose weight_decay default is 0.0. minizero always builds the torch optimizer, so
-      in that case it passes weight_decay=0.0 explicitly to keep DS's effective default.
-    """
-    params = dict(opt_cfg.params)
-    adam_w_mode = params.pop("adam_w_mode", True)
-    torch_adam = params.pop("torch_adam", False)
-    adam_w_mode = opt_cfg.type == "AdamW" or adam_w_mode
-    if not torch_adam:
-        params.setdefault("weight_decay", 0.0)   # FusedAdam.__init__ default
-    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    return cls(param_groups, **params)

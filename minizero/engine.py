@@ -28,10 +28,10 @@ import torch
 from torch.profiler import record_function
 
 from . import checkpointing, comm
-from .config import build_optimizer, ignored_knobs_note, load_config
+from .config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_across_ranks
 from .lr_schedules import build_scheduler
-from .sharded_optimizer import ShardedOptimizer
+from .sharded_optimizer import ShardedOptimizer, build_optimizer
 from .zero0 import DataParallel
 from .zero1 import Zero1
 from .zero2 import Zero2

@@ -16,6 +16,7 @@ After `step` the low-precision shard holds the new weights; sharing them with th
 ranks (an all-gather, now or on next use) is the stage's `after_step`.
 
 At stage 0 the "shard" is the whole buffer (num_shards = 1) and nothing is summed.
+`build_optimizer` picks the torch optimizer DeepSpeed would build from the config.
 """
 from __future__ import annotations
 
@@ -141,3 +142,27 @@ def init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group.get("amsgrad"):
                     st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def build_optimizer(param_groups, opt_cfg) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed would build from the parsed `optimizer` section.
+
+    Mirrors `DeepSpeedEngine._configure_basic_optimizer` + `get_optimizer_configuration`
+    (runtime/engine.py):
+
+    - `adam_w_mode` (default true) is popped; "AdamW" forces it on. So "Adam" means
+      AdamW math (decoupled weight decay) unless `"adam_w_mode": false`.
+    - with `"torch_adam": true` DS builds `torch.optim.AdamW` / `torch.optim.Adam` with
+      the remaining params: torch's own defaults apply, notably AdamW's weight_decay 0.01.
+    - without `torch_adam` DS builds its `FusedAdam` (same update, results < 1e-6 apart),
+      whose weight_decay default is 0.0. minizero always builds the torch optimizer, so
+      in that case it passes weight_decay=0.0 explicitly to keep DS's effective default.
+    """
+    params = dict(opt_cfg.params)
+    adam_w_mode = params.pop("adam_w_mode", True)
+    torch_adam = params.pop("torch_adam", False)
+    adam_w_mode = opt_cfg.type == "AdamW" or adam_w_mode
+    if not torch_adam:
+        params.setdefault("weight_decay", 0.0)   # FusedAdam.__init__ default
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    return cls(param_groups, **params)

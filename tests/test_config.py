@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minizero.config import (ActivationCheckpointingConfig, ConfigError, ZeroConfig, build_optimizer, ignored_knobs,
-                             ignored_knobs_note, load_config, resolve_batch_size)
+from minizero.config import (ActivationCheckpointingConfig, ConfigError, ZeroConfig, ignored_knobs, ignored_knobs_note,
+                             load_config, resolve_batch_size)
+from minizero.sharded_optimizer import build_optimizer
 
 deepspeed = pytest.importorskip("deepspeed")
 import deepspeed.runtime.config as ds_config_mod  # noqa: E402
