@@ -40,8 +40,10 @@ that generator is all that is needed.
 Layout: this file is the mechanism and the one owner of module state (config, contiguous
 buffers, timings). The keys are declared once, as `ActivationCheckpointingConfig` in
 config.py; their precedence, checks and meaning under pure data parallelism are in
-checkpointing_config.py, the bytes-held-for-backward measuring tool in saved_bytes.py;
-their public names are re-exported here (minizero.checkpointing.configure).
+checkpointing_config.py; where the kept inputs wait for backward (as they are, pinned CPU
+copies, contiguous buffer slots) in checkpoint_buffers.py; the bytes-held-for-backward
+measuring tool in saved_bytes.py; their public names are re-exported here
+(minizero.checkpointing.configure).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from . import comm
+from . import checkpoint_buffers, comm
 from .checkpointing_config import check, describe, resolve
 from .config import ActivationCheckpointingConfig
 from .saved_bytes import SavedBytes, count_saved_bytes, saved_bytes_for_backward
@@ -169,90 +171,6 @@ def _autocast_state():
     return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
 
 
-def _offload_to_cpu(t: torch.Tensor) -> torch.Tensor:
-    """cpu_checkpointing: a CPU copy of a saved input (a CPU tensor stays as it is).
-
-    From a GPU: one asynchronous copy straight into pinned (page-locked) host memory, which
-    the GPU writes directly. (`.to("cpu")` copies into pageable memory and blocks, and
-    pinning that afterwards copies it all again.) The copy is queued on the current stream,
-    after the ops that made `t`; backward waits for it (_offload_events) before copying back.
-    """
-    t = t.detach()
-    if not t.is_cuda:
-        return t
-    host = torch.empty_like(t, device="cpu", pin_memory=True)  # same strides: the recompute sees the same layout
-    return host.copy_(t, non_blocking=True)
-
-
-def _offload_events(tensors, saved) -> list:
-    """(device, CUDA event) after the device-to-host copies of this checkpoint's offloaded
-    inputs, on the stream that queued them."""
-    out = []
-    for dev in sorted({t.device.index for t, s in zip(tensors, saved) if t.is_cuda and not s.is_cuda}):
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        out.append((dev, ev))
-    return out
-
-
-def _restore_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The saved input back on its device. Pinned host -> GPU is asynchronous, queued on the
-    current stream, which the recompute then uses: it reads the copy only once it is done."""
-    return t if t.device == device else t.to(device, non_blocking=True)
-
-
-def _into_contiguous_slot(position: int, t: torch.Tensor, to_host: bool = False) -> torch.Tensor:
-    """Copy t into the next slot of the preallocated buffer for this input position.
-
-    DeepSpeed (partition_activations() in checkpointing.py) allocates `number_checkpoints`
-    partitions per input position at the first checkpoint and copies each layer's input into
-    the next one, so the caching allocator sees one big up-front allocation instead of many
-    interleaved ones. Here the buffer is literally one tensor [number_checkpoints, numel].
-    to_host (cpu_checkpointing of a GPU tensor): the buffer is pinned host memory and the
-    slot is filled by one asynchronous copy from the GPU, as in _offload_to_cpu.
-    """
-    n = _cfg.number_checkpoints
-    device = torch.device("cpu") if to_host else t.device
-    while len(_buffers) <= position:
-        _buffers.append(None)
-        _offsets.append(0)
-    buf = _buffers[position]
-    if buf is None:
-        buf = torch.empty((n, t.numel()), dtype=t.dtype, device=device, pin_memory=to_host)
-        _buffers[position], _offsets[position] = buf, 0
-    if buf.shape[1] != t.numel() or buf.dtype != t.dtype or buf.device != device:
-        raise RuntimeError("contiguous_memory_optimization needs every checkpoint's input at position "
-                           f"{position} to have the same size/dtype/device (got {tuple(t.shape)} {t.dtype})")
-    if _offsets[position] >= n:
-        raise RuntimeError(f"contiguous_memory_optimization: more than number_checkpoints={n} checkpoints before "
-                           "a backward; raise number_checkpoints or call minizero.checkpointing.reset()")
-    # The slot aliases the buffer's memory but is *not* a view of it (set_ gives it its own
-    # autograd version counter): with buf[i] views, filling slot i+1 would bump the version
-    # of slot i, which save_for_backward then rightly reports as an in-place modification.
-    n_el = t.numel()
-    slot = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
-        buf.untyped_storage(), _offsets[position] * n_el, (n_el,), (1,))
-    _offsets[position] += 1
-    return slot.copy_(t.detach().reshape(-1), non_blocking=to_host).view(t.shape)
-
-
-def _is_activation(t) -> bool:
-    # DeepSpeed only partitions / offloads floating-point tensors (is_activation_to_checkpoint).
-    return torch.is_tensor(t) and t.is_floating_point()
-
-
-def _stash(position: int, t: torch.Tensor) -> torch.Tensor:
-    """What we keep of one tensor input until backward."""
-    if not _is_activation(t):
-        return t
-    # partition_activations: with one model-parallel rank the "partition" is the whole tensor.
-    if _cfg.contiguous_memory_optimization:  # (a CPU tensor stays on the CPU either way)
-        return _into_contiguous_slot(position, t, to_host=_cfg.cpu_checkpointing and t.is_cuda)
-    if _cfg.cpu_checkpointing:
-        return _offload_to_cpu(t)
-    return t
-
-
 def _as_deepspeed_returns(outputs):
     """The top level of what checkpoint returns, by DeepSpeed's rules (checkpoint collects
     the members of a tuple/list into a tuple and returns the member itself when there is one).
@@ -310,9 +228,9 @@ class CheckpointFunction(torch.autograd.Function):
         # them: it checks they were not modified in place and saved_tensors_hooks see them.
         # DeepSpeed keeps them as ctx.deepspeed_saved_tensors instead, invisible to
         # saved_tensors_hooks: count those by hand when comparing bytes held for backward.
-        saved = [_stash(i, t) for i, t in enumerate(tensors)]
+        saved = [checkpoint_buffers.stash(i, t, _cfg, _buffers, _offsets) for i, t in enumerate(tensors)]
         ctx.save_for_backward(*saved)
-        ctx.offloaded = _offload_events(tensors, saved)
+        ctx.offloaded = checkpoint_buffers.offload_events(tensors, saved)
 
         flat = out_spec.flatten(outputs)
         ctx.mark_non_differentiable(*[o for o in flat if not o.is_floating_point()])
@@ -342,7 +260,7 @@ class CheckpointFunction(torch.autograd.Function):
             torch.cuda.current_stream(dev).wait_event(ev)
         # Fresh leaves on the original device: the recompute builds its own small graph
         # rooted at them, and their .grad is what we hand back to the outer graph.
-        leaves = iter([_restore_to_device(t, dev).detach().requires_grad_(rg)
+        leaves = iter([checkpoint_buffers.restore_to_device(t, dev).detach().requires_grad_(rg)
                        for t, dev, rg in zip(saved, ctx.devices, ctx.inputs_requires_grad)])
         non_tensors = iter(ctx.non_tensors)
         inputs = [next(leaves) if is_t else next(non_tensors) for is_t in ctx.is_tensor]

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import minizero.checkpoint_buffers as cb
 import minizero.checkpointing as ck
 from minizero.checkpointing import checkpoint, configure, count_saved_bytes, saved_bytes_for_backward
 from minizero.model import GPT, get_preset
@@ -225,7 +226,7 @@ def test_gpt_identical_with_and_without_checkpointing(dtype):
 def test_cpu_checkpointing_moves_inputs_to_cpu_and_back(monkeypatch):
     model, idx, targets = _tiny()
     offloaded, restored = [], []
-    real_offload, real_restore = ck._offload_to_cpu, ck._restore_to_device
+    real_offload, real_restore = cb.offload_to_cpu, cb.restore_to_device
 
     def spy_offload(t):
         out = real_offload(t)
@@ -237,8 +238,8 @@ def test_cpu_checkpointing_moves_inputs_to_cpu_and_back(monkeypatch):
         restored.append((t.device, out.device))
         return out
 
-    monkeypatch.setattr(ck, "_offload_to_cpu", spy_offload)
-    monkeypatch.setattr(ck, "_restore_to_device", spy_restore)
+    monkeypatch.setattr(cb, "offload_to_cpu", spy_offload)
+    monkeypatch.setattr(cb, "restore_to_device", spy_restore)
     configure(None, checkpoint_in_cpu=True)
     ref = _gpt_step(model, idx, targets, None)
     out = _gpt_step(model, idx, targets, checkpoint)
