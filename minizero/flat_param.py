@@ -112,9 +112,9 @@ class FlatParam:
         reduced gradient is lp(g0/N) + lp(g1/N) + ... exactly as in DeepSpeed.
         """
         buf = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        for view, p in zip(unflatten(buf, self.names, self.shapes).values(), self.params):
+        for piece, p in zip(buf[:self.numel].split(self.numels), self.params):   # views, no copy
             if p.grad is not None:
-                view.copy_(p.grad)
+                piece.copy_(p.grad.reshape(-1))
         if divide_by != 1:
             buf.div_(divide_by)
         return buf
