@@ -240,7 +240,7 @@ def save_image_grid(tokens: torch.Tensor, codebook: torch.Tensor, image_size: in
                     nrow: int = 8) -> None:
     """Decode tokens through the colour codebook and save them as one PNG grid."""
     import torchvision.utils as vutils
-    from minizero.data import decode
+    from minizero.codebook import decode
 
     imgs = decode(tokens.cpu(), codebook, image_size)                 # (B, H, W, 3) uint8
     imgs = imgs.permute(0, 3, 1, 2).float() / 255.0                   # (B, 3, H, W) in [0, 1]

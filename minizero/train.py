@@ -51,8 +51,10 @@ import torch
 from minizero import comm, rundir, runlog
 from minizero.checkpoint_io import CheckpointError
 from minizero.config import ConfigError, load_config
-from minizero.data import DataConfigError, DatasetNotFoundError, UnknownDatasetError
+from minizero.cifar10 import DatasetNotFoundError
+from minizero.data import UnknownDatasetError
 from minizero.divergence import NonFiniteGuard, TrainingDiverged, diverged_message, what_diverged
+from minizero.images import DataConfigError
 from minizero.model import ModelConfigError, UnknownPresetError
 # Before the first step (config, save folder, data, model, engine, schedule, resume): runsetup.py.
 from minizero.runsetup import Run, setup

@@ -22,7 +22,8 @@ still run for real; they pick their device themselves.
 import torch
 import torch.distributed as dist
 
-from minizero import comm, data
+from minizero import codebook, comm
+from minizero.synthetic_images import synthetic_images
 from tests.launcher import run_ranks
 
 INJECTED = torch.device("meta")
@@ -89,11 +90,11 @@ def test_the_check_catches_a_cpu_tensor_and_passes_a_placed_one():
     assert run_ranks(_placed_all_reduce, world_size=2, timeout=120) == [([("all_reduce", ["meta"])], None)] * 2
 
 
-# ----------------------------------------------------------------------------- minizero.data
+# ----------------------------------------------------------------------------- minizero.codebook
 
 def _codebook_strict():
-    images = data.synthetic_images(40, 8, seed=3)
-    return strict_collectives(data.compute_codebook, images, ncluster=16, niter=4)
+    images = synthetic_images(40, 8, seed=3)
+    return strict_collectives(codebook.compute_codebook, images, ncluster=16, niter=4)
 
 
 def test_codebook_broadcast_is_on_the_device():
