@@ -244,7 +244,7 @@ def test_batch_error_messages():
 # ----------------------------------------------------------------------------- launch configs
 
 @pytest.mark.parametrize("name", LAUNCH_CONFIGS)
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_launch_configs_load_in_both(ds_parse, name, world_size):
     path = LAUNCH / name
     ours, ds = load_config(path, world_size), ds_parse(str(path), world_size)
@@ -255,12 +255,22 @@ def test_launch_configs_load_in_both(ds_parse, name, world_size):
     assert ours.zero.reduce_bucket_size == ds.zero_config.reduce_bucket_size
     assert ours.zero.overlap_comm == ds.zero_config.overlap_comm
     assert ours.zero.stage3_param_persistence_threshold == ds.zero_config.param_persistence_threshold
+    assert ours.zero.stage3_prefetch_bucket_size == ds.zero_config.prefetch_bucket_size
+    assert ours.zero.stage3_max_live_parameters == ds.zero_config.max_live_parameters
+    assert ours.zero.stage3_max_reuse_distance == ds.zero_config.max_reuse_distance
+    for section in ("offload_optimizer", "offload_param"):
+        o, d = getattr(ours.zero, section), getattr(ds.zero_config, section)
+        assert (o is None) == (d is None), section
+        if o is not None:
+            assert o.to_dict() == {k: getattr(d, k) for k in o.to_dict()}, section
     assert ours.fp16.enabled == ds.float16_config.enabled
     assert ours.fp16.hysteresis == ds.float16_config.hysteresis
     assert ours.gradient_clipping == ds.gradient_clipping
     assert ours.steps_per_print == ds.steps_per_print
     assert ours.optimizer.type.lower() == ds.optimizer_name
-    assert ours.scheduler.type == ds.scheduler_name and ours.scheduler.params == ds.scheduler_params
+    # the params given, plus the two build_optimizer reads (DeepSpeed pops them the same way)
+    assert ours.optimizer.params == dict(ds.optimizer_params, torch_adam=False, adam_w_mode=True)
+    assert ours.scheduler is None and ds.scheduler_name is None     # the tutorial sets none
     act = ds.activation_checkpointing_config
     ours_act = ours.activation_checkpointing or ActivationCheckpointingConfig()   # None: no section
     assert (ours.activation_checkpointing is None) == ("activation_checkpointing" not in ours.raw)
@@ -270,9 +280,24 @@ def test_launch_configs_load_in_both(ds_parse, name, world_size):
 
 
 def test_launch_config_steps():
+    """What the tutorial's three steps are: basic stage-0 fp32; step 4 stage-0 fp16 (where
+    DeepSpeed never scales the loss: docs/deepspeed.md, "Stage 0 fp16 never scales the
+    loss") with activation checkpointing; step 5 ZeRO-3 fp16 with both offloads. None sets
+    train_batch_size: the batch is micro x accumulation x ranks at any world size."""
     basic, step4, step5 = (load_config(LAUNCH / n, 2) for n in LAUNCH_CONFIGS)
-    assert basic.activation_checkpointing is None and step4.activation_checkpointing.partition_activations
-    assert step5.zero.stage == 3 and basic.zero.stage in (1, 2)
+    assert [c.zero.stage for c in (basic, step4, step5)] == [0, 0, 3]
+    assert [c.dtype for c in (basic, step4, step5)] == [torch.float32, torch.float16, torch.float16]
+    assert [(c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size)
+            for c in (basic, step4, step5)] == [(8, 1, 16), (128, 1, 256), (128, 4, 1024)]
+    assert [c.optimizer.params["lr"] for c in (basic, step4, step5)] == [3e-3, 3e-4, 3e-4]
+    assert "torch_adam" not in basic.raw["optimizer"]["params"] and basic.scheduler is None
+    assert basic.activation_checkpointing is None
+    assert [c.activation_checkpointing.number_checkpoints for c in (step4, step5)] == [12, 24]
+    assert step4.activation_checkpointing.contiguous_memory_optimization
+    assert not (step4.zero.offload_optimizer_enabled or step4.zero.offload_param_enabled)
+    assert step5.zero.offload_optimizer_enabled and step5.zero.offload_param_enabled
+    assert (step5.zero.stage3_max_reuse_distance, step5.zero.stage3_param_persistence_threshold,
+            step5.zero.reduce_bucket_size) == (10_000_000, 1_000_000, 50_000_000)
 
 
 # ----------------------------------------------------------------------------- optimizer

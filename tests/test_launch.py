@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.config import ConfigError, load_config
+from minizero.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -77,22 +77,18 @@ def ds_parse(monkeypatch):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_configs_load_in_both(ds_parse, name, world_size):
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_configs_fit_any_world_in_both(ds_parse, name, world_size):
+    """The tutorial's configs set the micro-batch (and step 5 the accumulation), never
+    train_batch_size: the batch is micro x accumulation x ranks, so 1, 2, 4 and 8 ranks
+    (the sbatch scripts' 2 x 4) all load them as they are, in both libraries alike."""
     path = LAUNCH / name
+    assert "train_batch_size" not in json.loads(path.read_text())
     ours, ds = load_config(path, world_size=world_size), ds_parse(str(path), world_size)
     assert (ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == \
         (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+    assert ours.train_batch_size == ours.train_micro_batch_size_per_gpu * ours.gradient_accumulation_steps * world_size
     assert ours.zero.stage == ds.zero_optimization_stage
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_configs_as_is_do_not_fit_8_ranks_in_either(ds_parse, name):
-    """64 = 16 x accum x 8 has no integer accum: why the sbatch scripts write a job config."""
-    with pytest.raises(ConfigError, match="not divisible"):
-        load_config(LAUNCH / name, world_size=8)
-    with pytest.raises(AssertionError):
-        ds_parse(str(LAUNCH / name), 8)
 
 
 # ----------------------------------------------------------------------------- SLURM scripts, faked
@@ -113,14 +109,16 @@ def fake_bin(tmp_path: Path) -> Path:
     return bindir
 
 
-def run_sbatch(name, tmp_path):
+def run_sbatch(name, tmp_path, extra_env=None):
     # A job starts with a clean environment: drop any rendezvous variables an earlier test
     # in this process exported (a 1-rank gloo group sets MASTER_ADDR/MASTER_PORT).
-    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    # CONFIG and MODEL too: the scripts read them.
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "CONFIG", "MODEL")}
     env = dict(base, PATH=f"{fake_bin(tmp_path)}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                SLURM_JOB_NODELIST="gpu-a[01-02]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
                SLURM_SUBMIT_DIR=str(ROOT), FAKE_LOG=str(tmp_path / "argv"),
-               HOSTFILE=str(tmp_path / "hostfile"), JOB_CONFIG=str(tmp_path / "job_config.json"))
+               HOSTFILE=str(tmp_path / "hostfile"), **(extra_env or {}))
     r = subprocess.run(["bash", str(LAUNCH / name), "--max-steps", "5"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return (tmp_path / "argv").read_text().splitlines()
@@ -137,17 +135,22 @@ def test_slurm_minizero_command(tmp_path, ds_parse):
     assert flag(argv, "--rdzv-backend") == "c10d" and flag(argv, "--rdzv-id") == "4242"
     assert flag(argv, "--rdzv-endpoint") == f"{NODES[0]}:{20000 + 4242}"   # a port per job id
     assert flag(argv, "-m") == "minizero.train" and argv[-2:] == ["--max-steps", "5"]
-    # the job config fits the 8-rank world in both libraries, with the tutorial's batch of 64
+    assert flag(argv, "--model") == "tutorial"
+    # the tutorial's config itself, as it is: 8 ranks x micro-batch 8 = 64 in both libraries
     cfg = flag(argv, "--config")
-    assert cfg == str(tmp_path / "job_config.json")
-    ours, ds = load_config(cfg, world_size=8), ds_parse(cfg, 8)
+    assert cfg == "launch/ds_config_basic.json"
+    ours, ds = load_config(ROOT / cfg, world_size=8), ds_parse(str(ROOT / cfg), 8)
     assert ours.train_batch_size == ds.train_batch_size == 64
     assert ours.gradient_accumulation_steps == ds.gradient_accumulation_steps == 1
-    rest = {k: v for k, v in json.loads(Path(cfg).read_text()).items()
-            if k not in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
-    orig = json.loads((LAUNCH / "ds_config_basic.json").read_text())
-    assert rest == {k: v for k, v in orig.items() if k in rest} and set(rest) == set(orig) - {
-        "train_batch_size", "train_micro_batch_size_per_gpu"}
+
+
+def test_slurm_scripts_take_config_and_model(tmp_path):
+    """Step 5 on the cluster: CONFIG and MODEL reach both scripts' command lines."""
+    env = {"CONFIG": "launch/ds_config_step5.json", "MODEL": "tutorial-24"}
+    for name, config_flag in (("slurm_minizero.sbatch", "--config"), ("slurm_deepspeed.sbatch", "--deepspeed_config")):
+        (tmp_path / name).mkdir()
+        argv = run_sbatch(name, tmp_path / name, env)
+        assert flag(argv, config_flag) == env["CONFIG"] and flag(argv, "--model") == env["MODEL"]
 
 
 def test_slurm_deepspeed_hostfile_and_command(tmp_path, ds_parse):
@@ -159,7 +162,8 @@ def test_slurm_deepspeed_hostfile_and_command(tmp_path, ds_parse):
     assert flag(argv, "--master_addr") == NODES[0]
     assert "reference/train.py" in argv and argv[-2:] == ["--max-steps", "5"]
     cfg = flag(argv, "--deepspeed_config")
-    assert ds_parse(cfg, 8).train_batch_size == load_config(cfg, world_size=8).train_batch_size == 64
+    assert cfg == "launch/ds_config_basic.json"
+    assert ds_parse(str(ROOT / cfg), 8).train_batch_size == load_config(ROOT / cfg, world_size=8).train_batch_size == 64
     # DeepSpeed's own hostfile parser accepts the generated file and the example
     from deepspeed.launcher.runner import _parse_hostfile
     assert _parse_hostfile(hostfile.splitlines()) == {n: 4 for n in NODES}
