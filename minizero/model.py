@@ -69,7 +69,13 @@ class GPTConfig:
 
 PRESETS: dict[str, GPTConfig] = {
     # The minGPT play_image tutorial's model; it logs "number of parameters: 1.000166e+07".
+    # Its dropouts are GPTConfig's default 0.1 (minGPT's), not the 0.0 the DeepSpeed
+    # tutorial's GPTConfig sets: kept, so existing runs and numbers stay as they were.
     "tutorial": GPTConfig(vocab_size=512, block_size=32 * 32 - 1, n_layer=12, n_head=8, n_embd=256),
+    # The DeepSpeed tutorial's step 5 (ZeRO-3 + offload, launch/ds_config_step5.json): the
+    # same GPT scaled to 24 layers, with its GPTConfig's dropouts of 0.0; 19,478,784 params.
+    "tutorial-24": GPTConfig(vocab_size=512, block_size=32 * 32 - 1, n_layer=24, n_head=8, n_embd=256,
+                             embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0),
     # iGPT-S-like width/depth: ~76.7M params, where model states (params, grads, Adam
     # moments) rather than activations dominate memory, i.e. where ZeRO pays off.
     "igpt-s": GPTConfig(vocab_size=512, block_size=32 * 32 - 1, n_layer=24, n_head=8, n_embd=512),

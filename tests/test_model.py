@@ -17,6 +17,22 @@ def test_tutorial_preset_has_the_tutorials_parameter_count():
     assert GPT(get_preset("tutorial")).num_params() == 10_001_664
 
 
+def test_tutorial_24_preset_is_the_tutorial_gpt_at_24_layers_without_dropout():
+    """Step 5's model: the tutorial GPT with n_layer 24 and its GPTConfig's dropouts of 0.0.
+    Each extra block is 12 E^2 + 13 E = 789,760 parameters at E = 256, so the count is the
+    12-layer one plus 12 such blocks."""
+    cfg, base = get_preset("tutorial-24"), get_preset("tutorial")
+    assert (cfg.vocab_size, cfg.block_size, cfg.n_head, cfg.n_embd) == (base.vocab_size, base.block_size,
+                                                                        base.n_head, base.n_embd)
+    assert cfg.n_layer == 24 and (cfg.embd_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) == (0.0, 0.0, 0.0)
+    model = GPT(cfg)
+    assert model.num_params() == 19_478_784 == 10_001_664 + 12 * (12 * 256 ** 2 + 13 * 256)
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, nn.Dropout))
+    assert all(blk.attn.attn_pdrop == 0.0 for blk in model.blocks)
+    # the 12-layer preset keeps minGPT's default dropout 0.1
+    assert (base.embd_pdrop, base.resid_pdrop, base.attn_pdrop) == (0.1, 0.1, 0.1)
+
+
 @pytest.mark.parametrize("name,total,decay,no_decay", [
     ("tiny", 108_801, 99_162, 9_639),
     ("micro", 15_099, 11_886, 3_213),
