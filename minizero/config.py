@@ -33,7 +33,7 @@ from minizero import lr_schedules
 from minizero.config_schema import Section, anything, boolean, integer, key, number, only, optional, real
 from minizero.errors import ConfigError
 
-__all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig",
+__all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
            "ActivationCheckpointingConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
            "ignored_knobs", "ignored_knobs_note", "resolve_batch_size"]
 
@@ -134,20 +134,53 @@ class BF16Config(Section):
 
 def _offload_device(v, path):
     dev = "none" if v is None else v
-    if dev not in ("none", "cpu", "nvme"):
-        raise ConfigError(f"{path} must be \"none\", \"cpu\" or \"nvme\", got {dev!r}")
-    if dev != "none":
-        section = path.rsplit(".", 1)[0]
-        raise ConfigError(f"{path} = {dev!r}: ZeRO-Offload is not implemented in minizero; "
-                          f"remove '{section}' or set its device to \"none\"")
+    if dev == "nvme":
+        raise ConfigError(f"{path} = \"nvme\": minizero offloads to CPU memory only (ZeRO-Infinity's NVMe "
+                          f"tier is not implemented); set it to \"cpu\" or \"none\"")
+    if dev not in ("none", "cpu"):
+        raise ConfigError(f"{path} must be \"none\" or \"cpu\" (DeepSpeed also has \"nvme\"), got {dev!r}")
     return dev
 
 
 @dataclass
-class OffloadConfig(Section):
-    """`zero_optimization.offload_optimizer` / `offload_param`: only device "none" is implemented."""
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer` (ZeRO-Offload; minizero/offload.py), with
+    DeepSpeed 0.19.8's defaults (DeepSpeedZeroOffloadOptimizerConfig, runtime/zero/offload_config.py).
+    acts=False: DeepSpeed's tuning of its own CPU Adam and NVMe swapper."""
     device: str = key("none", _offload_device)
-    pin_memory: bool = key(True, boolean, acts=False)   # DeepSpeed's default (offload_config.py)
+    pin_memory: bool = key(True, boolean)                 # pinned host buffers when the device is a GPU
+    nvme_path: Optional[str] = key(None, anything, acts=False)
+    buffer_count: int = key(4, integer(lo=0), acts=False)
+    pipeline_read: bool = key(False, boolean, acts=False)
+    pipeline_write: bool = key(False, boolean, acts=False)
+    fast_init: bool = key(False, boolean, acts=False)
+    ratio: float = key(1.0, number(lo=0), acts=False)     # stage 3: the fraction of sub-groups offloaded
+    super_offload: bool = key(False, boolean, acts=False)
+    cpuadam_cores_perc: float = key(0.8, number(lo=0), acts=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param` (ZeRO-Infinity's CPU tier, stage 3 only), with
+    DeepSpeed 0.19.8's defaults (DeepSpeedZeroOffloadParamConfig). acts=False: sizes of
+    DeepSpeed's NVMe swap buffers and its CPU parameter cache."""
+    device: str = key("none", _offload_device)
+    pin_memory: bool = key(True, boolean)
+    nvme_path: Optional[str] = key(None, anything, acts=False)
+    buffer_count: int = key(5, integer(lo=0), acts=False)
+    buffer_size: int = key(100_000_000, integer(lo=0), acts=False)
+    max_in_cpu: int = key(1_000_000_000, integer(lo=0), acts=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+OffloadConfig = OffloadOptimizerConfig   # the name earlier versions exported
 
 
 def _stage(v, path):
@@ -168,8 +201,8 @@ class ZeroConfig(Section):
     stage: int = key(0, _stage)
     reduce_bucket_size: int = key(500_000_000, integer(lo=1))
     stage3_param_persistence_threshold: int = key(100_000, integer(lo=0), alias="param_persistence_threshold")
-    offload_optimizer: Optional[OffloadConfig] = key(None, optional(OffloadConfig.parse))
-    offload_param: Optional[OffloadConfig] = key(None, optional(OffloadConfig.parse))
+    offload_optimizer: Optional[OffloadOptimizerConfig] = key(None, optional(OffloadOptimizerConfig.parse))
+    offload_param: Optional[OffloadParamConfig] = key(None, optional(OffloadParamConfig.parse))
     # accepted, minizero does nothing with them
     overlap_comm: Optional[bool] = key(None, optional(boolean), acts=False)   # None: True only at stage 3
     contiguous_gradients: bool = key(True, boolean, acts=False)
@@ -187,7 +220,7 @@ class ZeroConfig(Section):
     allgather_partitions: bool = key(True, only(True, "parameters are always all-gathered"))
     load_from_fp32_weights: bool = key(True, only(True, "checkpoints always restore the fp32 master"))
     ignore_unused_parameters: bool = key(True, only(True, "unused parameters get a zero gradient"))
-    round_robin_gradients: bool = key(False, only(False, "it is an offload optimization"))
+    round_robin_gradients: bool = key(False, boolean, acts=False)   # DeepSpeed's offload copy ordering
     elastic_checkpoint: bool = key(False, only(False, "use the same world size to resume"))
     stage3_gather_16bit_weights_on_model_save: bool = key(
         False, only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")
@@ -197,12 +230,42 @@ class ZeroConfig(Section):
         # equals DeepSpeed's (tests/test_config.py); minizero does not act on it
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
+        if self.offload_param_enabled and self.stage != 3:
+            raise ConfigError(f"zero_optimization.offload_param needs stage 3 (only ZeRO-3 partitions the "
+                              f"parameters; DeepSpeed silently ignores it at stage {self.stage}): set "
+                              f"\"stage\": 3 or remove offload_param")
+        if self.offload_optimizer_enabled and self.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it moves this rank's "
+                              "optimizer shard to the CPU): set \"stage\" or remove offload_optimizer")
+        if self.offload_optimizer is not None and self.offload_optimizer.ratio != 1.0 and self.stage != 3:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio = {self.offload_optimizer.ratio}: "
+                              f"partial offload is a stage-3 option (as in DeepSpeed); remove it")
+
+    @property
+    def offload_optimizer_enabled(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.enabled
+
+    @property
+    def offload_param_enabled(self) -> bool:
+        return self.offload_param is not None and self.offload_param.enabled
+
+
+_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
 
 def _zero(v, path) -> ZeroConfig:
     if isinstance(v, bool):
         # DS's deprecated form (zero/config.py: read_zero_config_deprecated): true = stage 1.
         v = {"stage": 1 if v else 0}
+    if isinstance(v, dict) and any(k in v for k in _DEPRECATED_OFFLOAD):
+        # DS's deprecated booleans (DeepSpeedZeroConfig: `new_param_fn`): true = {"device": "cpu"}
+        v = dict(v)
+        for old, new in _DEPRECATED_OFFLOAD.items():
+            if old in v:
+                if new in v:
+                    raise ConfigError(f"'{path}.{old}' and '{path}.{new}' are two spellings of one key; keep only '{new}'")
+                flag = boolean(v.pop(old), f"{path}.{old}")
+                v[new] = {"device": "cpu"} if flag else None
     return ZeroConfig.parse(v, path)
 
 
@@ -272,9 +335,15 @@ class Config(Section):
 
 def ignored_knobs(cfg: Config) -> list[str]:
     """The zero_optimization keys `cfg` sets (as it spells them) that minizero accepts for
-    DeepSpeed compatibility but does nothing with (acts=False in ZeroConfig)."""
-    rows = ZeroConfig.rows()
-    return [k for k in cfg.zero.given if not rows[k].metadata["acts"]]
+    DeepSpeed compatibility but does nothing with (acts=False), offload sub-keys as
+    `offload_optimizer.buffer_count`."""
+    out = [k for k in cfg.zero.given if not ZeroConfig.rows()[k].metadata["acts"]]
+    for name in ("offload_optimizer", "offload_param"):
+        sub = getattr(cfg.zero, name)
+        if sub is not None:
+            rows = type(sub).rows()
+            out += [f"{name}.{k}" for k in sub.given if not rows[k].metadata["acts"]]
+    return out
 
 
 def ignored_knobs_note(cfg: Config) -> str | None:
@@ -283,8 +352,8 @@ def ignored_knobs_note(cfg: Config) -> str | None:
     if not knobs:
         return None
     return (f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility; they tune "
-            f"overlap/prefetch/reuse, which minizero does not do (it gathers each unit on use and "
-            f"releases it after; see docs/zero.md)")
+            f"overlap/prefetch/reuse or DeepSpeed's own CPU Adam and NVMe buffers, which minizero does "
+            f"not do (it gathers each unit on use and releases it after; see docs/zero.md)")
 
 
 # ----------------------------------------------------------------------------- batch sizes
