@@ -197,7 +197,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
             if f.keep_full and f.num_shards > 1:
                 f.all_gather(label="load")
     if load_optimizer_states:
-        opt.optimizer.load_state_dict(shard_state["optimizer"])
+        opt.load_optimizer_state(shard_state["optimizer"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     if engine.loss_scaler is not None and meta["loss_scaler"] is not None:

@@ -20,6 +20,10 @@ Two byte counts are kept per op:
   all_reduce (= reduce-scatter + all-gather) sends 2(N-1)/N, broadcast sends the tensor
   once (counted on every rank: a pipelined ring broadcast forwards it once per rank).
   This is the number the paper's communication-volume analysis is about.
+
+Offload (offload.py) adds a second kind of traffic, between the rank's device and its host
+memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
+same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from torch.profiler import record_function
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated")
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COPIES = ("d2h", "h2d")   # offload's copies between this rank's device and host memory (offload.py)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -198,7 +203,7 @@ class CommLedger:
         self.reset()
 
     def reset(self) -> None:
-        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0} for op in OPS}
+        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0} for op in OPS + COPIES}
         self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
 
     def record(self, op: str, nbytes: int, wire_bytes: int, label: str | None) -> None:
@@ -279,6 +284,28 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
             dist.broadcast(tensor, src=src, group=group)
     ledger.record("broadcast", _nbytes(tensor), _nbytes(tensor) if n > 1 else 0, label)
     return tensor
+
+
+# ----------------------------------------------------------------------------- host <-> device
+# Offload's copies. non_blocking: on a GPU the copy is queued on the current stream like the
+# collectives around it, so everything after it on that stream sees the data; the host side
+# must be pinned for the copy to really run asynchronously (offload.host_empty). A CPU reading
+# a d2h result must wait for the stream first (offload.py does, once per step).
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
+    """dst (host memory) <- src (this rank's device)."""
+    with _label("d2h", label):
+        dst.copy_(src, non_blocking=True)
+    ledger.record("d2h", _nbytes(src), 0, label)
+    return dst
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
+    """dst (this rank's device) <- src (host memory)."""
+    with _label("h2d", label):
+        dst.copy_(src, non_blocking=True)
+    ledger.record("h2d", _nbytes(src), 0, label)
+    return dst
 
 
 def broadcast_object(obj, src: int = 0):

@@ -13,7 +13,8 @@
 
 Two objects do the work: `self.zero`, the stage (zero0-3.py: where parameters and
 gradients live, which collective moves them, and when), and `self.sharded_optimizer`
-(sharded_optimizer.py: the step on this rank's shard, the same at every stage).
+(sharded_optimizer.py: the step on this rank's shard, the same at every stage). With
+ZeRO-Offload a third, `self.offload` (offload.py), says what lives in host memory.
 
 The names and semantics of the public members follow DeepSpeed's `DeepSpeedEngine`, so
 one script runs under either library; where DeepSpeed has a bug we do not copy it, and
@@ -31,6 +32,8 @@ from . import checkpointing, comm
 from .config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_across_ranks
 from .lr_schedules import build_scheduler
+from .memory import CATEGORIES, placed
+from .offload import HostOffload
 from .sharded_optimizer import ShardedOptimizer, build_optimizer
 from .zero0 import DataParallel
 from .zero1 import Zero1
@@ -59,9 +62,16 @@ class Engine(torch.nn.Module):
         self.module = model
         groups = param_groups_of(model, model_parameters)
         self.zero = STAGES[self.config.zero.stage](model, groups, self.config.zero)
+        self.offload = HostOffload.from_config(self.config.zero, self.device)   # None: all on the device
+        opt_on_host = self.offload is not None and self.offload.optimizer
         self.sharded_optimizer = ShardedOptimizer(self.zero.flat_params, groups,
-                                                  lambda gs: build_optimizer(gs, self.config.optimizer))
+                                                  lambda gs: build_optimizer(gs, self.config.optimizer, opt_on_host),
+                                                  offload=self.offload)
         self.optimizer = self.sharded_optimizer.optimizer   # torch's Adam(W), on the fp32 master shards
+        if self.offload is not None:
+            self.offload.move_param_shards(self.zero.flat_params)   # offload_param: ZeRO-3's shards to the host
+            if self.global_rank == 0:
+                logger.info(self.offload.describe(self.zero.flat_params))
 
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
             lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed accepts a factory too
@@ -184,14 +194,21 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict:
-        """This rank's persistent model-state bytes (memory.py has the paper's formulas).
+        """This rank's persistent model-state bytes (memory.py has the paper's formulas):
+        {"params", "grads", "master_params", "optimizer_states"}, each the total, plus
+        "device" and "host": the same four split by where they live (offload.py).
 
         grads: what a rank holds at the end of backward, before the step: stage 0/1 the
         full low-precision gradient, ZeRO-2/3 only its reduced shard."""
-        return {"params": sum(f.param_bytes() for f in self.zero.flat_params),
-                "grads": self.zero.grad_bytes(),
-                "master_params": self.sharded_optimizer.master_bytes(),
-                "optimizer_states": self.sharded_optimizer.state_bytes()}
+        opt = self.sharded_optimizer
+        where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
+        for f in self.zero.flat_params:
+            where["host" if f.shard_on_host else "device"]["params"] += f.param_bytes()
+        where["device"]["grads"] = self.zero.grad_bytes()
+        opt_place = "host" if opt.on_host else "device"
+        where[opt_place]["master_params"] = opt.master_bytes()
+        where[opt_place]["optimizer_states"] = opt.state_bytes()
+        return placed(where["device"], where["host"])
 
     def comm_stats(self) -> dict:
         """Calls, payload bytes and ring wire bytes per collective since this engine was

@@ -74,6 +74,9 @@ class FlatParam:
         else:
             self.shard = self.full[self.shard_start:self.shard_end].clone()
             self.free_full()
+        # offload_param (offload.py) moves a partitioned shard into host memory; all_gather
+        # then copies it to the device first.
+        self.shard_on_host = False
         # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
         # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
@@ -93,10 +96,16 @@ class FlatParam:
             p.data = v
 
     def all_gather(self, label: str = "params") -> None:
-        """full <- every rank's shard. With keep_full the shard is already in place."""
+        """full <- every rank's shard. With keep_full the shard is already in place. A shard
+        in host memory (offload_param) is copied into this rank's slice of `full` first,
+        and that slice is the gather's input: in place again, no temporary on the device."""
         if not self.full_is_allocated():
             self.alloc_full()
-        comm.all_gather_into_tensor(self.full, self.shard, label=f"{self.label}.{label}")
+        shard = self.shard
+        if self.shard_on_host:
+            shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
+                                        label=f"{self.label}.{label}")
+        comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}")
 
     def param_bytes(self) -> int:
         """Bytes of low-precision parameters this rank keeps between uses."""

@@ -17,6 +17,19 @@ paper.
 
 fp32 training (no mixed precision) has no separate master copy in minizero: the fp32
 parameters are the masters, so K = 8 and params/grads are 4 bytes each.
+
+Where each byte lives (offload.py). `memory_breakdown()` and `expected_bytes` return the
+four categories' totals plus the same four split by place:
+
+    {"params": b, "grads": b, "master_params": b, "optimizer_states": b,
+     "device": {the four categories}, "host": {the four categories}}
+
+Without offload everything is on the device. `offload_optimizer` moves the optimizer's
+shard (fp32 master + moments: 12Ψ/N in mixed precision) to the host; in fp32 training the
+device keeps its fp32 shard to compute with, so the host needs its own master: the device
+saves 8Ψ/N and the host holds 12Ψ/N. `offload_param` (stage 3) moves the partitioned
+low-precision parameter shard (2Ψ/N) to the host too; persistent parameters stay gathered
+on the device, so they have no shard of their own to move.
 """
 from __future__ import annotations
 
@@ -37,8 +50,17 @@ def paper_bytes(psi: int, world_size: int, stage: int, mixed: bool = True) -> di
     return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
 
 
+CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
+
+
+def placed(device: dict, host: dict) -> dict:
+    """The breakdown's shape: per-category totals, then the `device` and `host` split."""
+    return {**{k: device[k] + host[k] for k in CATEGORIES}, "device": dict(device), "host": dict(host)}
+
+
 def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixed: bool = True,
-                   persistent: Iterable[bool] | None = None) -> dict:
+                   persistent: Iterable[bool] | None = None, offload_optimizer: bool = False,
+                   offload_param: bool = False) -> dict:
     """Per-rank bytes for minizero's layout: `flat_numels` are the Ψ of each FlatParam.
 
     `persistent` marks ZeRO-3 FlatParams kept gathered (small parameters): their params
@@ -50,15 +72,26 @@ def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixe
     shard = [padded_numel(x, n) // n for x in flat_numels]
     full = [padded_numel(x, n) for x in flat_numels]
     psi = sum(flat_numels)
-    params = sum(f if (stage < 3 or p) else s for f, s, p in zip(full, shard, persistent)) * lp
+    gathered = sum(f for f, p in zip(full, persistent) if stage < 3 or p) * lp
+    shards = sum(s for s, p in zip(shard, persistent) if stage == 3 and not p) * lp
     grads = psi * lp if stage < 2 else sum(shard) * lp
-    master = sum(shard) * 4 if mixed else 0
+    if mixed or offload_optimizer:
+        master = sum(shard) * 4
+    else:   # fp32: the shard is the master, unless offload_param moved the shard to the host
+        master = sum(s for s, p in zip(shard, persistent) if stage == 3 and not p) * 4 if offload_param else 0
     opt = sum(shard) * 8
-    return {"params": params, "grads": grads, "master_params": master, "optimizer_states": opt}
+    device = {"params": gathered + (0 if offload_param else shards), "grads": grads,
+              "master_params": 0 if offload_optimizer else master,
+              "optimizer_states": 0 if offload_optimizer else opt}
+    host = {"params": shards if offload_param else 0, "grads": 0,
+            "master_params": master if offload_optimizer else 0,
+            "optimizer_states": opt if offload_optimizer else 0}
+    return placed(device, host)
 
 
 def total(breakdown: dict) -> int:
-    return int(sum(breakdown.values()))
+    """Sum of the four categories (a breakdown's `device`/`host` split is not added again)."""
+    return int(sum(breakdown[k] for k in CATEGORIES))
 
 
 def human(nbytes: float) -> str:

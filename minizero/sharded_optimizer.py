@@ -17,6 +17,10 @@ ranks (an all-gather, now or on next use) is the stage's `after_step`.
 
 At stage 0 the "shard" is the whole buffer (num_shards = 1) and nothing is summed.
 `build_optimizer` picks the torch optimizer DeepSpeed would build from the config.
+
+With ZeRO-Offload (`offload`, offload.py) the masters and moments live in host memory:
+`step` then copies the gradient shards to the host, runs the same arithmetic there, and
+copies the new low-precision shards back. The norm stays on the device, before any copy.
 """
 from __future__ import annotations
 
@@ -24,19 +28,27 @@ import torch
 
 from . import comm
 from .flat_param import FlatParam
+from .offload import HostOffload
 from .partition import unflatten
 
 GRAD_SQ_CHUNK = 1 << 20  # elements per fp64 temporary in grad_norm_sq (8 MB)
 
 
 class ShardedOptimizer:
-    def __init__(self, flat_params: list[FlatParam], param_groups: list[dict], optimizer_factory):
+    def __init__(self, flat_params: list[FlatParam], param_groups: list[dict], optimizer_factory,
+                 offload: HostOffload | None = None):
         self.flat_params = flat_params
         self.mixed = flat_params[0].dtype != torch.float32
+        self.offload = offload if offload is not None and offload.optimizer else None
+        self.on_host = self.offload is not None      # masters and moments in host memory
         # fp32 master copy of what this rank owns. In fp32 training the shard itself is the
         # master: DeepSpeed keeps a second fp32 copy even then (docs/deepspeed.md, "fp32 ZeRO
-        # keeps a second fp32 master copy"); we do not, and memory_breakdown says so.
-        self.masters = [f.shard.detach().float().clone() if self.mixed else f.shard for f in flat_params]
+        # keeps a second fp32 master copy"); we do not, and memory_breakdown says so. With
+        # offload the master is in host memory, so it is always a copy.
+        if self.on_host:
+            self.masters = [self.offload.new_master(f) for f in flat_params]
+        else:
+            self.masters = [f.shard.detach().float().clone() if self.mixed else f.shard for f in flat_params]
         groups = []
         for gi, g in enumerate(param_groups):
             hyper = {k: v for k, v in g.items() if k not in ("params", "names")}
@@ -83,27 +95,57 @@ class ShardedOptimizer:
 
     def step(self, norm_sq: torch.Tensor, loss_scale: float, clip_value: float) -> None:
         """Unscale and clip the gradient shards into fp32, Adam on the masters, round back."""
+        if self.on_host:   # ZeRO-Offload: the same arithmetic, on the host's copies
+            grads = self.offload.grads_to_host(self.flat_params)
+            norm_sq = norm_sq.to(self.masters[0].device)   # a scalar; the engine already synced on it
+        else:
+            grads = [f.grad_shard for f in self.flat_params]
         combined = self.combined_scale(norm_sq, loss_scale, clip_value)
-        for f, m in zip(self.flat_params, self.masters):
-            g = f.grad_shard
+        for f, m, g in zip(self.flat_params, self.masters, grads):
             if g is None:
-                g = torch.zeros(f.shard_numel, dtype=torch.float32, device=f.device)
+                g = torch.zeros(f.shard_numel, dtype=torch.float32, device=m.device)
             g = g.float()          # a copy in bf16/fp16; in fp32 the reduced buffer itself
             g.mul_(1.0 / combined)
             m.grad = g
         self.optimizer.step()
         for f, m in zip(self.flat_params, self.masters):
             m.grad = None
-            if self.mixed:
-                f.shard.copy_(m)  # round the updated fp32 master to bf16/fp16
+            self._write_shard(f, m)
+
+    def _write_shard(self, f: FlatParam, master: torch.Tensor) -> None:
+        """The new low-precision shard from the updated fp32 master (rounded to bf16/fp16)."""
+        if self.on_host:
+            self.offload.write_shard(f, master)
+        elif f.shard_on_host:     # offload_param alone: round on the device, copy to the host shard
+            comm.copy_to_host(f.shard, master.to(f.dtype), label=f"{f.label}.params")
+        elif master is not f.shard:
+            f.shard.copy_(master)
 
     def zero_grad(self) -> None:
         for f in self.flat_params:
             f.zero_grad()
 
+    def load_optimizer_state(self, state_dict: dict) -> None:
+        """torch's load_state_dict, keeping *this* run's Adam implementation: a checkpoint
+        saved with offload (fused CPU Adam) may resume without it, and the other way round.
+        torch would adopt the saved groups' `fused`/`foreach` flags and put `step` where a
+        fused Adam wants it; here `step` goes where this run's Adam wants it."""
+        impl = [{k: g.get(k) for k in ("fused", "foreach", "capturable")} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state_dict)
+        for g, keep in zip(self.optimizer.param_groups, impl):
+            g.update(keep)
+            for p in g["params"]:
+                st = self.optimizer.state.get(p, {})
+                if torch.is_tensor(st.get("step")):
+                    on_param = keep["fused"] or keep["capturable"]
+                    st["step"] = st["step"].to(dtype=torch.float32, device=p.device if on_param else "cpu")
+
     # ------------------------------------------------------------------ introspection
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters) if self.mixed else 0
+        """Bytes of fp32 masters kept apart from the shards: all of them in bf16/fp16 or with
+        offload_optimizer; in fp32 only where offload_param moved the shard away from its
+        master (the device keeps the fp32 master the optimizer updates)."""
+        return sum(m.numel() * m.element_size() for m, f in zip(self.masters, self.flat_params) if m is not f.shard)
 
     def state_bytes(self) -> int:
         total = 0
@@ -144,7 +186,7 @@ def init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
                     st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def build_optimizer(param_groups, opt_cfg) -> torch.optim.Optimizer:
+def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim.Optimizer:
     """The torch optimizer DeepSpeed would build from the parsed `optimizer` section.
 
     Mirrors `DeepSpeedEngine._configure_basic_optimizer` + `get_optimizer_configuration`
@@ -157,12 +199,19 @@ def build_optimizer(param_groups, opt_cfg) -> torch.optim.Optimizer:
     - without `torch_adam` DS builds its `FusedAdam` (same update, results < 1e-6 apart),
       whose weight_decay default is 0.0. minizero always builds the torch optimizer, so
       in that case it passes weight_decay=0.0 explicitly to keep DS's effective default.
+    - with ZeRO-Offload and without `torch_adam`, DS builds `DeepSpeedCPUAdam`, its
+      vectorised C++ CPU Adam (weight_decay default 0.0). minizero builds torch's fused
+      CPU AdamW (`fused=True`), the fastest Adam torch has on a CPU (benchmarks/offload.py
+      measures it against the default for-loop). It rounds differently from the for-loop:
+      with `torch_adam` both libraries run torch's default, so they stay bit-identical.
     """
     params = dict(opt_cfg.params)
     adam_w_mode = params.pop("adam_w_mode", True)
     torch_adam = params.pop("torch_adam", False)
     adam_w_mode = opt_cfg.type == "AdamW" or adam_w_mode
     if not torch_adam:
-        params.setdefault("weight_decay", 0.0)   # FusedAdam.__init__ default
+        params.setdefault("weight_decay", 0.0)   # FusedAdam.__init__ / DeepSpeedCPUAdam default
+        if on_host:
+            params["fused"] = True
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     return cls(param_groups, **params)

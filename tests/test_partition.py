@@ -150,10 +150,11 @@ def test_expected_bytes_is_paper_plus_padding(stage, mixed):
             exp = memory.expected_bytes(flat, n, stage, mixed)
             paper = memory.paper_bytes(psi, n, stage, mixed)
             want = _diff_expected(stage, flat, n, mixed)
-            for k in exp:
+            assert exp["device"] == {k: exp[k] for k in memory.CATEGORIES}   # no offload: all on the device
+            for k in memory.CATEGORIES:
                 assert Fraction(exp[k]) - Fraction(paper[k]).limit_denominator(64) == want[k], (flat, n, k)
             if all(padded_numel(x, n) == x for x in flat):
-                assert {k: Fraction(v) for k, v in exp.items()} == \
+                assert {k: Fraction(exp[k]) for k in memory.CATEGORIES} == \
                     {k: Fraction(v).limit_denominator(64) for k, v in paper.items()}
             assert memory.padding_elements(flat, n) == sum(padded_numel(x, n) - x for x in flat)
 

@@ -1,0 +1,157 @@
+"""ZeRO-Offload: the optimizer's shard (and, at stage 3, the parameter shards) in host memory.
+
+ZeRO-Offload (Ren et al., USENIX ATC'21) observes that of the 16 bytes per parameter of
+mixed-precision Adam, the 12 of optimizer state (fp32 master, two moments) are touched
+once per step, by an element-wise update a CPU can do. So they can live in host memory,
+which is large, and the GPU keeps only what forward and backward touch:
+
+    per step, per rank (N ranks, Ψ parameters, lp = 2 bytes in bf16/fp16):
+      device -> host   the reduced gradient shard           lp Ψ/N bytes   ("d2h")
+      host             unscale + clip, Adam on the fp32 master shard (torch's CPU Adam)
+      host -> device   the new low-precision parameter shard lp Ψ/N bytes   ("h2d")
+    then the stage shares the new shard as before (ZeRO-1/2 all-gather; ZeRO-3 on use).
+
+The device saves 12Ψ/N (4 master + 8 moments); the host holds them. In fp32 training the
+device keeps its fp32 shard to compute with, so the host needs a master of its own: the
+device saves 8Ψ/N and the host holds 12Ψ/N (memory.py).
+
+`offload_param` (ZeRO-Infinity's CPU tier, Rajbhandari et al., SC'21) moves ZeRO-3's
+partitioned low-precision parameter shards to the host too (another 2Ψ/N): a unit's
+shard is copied to the device only to be all-gathered (flat_param.FlatParam.all_gather:
+straight into this rank's slice of the gather's output, no temporary), and the optimizer
+writes the new shard on the host, so nothing of it stays on the device between uses.
+Persistent (small, always-gathered) parameters have no shard of their own to move.
+
+What stays exact: the gradient norm is taken on the device, from the reduced shard, in
+fp64, before any copy (sharded_optimizer.grad_norm_sq), so clipping and the fp16 overflow
+vote are the same numbers with and without offload. The host computes the same fp32
+operations on the same values, so on a CPU device offload changes no bit (tested); on a
+GPU the CPU's Adam rounds like any other Adam kernel, not like the GPU's.
+
+Place here is logical: a tensor "on the host" is in host memory even when the training
+device is the CPU too. The copies then are plain memcpys, but they run and are counted
+(comm.copy_to_host / copy_to_device: `engine.comm_stats()["d2h"]`, profiler ranges
+`minizero::d2h::<label>`), so a CPU run shows exactly what a GPU run would move.
+Host buffers are pinned when the device is a GPU and `pin_memory` is set (DeepSpeed's
+default): pinned memory is what lets a copy run asynchronously at full PCIe speed.
+
+Staging buffers (the gradient shard as it lands on the host, the low-precision shard on
+its way back) live for one step, like the fp32 gradient the step makes without offload;
+they are not model state and memory_breakdown does not count them.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .flat_param import FlatParam
+
+HOST = torch.device("cpu")
+
+
+class HostOffload:
+    """Which model state lives in host memory, and the copies that move it.
+
+    optimizer: the fp32 master shard and Adam's moments (offload_optimizer)
+    params:    ZeRO-3's partitioned low-precision parameter shards (offload_param)
+    """
+
+    def __init__(self, device: torch.device, *, optimizer: bool, params: bool,
+                 pin_optimizer: bool = True, pin_params: bool = True):
+        self.device = device
+        self.optimizer, self.params = optimizer, params
+        on_gpu = device.type == "cuda"
+        self.pin_optimizer, self.pin_params = pin_optimizer and on_gpu, pin_params and on_gpu
+
+    @classmethod
+    def from_config(cls, zero_cfg, device: torch.device) -> "HostOffload | None":
+        """None when the config offloads nothing."""
+        opt, par = zero_cfg.offload_optimizer_enabled, zero_cfg.offload_param_enabled
+        if not (opt or par):
+            return None
+        return cls(device, optimizer=opt, params=par,
+                   pin_optimizer=opt and zero_cfg.offload_optimizer.pin_memory,
+                   pin_params=par and zero_cfg.offload_param.pin_memory)
+
+    # ------------------------------------------------------------------ parameters (stage 3)
+    def move_param_shards(self, flat_params: list[FlatParam]) -> int:
+        """Put every partitioned FlatParam's shard in host memory; returns how many moved.
+        Persistent ones keep their shard as a view of the gathered buffer, on the device."""
+        moved = 0
+        for f in flat_params:
+            if self.params and not f.keep_full and not f.shard_on_host:
+                host = host_empty(f.shard_numel, f.dtype, self.pin_params)
+                comm.copy_to_host(host, f.shard, label=f"{f.label}.offload_param")
+                f.shard, f.shard_on_host = host, True
+                moved += 1
+        wait_for_device(self.device)
+        return moved
+
+    # ------------------------------------------------------------------ optimizer
+    def new_master(self, f: FlatParam) -> torch.Tensor:
+        """This rank's fp32 master shard, in host memory."""
+        master = host_empty(f.shard_numel, torch.float32, self.pin_optimizer)
+        if f.shard_on_host:
+            master.copy_(f.shard)
+        else:
+            staged = host_empty(f.shard_numel, f.dtype, self.pin_optimizer)
+            comm.copy_to_host(staged, f.shard, label=f"{f.label}.master_init")
+            wait_for_device(self.device)
+            master.copy_(staged)
+        return master
+
+    def grads_to_host(self, flat_params: list[FlatParam]) -> list[torch.Tensor]:
+        """Each FlatParam's reduced gradient shard, copied into host memory as it is (low
+        precision: the fewest bytes over PCIe); zeros for a FlatParam that got none.
+        All copies are queued first, then one wait: the CPU's Adam needs the data."""
+        out = []
+        for f in flat_params:
+            g = f.grad_shard
+            if g is None:
+                out.append(torch.zeros(f.shard_numel, dtype=f.dtype, device=HOST))
+                continue
+            out.append(comm.copy_to_host(host_empty(g.numel(), g.dtype, self.pin_optimizer), g,
+                                         label=f"{f.label}.grads"))
+        wait_for_device(self.device)
+        return out
+
+    def write_shard(self, f: FlatParam, master: torch.Tensor) -> None:
+        """f.shard <- the updated fp32 master, rounded to the training dtype on the host,
+        then copied to the device (or written in place when the shard lives on the host)."""
+        if f.shard_on_host:
+            f.shard.copy_(master)
+            return
+        if master.dtype == f.dtype:                  # fp32 training: copy the master itself
+            staged = master
+        else:
+            staged = host_empty(f.shard_numel, f.dtype, self.pin_optimizer)
+            staged.copy_(master)
+        comm.copy_to_device(f.shard, staged, label=f"{f.label}.params")
+
+    def describe(self, flat_params: list[FlatParam]) -> str:
+        """The one log line saying what lives where."""
+        parts = []
+        if self.optimizer:
+            parts.append("offload_optimizer: fp32 master shard + Adam moments in host memory, Adam on the CPU")
+        if self.params:
+            moved = [f for f in flat_params if f.shard_on_host]
+            kept = [f for f in flat_params if f.keep_full]
+            parts.append(f"offload_param: {len(moved)} partitioned parameter shard(s) in host memory"
+                         + (f"; {len(kept)} persistent FlatParam(s) (parameters <= "
+                            f"stage3_param_persistence_threshold) stay gathered on the device" if kept else ""))
+        pinned = self.pin_optimizer or self.pin_params
+        return "; ".join(parts) + f" (host buffers {'pinned' if pinned else 'not pinned'})"
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer; pinned (page-locked) when asked, so device copies run asynchronously.
+    torch caches pinned blocks, so a staging buffer made every step is not a new
+    cudaHostAlloc every step."""
+    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pin)
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block the CPU until the device-to-host copies queued on the current stream are done
+    (non_blocking copies into pinned memory return before the data is there)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
