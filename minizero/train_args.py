@@ -1,9 +1,10 @@
 """The command line of minizero/train.py (and reference/train.py, which reuses it): the
-flags, their checks and CPU/GPU defaults, and the DeepSpeed config dict a run uses
-(--config or DEFAULT_CONFIG, plus the flags that override it).
+flags, their checks and CPU/GPU defaults, the DeepSpeed config dict a run uses
+(--config or DEFAULT_CONFIG, plus the flags that override it), and the model's GPTConfig
+(the --model preset, sized by --image-size, --ncluster, --n-embd and --n-head).
 
 train.py reads it as: parser = build_parser(); check_args(parser, args); then, inside
-the run, cfg = build_config(args, world_size).
+the run, cfg = build_config(args, world_size) and model = GPT(model_config(args)).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from minizero.checkpoint_folder import complete_tags, describe_tags, read_latest
 from minizero.config import ActivationCheckpointingConfig, ConfigError, read_json, resolve_batch_size
 from minizero.data import DATASETS
-from minizero.model import PRESETS
+from minizero.model import PRESETS, GPTConfig, ModelConfigError, get_preset
 
 # A first run on a CPU: plain data parallelism (stage 0), fp32, minGPT play_image's
 # optimizer (lr 3e-3, betas (0.9, 0.95)) with weight decay 0.1 on the Linear weights.
@@ -64,6 +65,10 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
                         "Default: config if the config has a scheduler, else mingpt")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=list(PRESETS), help="GPT preset (default: tiny on CPU, tutorial on GPU)")
+    g.add_argument("--n-embd", type=int, metavar="N",
+                   help="the preset's width, overridden (to run a large preset such as tutorial-24 on a CPU; "
+                        "its n_layer is kept); must be divisible by n_head")
+    g.add_argument("--n-head", type=int, metavar="N", help="the preset's number of attention heads, overridden")
     g.add_argument("--dataset", choices=list(DATASETS),
                    help="default: synthetic on CPU (works offline), cifar10 on GPU")
     g.add_argument("--data-dir", default="./data", help="where CIFAR-10 and the codebook cache live")
@@ -97,7 +102,7 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument values argparse cannot check by itself; fill in the device-dependent defaults."""
     for name in ("micro_batch", "grad_accum", "epochs", "max_steps", "ncluster", "synthetic_train",
-                 "synthetic_test", "num_samples", "top_k", "max_nonfinite_steps"):
+                 "synthetic_test", "num_samples", "top_k", "max_nonfinite_steps", "n_embd", "n_head"):
         v = getattr(args, name)
         if v is not None and v < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -123,6 +128,11 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.epochs is None and args.max_steps is None:
         args.epochs = 1
         args.chosen.append("--epochs 1")
+    try:
+        model_config(args)
+    except ModelConfigError as e:
+        parser.error(str(e))
+    args.model_note = model_note(args)   # printed at start when the preset's size was changed
 
 
 # ----------------------------------------------------------------------------- config
@@ -199,3 +209,44 @@ def find_checkpoint(path: str, tag: str | None = None) -> str:
     elif tag not in tags:
         raise UserError(f"--resume {path} --tag {tag}: no complete checkpoint {tag!r}; {describe_tags(path)}")
     return tag
+
+
+# ----------------------------------------------------------------------------- model
+
+def _sizes(args) -> dict:
+    """The GPTConfig fields the command line sets: block_size (one token per pixel, the
+    last one only a target) and vocab_size (the codebook) always, n_embd / n_head when given."""
+    sizes = {"block_size": args.image_size ** 2 - 1, "vocab_size": args.ncluster}
+    for name in ("n_embd", "n_head"):
+        if getattr(args, name, None) is not None:
+            sizes[name] = getattr(args, name)
+    return sizes
+
+
+def model_config(args) -> GPTConfig:
+    """The GPTConfig the run builds: the --model preset with _sizes(args). A width that
+    the heads do not divide raises ModelConfigError naming the flags."""
+    sizes = _sizes(args)
+    preset = PRESETS[args.model]
+    n_embd, n_head = sizes.get("n_embd", preset.n_embd), sizes.get("n_head", preset.n_head)
+    if n_embd % n_head:
+        given = " ".join(f"--{k.replace('_', '-')} {sizes[k]}" for k in ("n_embd", "n_head") if k in sizes)
+        raise ModelConfigError(f"{given}: n_embd {n_embd} must be divisible by n_head {n_head} (--model "
+                               f"{args.model} has n_embd {preset.n_embd}, n_head {preset.n_head}); pick "
+                               f"--n-embd as a multiple of n_head, or pass --n-head")
+    return get_preset(args.model, **sizes)
+
+
+def model_note(args) -> str | None:
+    """One line naming the preset and every size the command line changed in it, e.g.
+    "model tutorial-24 with n_embd=32 (--n-embd), block_size=63 (--image-size 8) instead of
+    the preset's n_embd=256, block_size=1023"; None when the model is the preset as it is."""
+    preset, cfg = PRESETS[args.model], model_config(args)
+    changed = [name for name in ("n_embd", "n_head", "block_size", "vocab_size")
+               if getattr(cfg, name) != getattr(preset, name)]
+    if not changed:
+        return None
+    how = {"n_embd": "--n-embd", "n_head": "--n-head", "block_size": f"--image-size {args.image_size}",
+           "vocab_size": f"--ncluster {args.ncluster}"}
+    return (f"model {args.model} with {', '.join(f'{n}={getattr(cfg, n)} ({how[n]})' for n in changed)} "
+            f"instead of the preset's {', '.join(f'{n}={getattr(preset, n)}' for n in changed)}")
