@@ -142,6 +142,14 @@ def _offload_device(v, path):
     return dev
 
 
+def _fraction(v, path):
+    """A number in [0, 1] (DeepSpeed: Field(ge=0.0, le=1.0))."""
+    v = number(lo=0)(v, path)
+    if v > 1:
+        raise ConfigError(f"{path} must be between 0 and 1, got {v!r}")
+    return v
+
+
 @dataclass
 class OffloadOptimizerConfig(Section):
     """`zero_optimization.offload_optimizer` (ZeRO-Offload; minizero/offload.py), with
@@ -154,9 +162,9 @@ class OffloadOptimizerConfig(Section):
     pipeline_read: bool = key(False, boolean, acts=False)
     pipeline_write: bool = key(False, boolean, acts=False)
     fast_init: bool = key(False, boolean, acts=False)
-    ratio: float = key(1.0, number(lo=0), acts=False)     # stage 3: the fraction of sub-groups offloaded
+    ratio: float = key(1.0, _fraction, acts=False)        # stage 3: the fraction of sub-groups offloaded
     super_offload: bool = key(False, boolean, acts=False)
-    cpuadam_cores_perc: float = key(0.8, number(lo=0), acts=False)
+    cpuadam_cores_perc: float = key(0.8, _fraction, acts=False)
 
     @property
     def enabled(self) -> bool:
@@ -221,6 +229,8 @@ class ZeroConfig(Section):
     load_from_fp32_weights: bool = key(True, only(True, "checkpoints always restore the fp32 master"))
     ignore_unused_parameters: bool = key(True, only(True, "unused parameters get a zero gradient"))
     round_robin_gradients: bool = key(False, boolean, acts=False)   # DeepSpeed's offload copy ordering
+    # deprecated; DeepSpeed accepts it and does nothing with it (pin_memory in each offload section)
+    cpu_offload_use_pin_memory: Optional[bool] = key(None, optional(boolean), acts=False)
     elastic_checkpoint: bool = key(False, only(False, "use the same world size to resume"))
     stage3_gather_16bit_weights_on_model_save: bool = key(
         False, only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minizero.config import (ActivationCheckpointingConfig, ConfigError, ZeroConfig, ignored_knobs, ignored_knobs_note,
-                             load_config, resolve_batch_size)
+from minizero.config import (ActivationCheckpointingConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig,
+                             ZeroConfig, ignored_knobs, ignored_knobs_note, load_config, resolve_batch_size)
 from minizero.sharded_optimizer import build_optimizer
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -16,6 +16,8 @@ from deepspeed.runtime import constants as ds_const  # noqa: E402
 from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig  # noqa: E402
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
+from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,  # noqa: E402
+                                                   DeepSpeedZeroOffloadParamConfig)
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 LAUNCH_CONFIGS = ["ds_config_basic.json", "ds_config_step4.json", "ds_config_step5.json"]
@@ -98,8 +100,8 @@ def test_dtype_and_bfloat16_alias(ds_parse):
      "optimizer.params.momentum"),
     ({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 5}}},
      "scheduler.params.warmup_steps"),
-    ({"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "none", "buffer_count": 4}}},
-     "zero_optimization.offload_param.buffer_count"),
+    ({"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "none", "buffer_cnt": 4}}},
+     "zero_optimization.offload_param.buffer_cnt"),
 ])
 def test_unknown_key_is_named(raw, path):
     with pytest.raises(ConfigError) as e:
@@ -144,8 +146,6 @@ def test_ignored_knobs_are_those_given_that_minizero_does_not_act_on():
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16 and bf16"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "not implemented in minizero"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "not implemented in minizero"),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size"),
     ({"zero_optimization": {"allgather_bucket_size": -5}}, "zero_optimization.allgather_bucket_size"),
     ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale"),
@@ -169,11 +169,17 @@ def test_offload_none_and_harmless_keys_accepted(ds_parse):
                                  "allgather_partitions": True, "reduce_bucket_size": 2e8,
                                  "prefetch_bucket_size": 123}}
     ours, ds = load_config(raw, 1), ds_parse(raw, 1)
-    assert ours.zero.offload_optimizer.device == "none" and ours.zero.offload_param is None
+    assert ours.zero.offload_optimizer.device == ds.zero_config.offload_optimizer.device == "none"
+    assert ours.zero.offload_param is None and ds.zero_config.offload_param is None
+    assert not ours.zero.offload_optimizer_enabled and not ours.zero.offload_param_enabled
     # the section's defaults are DeepSpeed's (pin_memory True, in runtime/zero/offload_config.py)
     assert ours.zero.offload_optimizer.pin_memory == ds.zero_config.offload_optimizer.pin_memory is True
     assert ours.zero.reduce_bucket_size == ds.zero_config.reduce_bucket_size == 200_000_000
     assert ours.zero.stage3_prefetch_bucket_size == ds.zero_config.prefetch_bucket_size == 123
+    # device "none" is no offload: accepted at any stage, offload_param below 3 included
+    for stage in range(4):
+        zero = {"stage": stage, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}
+        assert not load_config({"train_batch_size": 8, "zero_optimization": zero}, 1).zero.offload_param_enabled
 
 
 def test_load_from_path_and_duplicate_keys(tmp_path):
@@ -199,6 +205,123 @@ def test_read_json_one_line_errors(tmp_path, text, needle):
         assert "\n" not in str(e.value) and str(p) in str(e.value)
     with pytest.raises(UserError, match=r"^--config .* is a directory"):
         read_config_file(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- offload
+
+OFFLOAD_SECTIONS = [("offload_optimizer", OffloadOptimizerConfig, DeepSpeedZeroOffloadOptimizerConfig),
+                    ("offload_param", OffloadParamConfig, DeepSpeedZeroOffloadParamConfig)]
+# Every key at a value other than its default (stage 3 allows all of them).
+OFFLOAD_ALL_KEYS = {
+    "offload_optimizer": {"device": "cpu", "nvme_path": "/local_nvme", "buffer_count": 8, "pin_memory": False,
+                          "pipeline_read": True, "pipeline_write": True, "fast_init": True, "ratio": 0.5,
+                          "super_offload": True, "cpuadam_cores_perc": 0.5},
+    "offload_param": {"device": "cpu", "nvme_path": "/local_nvme", "buffer_count": 7, "buffer_size": 1e7,
+                      "max_in_cpu": 1e8, "pin_memory": False},
+}
+
+
+def _same_offload(ours, ds):
+    """Field by field, as DeepSpeed's model has them; nvme_path is a pathlib.Path there."""
+    assert (ours is None) == (ds is None)
+    if ours is not None:
+        for name in type(ds).model_fields:
+            theirs = getattr(ds, name)
+            assert getattr(ours, name) == (str(theirs) if name == "nvme_path" and theirs is not None else theirs), name
+
+
+@pytest.mark.parametrize("section,ours_cls,ds_cls", OFFLOAD_SECTIONS)
+def test_offload_sections_have_deepspeeds_keys_and_defaults(section, ours_cls, ds_cls):
+    assert set(ours_cls.rows()) == set(ds_cls.model_fields), section
+    _same_offload(ours_cls(), ds_cls())
+    ours = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, section: {"device": "cpu"}}}, 1)
+    _same_offload(getattr(ours.zero, section), ds_cls(device="cpu"))
+    assert getattr(ours.zero, section).pin_memory is True
+
+
+def test_offload_every_key_parses_as_deepspeed_parses_it(ds_parse):
+    raw = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, **OFFLOAD_ALL_KEYS}}
+    ours, ds = load_config(raw, 2), ds_parse(raw, 2)
+    for section, _, _ in OFFLOAD_SECTIONS:
+        _same_offload(getattr(ours.zero, section), getattr(ds.zero_config, section))
+    assert ours.zero.offload_optimizer_enabled and ours.zero.offload_param_enabled
+
+
+@pytest.mark.parametrize("zero", [{"stage": 2, "cpu_offload": True}, {"stage": 1, "cpu_offload": False},
+                                  {"stage": 3, "cpu_offload_param": True},
+                                  {"stage": 3, "cpu_offload": True, "cpu_offload_param": True},
+                                  {"stage": 3, "cpu_offload_param": False, "offload_optimizer": {"device": "cpu"}}])
+def test_deprecated_cpu_offload_booleans_as_deepspeed_reads_them(ds_parse, zero):
+    """DeepSpeedZeroConfig's deprecated fields: true is {"device": "cpu"}, false no section."""
+    raw = {"train_batch_size": 8, "zero_optimization": zero}
+    ours, ds = load_config(raw, 1), ds_parse(raw, 1)
+    for section, _, _ in OFFLOAD_SECTIONS:
+        _same_offload(getattr(ours.zero, section), getattr(ds.zero_config, section))
+    spelled = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+    new = {spelled.get(k, k): ({"device": "cpu"} if v is True else None if v is False else v) for k, v in zero.items()}
+    plain = load_config({"train_batch_size": 8, "zero_optimization": new}, 1)
+    assert (plain.zero.offload_optimizer, plain.zero.offload_param) == (ours.zero.offload_optimizer,
+                                                                       ours.zero.offload_param)
+
+
+@pytest.mark.parametrize("old,new", [("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")])
+def test_deprecated_and_new_offload_spelling_together_are_refused(ds_parse, old, new):
+    raw = {"train_batch_size": 8, "zero_optimization": {"stage": 3, old: True, new: {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match=f"'zero_optimization.{old}' and 'zero_optimization.{new}' are two "
+                                          f"spellings of one key; keep only '{new}'"):
+        load_config(raw, 1)
+    with pytest.raises(AssertionError, match="Cannot provide deprecated parameter"):
+        ds_parse(raw, 1)
+
+
+@pytest.mark.parametrize("zero,needle,deepspeed_refuses", [
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "offloads to CPU memory only", False),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "offloads to CPU memory only", False),
+    ({"stage": 3, "offload_param": {"device": "gpu"}}, "must be \"none\" or \"cpu\"", True),
+    ({"stage": 0, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3", False),
+    ({"stage": 1, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3", False),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3", False),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer needs stage 1, 2 or 3", False),
+    ({"stage": 0, "cpu_offload": True}, "offload_optimizer needs stage 1, 2 or 3", False),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "partial offload is a stage-3 option", True),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "ratio must be between 0 and 1", True),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 1.2}},
+     "cpuadam_cores_perc must be between 0 and 1", True),
+    ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": -1}}, "buffer_count must be >= 0", True),
+])
+def test_offload_bad_values(ds_parse, zero, needle, deepspeed_refuses):
+    """One line each. Where DeepSpeed accepts the config (nvme: minizero has no NVMe tier;
+    offload_param below stage 3 and offload_optimizer at stage 0: DeepSpeed ignores them
+    silently), minizero refuses it rather than train without the offload asked for."""
+    raw = {"train_batch_size": 8, "zero_optimization": zero}
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")) as e:
+        load_config(raw, 1)
+    assert "\n" not in str(e.value)
+    if deepspeed_refuses:
+        with pytest.raises((AssertionError, ValueError)):   # pydantic's ValidationError is a ValueError
+            ds_parse(raw, 1)
+    else:
+        ds_parse(raw, 1)
+
+
+def test_ignored_knobs_lists_offload_keys_minizero_does_not_act_on():
+    zero = {"stage": 3, "cpu_offload_use_pin_memory": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False, "buffer_count": 4, "fast_init": True,
+                                  "ratio": 0.9},
+            "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 5}}
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": zero}, 1)
+    knobs = ["cpu_offload_use_pin_memory", "offload_optimizer.buffer_count", "offload_optimizer.fast_init",
+             "offload_optimizer.ratio", "offload_param.max_in_cpu"]
+    assert ignored_knobs(cfg) == knobs
+    assert f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility" in ignored_knobs_note(cfg)
+    # minizero acts on device and pin_memory: never listed
+    acting = {f"{section}.{k}" for section, cls, _ in OFFLOAD_SECTIONS
+              for k, row in cls.rows().items() if row.metadata["acts"]}
+    assert acting == {"offload_optimizer.device", "offload_optimizer.pin_memory", "offload_param.device",
+                      "offload_param.pin_memory"}
+    plain = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+             "offload_param": {"device": "cpu"}}
+    assert ignored_knobs(load_config({"train_batch_size": 8, "zero_optimization": plain}, 1)) == []
 
 
 # ----------------------------------------------------------------------------- batch sizes
