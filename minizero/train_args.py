@@ -176,7 +176,7 @@ def build_config(args, world_size: int) -> dict:
         # Resolve the three batch numbers first (as DeepSpeed would), then override and
         # write all three, so both libraries read the same, consistent triple. With both
         # flags given the file's numbers are not consulted: a config written for another
-        # world size (the tutorial's 64 = 16 x 2 x 2) still runs on 8 ranks.
+        # world size (train_batch_size 64 = 16 x 2 x 2 ranks) still runs on 8 ranks.
         if args.micro_batch is not None and args.grad_accum is not None:
             m, g = args.micro_batch, args.grad_accum
         else:

@@ -1,6 +1,6 @@
 """launch/: the scripts parse, say what they run and how to change node/GPU counts, the
 tutorial configs load in minizero and in DeepSpeed, and the SLURM scripts build the right
-command lines, hostfile and job config (run against fake `scontrol`/`srun`/`deepspeed`)."""
+command lines and hostfile, passing the config as it is (run against fake `scontrol`/`srun`/`deepspeed`)."""
 import json
 import os
 import re
