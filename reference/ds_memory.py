@@ -46,6 +46,26 @@ stage 3        runtime/zero/stage3.py: DeepSpeedZeroOptimizer_Stage3
                buffers = ipg_buckets[dtype].buffer (reduce_bucket_size elements, allocated
                at init in the communication dtype)
 
+Where each byte lives: "device" / "host" (ZeRO-Offload)
+-------------------------------------------------------
+On the CPU accelerator every tensor's `.device` is cpu, so the place comes from the
+optimizer's own flags (`_offload_places`), as DeepSpeed's source allocates them.
+b = bytes per low-precision element (2 bf16/fp16, 4 fp32), L = numel of the largest
+parameter, P and S below.
+offload_optimizer, ZeRO-1/2 (`cpu_offload`): host = fp32 master slice 4P/N, Adam moments
+               8P/N, the master's fp32 .grad 4P/N (filled during backward; persistent),
+               param_buffer_of_bit16_for_cpu_offload_groups bP/N ("params": the updated
+               slice cast to low precision before its copy to the device),
+               temp_grad_buffer_for_cpu_offload bL ("grads"); device = bit16_groups_flat
+               bP, temp_grad_buffer_for_gpu_offload bL ("grads"). After backward the
+               device holds no gradient partition: each piece went to the host's fp32 .grad.
+offload_optimizer, ZeRO-3: host = fp32_partitioned_groups_flat 4S, moments 8S,
+               grad_partitions_flat_buffer bS, fp32_partitioned_groups_flat[i].grad 4S.
+offload_param, ZeRO-3: the lp partitions bS in param_groups_fp16_flat_cpu_memory (host)
+               instead of lp_param_buffer (device); parameters kept gathered
+               (persistence threshold) stay on the device in full, their partition on the host.
+Everything else (the ipg bucket included) is on the device.
+
 Measured (DeepSpeed 0.19.8, CPU, gloo, N = 2, torch_adam, minizero "tiny" GPT, dropout 0)
 ------------------------------------------------------------------------------------
 Ψ = 108,801 in 2 param groups (decay 99,162, no-decay 9,639), 37 tensors. Bytes per rank
@@ -90,8 +110,9 @@ DeepSpeed's estimators (deepspeed_estimates) for tiny, N = 2, no offload: zero2
 zero3 1,043,721 (4*16,128 largest layer + 18Ψ/N) vs 870,640 measured (+ the bucket).
 
 Not model states: the ipg bucket buffers above (reduce_bucket_size elements of the
-gradient-reduction dtype), `_global_grad_norm` (4 or 8 bytes) and ZeRO-3's
-`inf_or_nan_tracker` (1 byte), which show up under `unclaimed`.
+gradient-reduction dtype); scalars listed in `details` only (category "scalars"):
+`_global_grad_norm` (4 or 8 bytes), ZeRO-3's `inf_or_nan_tracker` (1 byte) and, with
+offload, `norm_for_param_grads` (one 4-byte norm per parameter, from backward to step).
 
 Time (same machine, 2 cores): one 3-step run under tests.launcher is 3-15 s wall, of
 which deepspeed.initialize is 1.6-13.7 s (noisy; stage 3 and fp16 slowest). Steps:
@@ -135,13 +156,22 @@ def _storage_key(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     return (s.data_ptr(), s.nbytes())
 
 
+PLACES = ("device", "host")
+
+
 class _Ledger:
     def __init__(self):
         self.owner: Dict[int, str] = {}  # storage ptr -> category
         self.bytes = {c: 0 for c in CATEGORIES}
+        self.placed = {w: {c: 0 for c in MODEL_STATE_CATEGORIES} for w in PLACES}
         self.details: Dict[str, int] = {}  # "category:source" -> bytes newly claimed
+        self.details_by_place = {w: {} for w in PLACES}  # the same, split by place
 
-    def claim(self, category: str, source: str, obj: Any) -> None:
+    def claim(self, category: str, source: str, obj: Any, place: str = "device") -> None:
+        """Claim obj's storages not yet owned for `category`, held in `place` ("device" or
+        "host"). The CPU accelerator puts every tensor on the CPU, so the place is not read
+        from the tensor: the caller says where DeepSpeed would have put it."""
+        assert place in PLACES, place
         for t in _iter_tensors(obj):
             key = _storage_key(t)
             if key is None or key[0] in self.owner:
@@ -149,8 +179,12 @@ class _Ledger:
             self.owner[key[0]] = category
             if category in self.bytes:
                 self.bytes[category] += key[1]
+            if category in MODEL_STATE_CATEGORIES:
+                self.placed[place][category] += key[1]
             name = f"{category}:{source}"
             self.details[name] = self.details.get(name, 0) + key[1]
+            where = self.details_by_place[place]
+            where[name] = where.get(name, 0) + key[1]
 
 
 def _attr(obj, name):
@@ -167,38 +201,75 @@ def _module_params(engine) -> List[torch.nn.Parameter]:
     return list(engine.module.parameters())
 
 
-def _adam_states(opt) -> Tuple[list, list]:
-    """(exp_avg/exp_avg_sq tensors, scalar step tensors) of a torch optimizer."""
-    big, small = [], []
-    state = getattr(opt, "state", None) or {}
-    for st in state.values():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                (small if k == "step" else big).append(v)
-    return big, small
+def _offload_places(opt, kind: str) -> Dict[str, Any]:
+    """Where this optimizer keeps what, from DeepSpeed's own flags (not from tensor.device,
+    which is "cpu" for everything on the CPU accelerator):
+
+    ZeRO-1/2 (stage_1_and_2.py: DeepSpeedZeroOptimizer.__init__): `cpu_offload` (from
+      offload_optimizer.device "cpu") sets `self.device = 'cpu'`; the fp32 master slice, its
+      fp32 .grad, Adam's moments and the offload staging buffers are created there.
+    ZeRO-3 (stage3.py: DeepSpeedZeroOptimizer_Stage3): `offload_optimizer` sets `self.device`
+      to cpu for grad_partitions_flat_buffer and the fp32 .grad buffers; the fp32 master and
+      moments of sub-group i go to `subgroup_to_device[i]`, the host for
+      i >= int((1 - partial_offload) * n_subgroups) (offload_optimizer.ratio, default 1: all).
+      `offload_param` keeps the lp partitions in param_groups_fp16_flat_cpu_memory (host)
+      instead of lp_param_buffer (device)."""
+    if kind == "DeepSpeedZeroOptimizer":
+        host = bool(getattr(opt, "cpu_offload", False))
+        return {"optimizer": host, "grad_buffer": host, "param": False, "subgroup": lambda i: host}
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        off = bool(getattr(opt, "offload_optimizer", False))
+        n = len(_attr(opt, "fp32_partitioned_groups_flat") or [])
+        ratio = float(getattr(opt, "partial_offload", 1.0))
+        return {"optimizer": off, "grad_buffer": off, "param": bool(getattr(opt, "offload_param", False)),
+                "subgroup": lambda i: off and i >= int((1 - ratio) * n)}
+    return {"optimizer": False, "grad_buffer": False, "param": False, "subgroup": lambda i: False}
+
+
+def _where(host: bool) -> str:
+    return "host" if host else "device"
 
 
 def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
     """This rank's persistent model-state bytes, by category, from a live DeepSpeed engine.
 
     Returns {"params", "master_params", "optimizer_states", "grads", "buffers": int bytes,
-    "model_states": sum of the first four, "kind": which optimizer wrapper was found,
-    "details": {"category:source": bytes}, "unclaimed": {"attr": bytes}}.
+    "model_states": sum of the first four, "device"/"host": the four categories split by
+    where DeepSpeed keeps them (ZeRO-Offload; without it everything is "device"),
+    "kind": which optimizer wrapper was found, "details": {"category:source": bytes},
+    "details_by_place": {"device"/"host": {"category:source": bytes}},
+    "unclaimed": {"attr": bytes}}.
+
+    ZeRO-Offload's extra buffers go in the category of what they carry (docs/deepspeed.md,
+    "ZeRO-Offload's extra host buffers"): the fp32 gradient partitions
+    (`single_partition_of_fp32_groups[i].grad`, `fp32_partitioned_groups_flat[i].grad`),
+    ZeRO-1/2's per-parameter gradient staging (`temp_grad_buffer_for_cpu_offload` on the
+    host, `temp_grad_buffer_for_gpu_offload` on the device, `accumulated_grads_in_cpu`
+    with gradient accumulation) in "grads"; ZeRO-1/2's low-precision copy of the updated
+    slice (`param_buffer_of_bit16_for_cpu_offload_groups`, host) in "params".
     """
     opt = engine.optimizer
     kind = type(opt).__name__
     led = _Ledger()
     params = _module_params(engine)
     inner = getattr(opt, "optimizer", opt)  # the torch optimizer inside a wrapper
-    big_states, step_states = _adam_states(inner)
+    at = _offload_places(opt, kind)
+    opt_place, grad_place = _where(at["optimizer"]), _where(at["grad_buffer"])
 
     # ---------------- params ----------------
     if kind == "DeepSpeedZeroOptimizer":  # ZeRO-1/2
         led.claim("params", "bit16_groups_flat", opt.bit16_groups_flat)
+        # offload: the updated fp32 slice is cast into this host lp buffer, then copied to
+        # the device's bit16 partition (step(): bit16_partition_buffer.data.copy_(fp32_partition))
+        led.claim("params", "param_buffer_of_bit16_for_cpu_offload_groups",
+                  _attr(opt, "param_buffer_of_bit16_for_cpu_offload_groups"), "host")
     elif kind == "DeepSpeedZeroOptimizer_Stage3":
-        led.claim("params", "lp_param_buffer", _attr(opt, "lp_param_buffer"))
-        led.claim("params", "fp16_partitioned_groups_flat", _attr(opt, "fp16_partitioned_groups_flat"))
-        led.claim("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in params])
+        lp_place = _where(at["param"])
+        led.claim("params", "lp_param_buffer", _attr(opt, "lp_param_buffer"), lp_place)
+        led.claim("params", "param_groups_fp16_flat_cpu_memory",
+                  _attr(opt, "param_groups_fp16_flat_cpu_memory"), "host")
+        led.claim("params", "fp16_partitioned_groups_flat", _attr(opt, "fp16_partitioned_groups_flat"), lp_place)
+        led.claim("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in params], lp_place)
         # parameters that are still gathered (ds_persist: numel <= persistence threshold)
         led.claim("params", "gathered p.data", [p.data for p in params])
     elif kind == "BF16_Optimizer":
@@ -208,10 +279,12 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
     led.claim("params", "module params", [p.data for p in params])
 
     # ---------------- master params ----------------
+    z3_fp32 = _attr(opt, "fp32_partitioned_groups_flat") if kind == "DeepSpeedZeroOptimizer_Stage3" else None
     if kind == "DeepSpeedZeroOptimizer":
-        led.claim("master_params", "single_partition_of_fp32_groups", opt.single_partition_of_fp32_groups)
+        led.claim("master_params", "single_partition_of_fp32_groups", opt.single_partition_of_fp32_groups, opt_place)
     elif kind == "DeepSpeedZeroOptimizer_Stage3":
-        led.claim("master_params", "fp32_partitioned_groups_flat", _attr(opt, "fp32_partitioned_groups_flat"))
+        for i, t in enumerate(z3_fp32 or []):
+            led.claim("master_params", "fp32_partitioned_groups_flat", t, _where(at["subgroup"](i)))
     elif kind == "BF16_Optimizer":
         led.claim("master_params", "fp32_groups_flat_partition", opt.fp32_groups_flat_partition)
     elif kind == "FP16_Optimizer":
@@ -220,16 +293,38 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
         led.claim("master_params", "fp32_groups", opt.fp32_groups)
 
     # ---------------- optimizer states ----------------
-    led.claim("optimizer_states", "optimizer.state", big_states)
-    led.claim("optimizer_step_counters", "optimizer.state[step]", step_states)  # details only
+    # Adam's moments live where their parameter (the fp32 master it steps) lives.
+    subgroup_of = {id(t): i for i, t in enumerate(z3_fp32 or [])}
+    for param, st in (getattr(inner, "state", None) or {}).items():
+        if kind == "DeepSpeedZeroOptimizer_Stage3":
+            place = _where(at["subgroup"](subgroup_of.get(id(param), -1)))
+        else:
+            place = opt_place
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                if k == "step":  # details only
+                    led.claim("optimizer_step_counters", "optimizer.state[step]", v, place)
+                else:
+                    led.claim("optimizer_states", "optimizer.state", v, place)
 
     # ---------------- grads ----------------
     if kind == "DeepSpeedZeroOptimizer":
         led.claim("grads", "averaged_gradients", _attr(opt, "averaged_gradients"))
         led.claim("grads", "grads_in_partition", _attr(opt, "grads_in_partition"))
+        # offload: backward copies each gradient piece into the fp32 .grad of the master
+        # slice (async_inplace_copy_grad_to_fp32_buffer_from_gpu), on the host; the two
+        # staging buffers of the largest parameter's size are allocated in __init__
+        led.claim("grads", "single_partition_of_fp32_groups[i].grad",
+                  [t.grad for t in opt.single_partition_of_fp32_groups], opt_place)
+        led.claim("grads", "temp_grad_buffer_for_cpu_offload", _attr(opt, "temp_grad_buffer_for_cpu_offload"),
+                  "host")
+        led.claim("grads", "temp_grad_buffer_for_gpu_offload", _attr(opt, "temp_grad_buffer_for_gpu_offload"))
+        led.claim("grads", "accumulated_grads_in_cpu", _attr(opt, "accumulated_grads_in_cpu"), "host")
     elif kind == "DeepSpeedZeroOptimizer_Stage3":
-        led.claim("grads", "grad_partitions_flat_buffer", _attr(opt, "grad_partitions_flat_buffer"))
-        led.claim("grads", "averaged_gradients", _attr(opt, "averaged_gradients"))
+        led.claim("grads", "grad_partitions_flat_buffer", _attr(opt, "grad_partitions_flat_buffer"), grad_place)
+        led.claim("grads", "averaged_gradients", _attr(opt, "averaged_gradients"), grad_place)
+        for i, t in enumerate(z3_fp32 or []):
+            led.claim("grads", "fp32_partitioned_groups_flat[i].grad", t.grad, _where(at["subgroup"](i)))
     elif kind == "BF16_Optimizer":
         led.claim("grads", "fp32_groups_gradients_flat", opt.fp32_groups_gradients_flat)
     elif kind == "FP16_Optimizer":
@@ -237,19 +332,21 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
     elif kind == "FP16_UnfusedOptimizer":
         led.claim("grads", "fp32_groups[i][j].grad", [t.grad for g in opt.fp32_groups for t in g])
     # master-param .grad attributes (wrappers assign them around step)
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
-        g = _attr(opt, name)
-        if isinstance(g, list):
-            led.claim("grads", f"{name}[i].grad", [t.grad for t in g if isinstance(t, torch.Tensor)])
+    g = _attr(opt, "fp32_groups_flat_partition")
+    if isinstance(g, list):
+        led.claim("grads", "fp32_groups_flat_partition[i].grad", [t.grad for t in g if isinstance(t, torch.Tensor)])
     led.claim("grads", "module p.grad", [p.grad for p in params])
 
     # ---------------- communication buffers ----------------
     buckets = _attr(opt, "ipg_buckets")
     if isinstance(buckets, dict):
         led.claim("buffers", "ipg_buckets", [getattr(b, "buffer", None) for b in buckets.values()])
-    for name in ("temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
-                 "param_groups_fp16_flat_cpu_memory", "lp_param_contiguous_pin_buffer"):
-        led.claim("buffers", name, _attr(opt, name))
+    # offload_states() (not called in training) pins a host copy of the lp buffer here
+    led.claim("buffers", "lp_param_contiguous_pin_buffer", _attr(opt, "lp_param_contiguous_pin_buffer"), "host")
+
+    # ---------------- scalars (details only, not a model state) ----------------
+    for name in ("_global_grad_norm", "inf_or_nan_tracker", "norm_for_param_grads"):
+        led.claim("scalars", name, _attr(opt, name))
 
     # ---------------- discovery: anything else the optimizer objects hold ----------------
     unclaimed: Dict[str, int] = {}
@@ -266,8 +363,10 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
 
     out = dict(led.bytes)
     out["model_states"] = sum(led.bytes[c] for c in MODEL_STATE_CATEGORIES)
+    out["device"], out["host"] = led.placed["device"], led.placed["host"]
     out["kind"] = kind
     out["details"] = led.details
+    out["details_by_place"] = led.details_by_place
     out["unclaimed"] = unclaimed
     return out
 
@@ -314,6 +413,27 @@ def zero12_padded_numel(group_numels: Iterable[int], world_size: int) -> int:
     `nccl_start_alignment_factor * dp_size`, factor 2) and splits it into N equal slices."""
     a = 2 * world_size
     return sum(int(math.ceil(n / a)) * a for n in group_numels)
+
+
+def zero12_grad_partition_numel(group_param_numels: Iterable[Iterable[int]], world_size: int, rank: int) -> int:
+    """ZeRO-1/2 without offload at gradient_accumulation_steps 1, after backward: the
+    gradient partition (`averaged_gradients`) holds WHOLE parameters that overlap this
+    rank's slice of each 2N-padded group buffer (a parameter straddling a boundary is held
+    entirely by both ranks), plus the zero-padding tensor on the last rank (`_zero_padding`).
+    `group_param_numels`: the parameters' numels, per param group, in order."""
+    total = 0
+    for g in group_param_numels:
+        g = list(g)
+        padded = zero12_padded_numel([sum(g)], world_size)
+        lo, hi = rank * padded // world_size, (rank + 1) * padded // world_size
+        off = 0
+        for n in g:
+            if off < hi and off + n > lo:
+                total += n
+            off += n
+        if rank == world_size - 1:
+            total += padded - sum(g)
+    return total
 
 
 def zero3_partition_numel(param_numels: Iterable[int], world_size: int) -> int:
