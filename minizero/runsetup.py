@@ -14,8 +14,8 @@ import torch
 from minizero import comm, rundir, runlog
 from minizero.data import build_datasets, make_loader
 from minizero.lr_schedules import MinGPTSchedule
-from minizero.model import GPT, get_preset
-from minizero.train_args import UserError, build_config, dtype_of, find_checkpoint, stage_of
+from minizero.model import GPT
+from minizero.train_args import UserError, build_config, dtype_of, find_checkpoint, model_config, stage_of
 
 # minGPT play_image warms up for 1 epoch out of 20: 5% of the run's tokens.
 WARMUP_FRACTION = 0.05
@@ -80,10 +80,13 @@ def setup(args, lib) -> Run:
     train_ds, test_ds, codebook = build_datasets(
         args.dataset, root=args.data_dir, image_size=args.image_size, ncluster=args.ncluster,
         seed=args.seed, n_synthetic_train=args.synthetic_train, n_synthetic_test=args.synthetic_test)
-    block_size = args.image_size ** 2 - 1
+    model_cfg = model_config(args)   # the --model preset, sized by --image-size, --ncluster, --n-embd, --n-head
+    block_size = model_cfg.block_size
+    if args.model_note:
+        log(f"{lib.name}: {args.model_note}")
 
     torch.manual_seed(args.seed)   # the same initial weights on every rank (and in both libraries)
-    model = GPT(get_preset(args.model, block_size=block_size, vocab_size=args.ncluster))
+    model = GPT(model_cfg)
     n_params = model.num_params()   # before the engine: ZeRO-3 leaves empty parameters on the module
     opt_params = (cfg.get("optimizer") or {}).get("params") or {}
     # minGPT's split: decay only the Linear weights. The groups carry their weight_decay,
