@@ -6,7 +6,9 @@
 Per stage: `torchrun ... -m minizero.train`, then `... reference/train.py` (real DeepSpeed)
 with identical flags; unknown flags go to both. Writes into --out (default reports/compare-<dtype>):
 report.md (command, machine, versions, one table row per stage), loss_curves.png, memory.png
-(per-rank model states stacked by category), results.json (every number, both summaries),
+(rank 0's model states stacked by category; with ZeRO-Offload in the config, one panel for
+the device and one for the host, and the table gains device and host columns), results.json
+(every number, both summaries),
 config.json (the config both got), and <lib>-stage<N>/ (each run's save dir and run.log).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBS = ("minizero", "deepspeed")
 STAGES = (0, 1, 2, 3)
 CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
+PLACES = ("device", "host")
 # So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
 # (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
 # and, with max_live/reuse_distance at 1e9, keeps a small model gathered from forward into
@@ -126,13 +129,35 @@ def state_bytes(summary) -> list:
     return [sum(int(r.get(c) or 0) for c in CATEGORIES) for r in summary["model_state_bytes"]]
 
 
+def category_bytes(entry, category, place=None) -> int:
+    """One rank's bytes of `category`: in all (place None) or on the "device" / "host".
+    An entry without the split (a summary from before it, or reference/train.py without
+    its walker) holds everything on the device."""
+    if place is None or "device" not in entry:
+        return int(entry.get(category) or 0) if place in (None, "device") else 0
+    return int((entry.get(place) or {}).get(category) or 0)
+
+
+def placed_bytes(entry) -> dict:
+    """{"device": bytes, "host": bytes} of one rank's model states."""
+    return {w: sum(category_bytes(entry, c, w) for c in CATEGORIES) for w in PLACES}
+
+
+def offloaded(results) -> bool:
+    """Whether any run of either library holds model states in host memory (ZeRO-Offload)."""
+    return any(placed_bytes(e)["host"] for runs in results.values() for s in runs.values()
+               for e in s["model_state_bytes"])
+
+
 def stage_row(stage, mz, ds) -> dict:
     n = min(len(mz["losses"]), len(ds["losses"]))
     diffs = [abs(a - b) for a, b in zip(mz["losses"][:n], ds["losses"][:n]) if a is not None and b is not None]
     row = {"stage": stage, "steps": n, "max_abs_dloss": max(diffs) if diffs else None}
     for lib, s in zip(LIBS, (mz, ds)):
         sb = state_bytes(s)
+        where = placed_bytes(s["model_state_bytes"][0])
         row[lib] = {"final_loss": s["final_loss"], "test_loss": s["test_loss"], "state_bytes_rank0": sb[0],
+                    "device_bytes_rank0": where["device"], "host_bytes_rank0": where["host"],
                     "state_bytes_max": max(sb), "peak_mem_mb": max(s["peak_mem_mb"]),
                     "samples_per_s": s["samples_per_s"],
                     "wire_bytes_per_step": (s["comm_wire_bytes_per_step"] or {}).get("total", 0),
@@ -168,21 +193,28 @@ def fmt(x, kind="g") -> str:
 PER_LIB = [("final loss", "final_loss", "loss"), ("state B r0", "state_bytes_rank0", "bytes"),
            ("state B max", "state_bytes_max", "bytes"), ("peak MB", "peak_mem_mb", "bytes"),
            ("samples/s", "samples_per_s", "g"), ("wire B/step", "wire_bytes_per_step", "bytes")]
+# with ZeRO-Offload, after "state B r0": where rank 0's model states live
+PLACED = [("device B r0", "device_bytes_rank0", "bytes"), ("host B r0", "host_bytes_rank0", "bytes")]
 
 
 def table(rows) -> str:
-    head = ["stage", "max abs dloss/step"] + [f"{t} {lib}" for t, _, _ in PER_LIB for lib in ("mz", "DS")]
-    head.insert(12, "mz/DS speed")
+    """The markdown table, one row per stage. Device / host columns appear when a run
+    offloads (some library holds model states in host memory)."""
+    placed = any(r[lib]["host_bytes_rank0"] for r in rows for lib in LIBS if "host_bytes_rank0" in r[lib])
+    columns = PER_LIB[:2] + (PLACED if placed else []) + PER_LIB[2:]
+    speed_at = 2 + 2 * (columns.index(PER_LIB[4]) + 1)   # "mz/DS speed" after the samples/s pair
+    head = ["stage", "max abs dloss/step"] + [f"{t} {lib}" for t, _, _ in columns for lib in ("mz", "DS")]
+    head.insert(speed_at, "mz/DS speed")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["stage"]), fmt(r["max_abs_dloss"], "d")]
-        cells += [fmt(r[lib][key], kind) for _, key, kind in PER_LIB for lib in LIBS]
-        cells.insert(12, fmt(r["speed_ratio"]))
+        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in LIBS]
+        cells.insert(speed_at, fmt(r["speed_ratio"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def note(args) -> str:
+def note(args, offload: bool = False) -> str:
     agreement = os.path.join(REPO, "docs", "agreement.md")   # relative when the report is inside the repo
     agreement = os.path.relpath(agreement, args.out) if args.out.startswith(REPO + os.sep) else agreement
     lines = [
@@ -202,6 +234,15 @@ def note(args) -> str:
         "in bf16/fp16), keep parameters under 1e5 elements unpartitioned (a small model would show no ZeRO-3 "
         "saving) and allocate a 5e8-element reduce bucket at init.",
         "- samples/s: median over logged intervals after the first; noisy (+-30%) on a shared CPU."]
+    if offload:
+        lines.append("- Offload (host B > 0): minizero moves exactly the optimizer shard (fp32 master + Adam "
+                     "moments, 12 bytes per element of the rank's shard in mixed precision) to the host and, with "
+                     "`offload_param`, ZeRO-3's partitioned low-precision parameters. DeepSpeed also keeps an fp32 "
+                     "gradient partition on the host (4 bytes per element), at ZeRO-3 its low-precision gradient "
+                     "partition there too, and at ZeRO-1/2 a low-precision staging copy of the shard plus two "
+                     "staging buffers of the largest parameter's size, one on each side (docs/deepspeed.md, "
+                     "\"ZeRO-Offload's extra host buffers\"). On a CPU-only machine the device and the host are the "
+                     "same memory: the split says where the bytes would live beside a GPU.")
     if args.dtype != "fp32" and 0 in args.stages:
         lines.append("- Stage 0 in fp16/bf16: DeepSpeed's stage-0 wrappers take one Adam step with zero gradients "
                      "at init (losses drift, bf16 up to ~6e-3 in 20 steps); its stage-0 fp16 never multiplies "
@@ -213,7 +254,9 @@ def note(args) -> str:
     return "\n".join(lines)
 
 
-def report_md(info, args, rows) -> str:
+def report_md(info, args, rows, offload: bool = False) -> str:
+    placed = (" device B / host B = the same split by where it lives: host memory with ZeRO-Offload."
+              if offload else "")
     return "\n".join([
         f"# minizero vs DeepSpeed: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
         f"{args.nproc} rank(s)", "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
@@ -222,8 +265,8 @@ def report_md(info, args, rows) -> str:
         table(rows), "",
         "mz = minizero, DS = DeepSpeed. state B = model-state bytes per rank after training (params + grads + "
         "master params + optimizer states); max abs dloss/step = max over optimizer steps of |loss_mz - loss_DS|; "
-        "wire B/step = ring-algorithm bytes per rank per optimizer step.", "",
-        note(args), "", "![loss curves](loss_curves.png)", "", "![memory](memory.png)", ""])
+        "wire B/step = ring-algorithm bytes per rank per optimizer step." + placed, "",
+        note(args, offload), "", "![loss curves](loss_curves.png)", "", "![memory](memory.png)", ""])
 
 
 def pyplot():
@@ -249,21 +292,30 @@ def plot_losses(path, results) -> None:
 
 
 def plot_memory(path, results) -> None:
+    """Rank 0's model states per stage, minizero | DeepSpeed, stacked by category; with
+    offload two panels on one scale, the device's and the host's."""
     plt = pyplot()
     stages = sorted(results)
-    fig, ax = plt.subplots(figsize=(max(5, 2 * len(stages)), 4))
+    places = PLACES if offloaded(results) else (None,)
+    fig, axes = plt.subplots(1, len(places), figsize=(len(places) * max(5, 2 * len(stages)), 4),
+                             squeeze=False, sharey=True)
     colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
-    for j, (lib, hatch) in enumerate(zip(LIBS, ("", "//"))):
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(stages))]
-        bottom = [0.0] * len(stages)
-        for c in CATEGORIES:
-            h = [float(results[s][lib]["model_state_bytes"][0].get(c) or 0) / 2**20 for s in stages]
-            ax.bar(xs, h, 0.36, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
-                   label=None if j else c)
-            bottom = [b + x for b, x in zip(bottom, h)]
-    ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\nmz | DS" for s in stages])
-    ax.set(ylabel="model-state MiB (rank 0)", title="Model states, rank 0: minizero | DeepSpeed (hatched)")
-    ax.legend(fontsize=8)
+    for ax, place in zip(axes[0], places):
+        for j, (lib, hatch) in enumerate(zip(LIBS, ("", "//"))):
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(stages))]
+            bottom = [0.0] * len(stages)
+            for c in CATEGORIES:
+                h = [category_bytes(results[s][lib]["model_state_bytes"][0], c, place) / 2**20 for s in stages]
+                ax.bar(xs, h, 0.36, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
+                       label=None if j else c)
+                bottom = [b + x for b, x in zip(bottom, h)]
+        ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\nmz | DS" for s in stages])
+        where = f" on the {place}" if place else ""
+        ax.set(ylabel=f"model-state MiB{where} (rank 0)",
+               title=f"on the {place}" if place else "Model states, rank 0: minizero | DeepSpeed (hatched)")
+        ax.legend(fontsize=8)
+    if places != (None,):
+        fig.suptitle("Model states, rank 0: minizero | DeepSpeed (hatched)")
     savefig(fig, path)
 
 
@@ -292,7 +344,7 @@ def main(argv=None) -> None:
     info = {"command": command, "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": versions(), "nproc": args.nproc, "dtype": args.dtype, "extra_flags": extra}
     with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(report_md(info, args, rows))
+        f.write(report_md(info, args, rows, offloaded(results)))
     plot_losses(os.path.join(args.out, "loss_curves.png"), results)
     plot_memory(os.path.join(args.out, "memory.png"), results)
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -1,5 +1,6 @@
 """python -m minizero.compare end to end: minizero and DeepSpeed on the same tiny run,
-stages 0 and 3, fp32, 2 ranks (4 launches, ~1-2 minutes on 2 CPU cores).
+stages 0 and 3, fp32, 2 ranks (4 launches, ~1-2 minutes on 2 CPU cores); and stage 3 with
+both ZeRO-Offloads (2 launches), whose report shows device and host bytes.
 
 The config is train.py's default with gradient_clipping 0 (off). minizero and DeepSpeed
 differ in one piece of arithmetic, the gradient norm, which reaches the weights only
@@ -33,23 +34,35 @@ def table_rows(md: str) -> dict:
     return {int(r["stage"]): r for r in rows}
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def run_compare(out, stages, zero=()):
+    """compare on the tiny run, fp32, train.py's default config with clipping off and `zero`
+    added to zero_optimization."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("matplotlib")
     from minizero.train_args import DEFAULT_CONFIG
 
-    out = tmp_path_factory.mktemp("compare")
     cfg = copy.deepcopy(DEFAULT_CONFIG)
     cfg["gradient_clipping"] = 0.0
+    cfg["zero_optimization"].update(zero)
     (out / "noclip.json").write_text(json.dumps(cfg))
-    r = compare("--stages", "0", "3", "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
+    r = compare("--stages", *map(str, stages), "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
                 "--dataset", "synthetic", "--image-size", "8", "--max-steps", "10", "--out", str(out),
                 # passed through to both training scripts:
                 "--synthetic-train", "256", "--synthetic-test", "32", "--num-samples", "4",
                 "--data-dir", str(out / "data"), "--config", str(out / "noclip.json"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return run_compare(tmp_path_factory.mktemp("compare"), (0, 3))
+
+
+@pytest.fixture(scope="module")
+def offload_report(tmp_path_factory):
+    return run_compare(tmp_path_factory.mktemp("compare-offload"), (3,),
+                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
 
 
 def test_report_files(report):
@@ -65,6 +78,8 @@ def test_report_files(report):
     assert "docs/agreement.md" in md and "all-reduce" in md
     assert set(table_rows(md)) == {0, 3}
     assert "| stage |" in stdout   # the table is printed too
+    # no offload: no device / host columns, and no offload note
+    assert not any("host B" in c or "device B" in c for c in table_rows(md)[0]) and "Offload" not in md
     for lib in ("minizero", "deepspeed"):
         for stage in (0, 3):
             assert (out / f"{lib}-stage{stage}" / "run.log").is_file()
@@ -108,6 +123,87 @@ def test_memory_columns(report):
     # its summary may count parameters left gathered by the end-of-run sampling.)
     assert rows[3]["minizero"]["state_bytes_max"] <= 16 * params / N + 16 * pad
     assert rows[3]["minizero"]["state_bytes_max"] < rows[0]["minizero"]["state_bytes_max"]
+
+
+def fake_summary(lib, loss, entry):
+    return {"library": lib, "losses": [loss], "final_loss": loss, "test_loss": loss, "model_state_bytes": [entry],
+            "peak_mem_mb": [100.0], "samples_per_s": 10.0, "comm_wire_bytes_per_step": {"total": 0},
+            "skipped_steps": 0}
+
+
+def placed_entry(device, host):
+    return {**{c: device.get(c, 0) + host.get(c, 0) for c in ("params", "grads", "master_params",
+                                                              "optimizer_states")},
+            "device": device, "host": host}
+
+
+def test_table_and_picture_show_host_bytes_when_a_run_offloads(tmp_path):
+    """Without host bytes the table has its usual columns; with them, device B r0 and host B
+    r0 for both libraries; the memory picture gets a host panel (twice as wide)."""
+    from PIL import Image
+
+    from minizero import compare
+    zero = dict.fromkeys(("params", "grads", "master_params", "optimizer_states"), 0)
+    on_device = placed_entry({**zero, "params": 1000, "grads": 1000, "master_params": 2000,
+                              "optimizer_states": 4000}, zero)
+    offloaded = placed_entry({**zero, "params": 1000, "grads": 1000},
+                             {**zero, "master_params": 2000, "optimizer_states": 4000})
+    old = {"grads": 1000, "params": 1000, "master_params": 2000, "optimizer_states": 4000}   # no split
+    plain = {2: {"minizero": fake_summary("minizero", 1.0, on_device),
+                 "deepspeed": fake_summary("deepspeed", 1.0, old)}}
+    moved = {2: {"minizero": fake_summary("minizero", 1.0, offloaded),
+                 "deepspeed": fake_summary("deepspeed", 1.0, placed_entry(zero, {**zero, "params": 1000,
+                                                                                  "grads": 3000,
+                                                                                  "master_params": 2000,
+                                                                                  "optimizer_states": 4000}))}}
+    widths = {}
+    for name, results in (("plain", plain), ("moved", moved)):
+        rows = [compare.stage_row(s, r["minizero"], r["deepspeed"]) for s, r in results.items()]
+        row = table_rows(compare.table(rows))[2]
+        if name == "plain":
+            assert not compare.offloaded(results)
+            assert list(row) == ["stage", "max abs dloss/step", "final loss mz", "final loss DS", "state B r0 mz",
+                                 "state B r0 DS", "state B max mz", "state B max DS", "peak MB mz", "peak MB DS",
+                                 "samples/s mz", "samples/s DS", "mz/DS speed", "wire B/step mz", "wire B/step DS"]
+            assert row["state B r0 mz"] == row["state B r0 DS"] == "8,000"
+        else:
+            assert compare.offloaded(results)
+            assert list(row)[4:10] == ["state B r0 mz", "state B r0 DS", "device B r0 mz", "device B r0 DS",
+                                       "host B r0 mz", "host B r0 DS"]
+            assert list(row)[-3:] == ["mz/DS speed", "wire B/step mz", "wire B/step DS"]
+            assert (row["device B r0 mz"], row["host B r0 mz"], row["state B r0 mz"]) == ("2,000", "6,000", "8,000")
+            assert (row["device B r0 DS"], row["host B r0 DS"], row["state B r0 DS"]) == ("0", "10,000", "10,000")
+        compare.plot_memory(tmp_path / f"{name}.png", results)
+        with Image.open(tmp_path / f"{name}.png") as im:
+            widths[name] = im.size[0]
+    assert widths["moved"] == 2 * widths["plain"]
+
+
+def test_offload_report_shows_device_and_host(offload_report):
+    """Stage 3 with offload_optimizer and offload_param, fp32: both summaries carry the
+    split; DeepSpeed keeps no model state on the device (its gradient buffers sit at
+    self.device, the host), minizero keeps its reduced gradient shard there until the step
+    (docs/deepspeed.md, "ZeRO-Offload's extra host buffers"); the losses still agree bitwise."""
+    out, _ = offload_report
+    md = (out / "report.md").read_text()
+    row = table_rows(md)[3]
+    results = json.loads((out / "results.json").read_text())
+    mz, ds = (results["summaries"]["3"][lib]["model_state_bytes"][0] for lib in ("minizero", "deepspeed"))
+    cats = ("params", "grads", "master_params", "optimizer_states")
+    for lib, e in (("mz", mz), ("DS", ds)):
+        assert row[f"device B r0 {lib}"] == f"{sum(e['device'][c] for c in cats):,}"
+        assert row[f"host B r0 {lib}"] == f"{sum(e['host'][c] for c in cats):,}"
+        assert all(e[c] == e["device"][c] + e["host"][c] for c in cats)
+    assert ds["device"] == dict.fromkeys(cats, 0)
+    assert mz["device"] == {**dict.fromkeys(cats, 0), "grads": mz["grads"]} and mz["host"]["grads"] == 0
+    # DeepSpeed's host also holds an fp32 gradient partition (4S) and its lp one (4S in fp32)
+    assert ds["host"]["grads"] == ds["details_by_place"]["host"]["grads:grad_partitions_flat_buffer"] \
+        + ds["details_by_place"]["host"]["grads:fp32_partitioned_groups_flat[i].grad"] > 0
+    assert "Offload (host B > 0)" in md and "ZeRO-Offload's extra host buffers" in md
+    assert float(row["max abs dloss/step"]) == 0.0
+    from PIL import Image
+    with Image.open(out / "memory.png") as im:
+        assert im.size[0] >= 2 * 500   # two panels (device, host), each at least 5 inches at 100 dpi
 
 
 @pytest.mark.parametrize("args, needle", [
