@@ -240,9 +240,10 @@ def note(args, offload: bool = False) -> str:
                      "`offload_param`, ZeRO-3's partitioned low-precision parameters. DeepSpeed also keeps an fp32 "
                      "gradient partition on the host (4 bytes per element), at ZeRO-3 its low-precision gradient "
                      "partition there too, and at ZeRO-1/2 a low-precision staging copy of the shard plus two "
-                     "staging buffers of the largest parameter's size, one on each side (docs/deepspeed.md, "
-                     "\"ZeRO-Offload's extra host buffers\"). On a CPU-only machine the device and the host are the "
-                     "same memory: the split says where the bytes would live beside a GPU.")
+                     "staging buffers of the largest parameter's size, one on each side ("
+                     """docs/deepspeed.md, "ZeRO-Offload's extra host buffers"). On a CPU-only machine """
+                     "the device and the host are the same memory: the split says where the bytes would live "
+                     "beside a GPU.")
     if args.dtype != "fp32" and 0 in args.stages:
         lines.append("- Stage 0 in fp16/bf16: DeepSpeed's stage-0 wrappers take one Adam step with zero gradients "
                      "at init (losses drift, bf16 up to ~6e-3 in 20 steps); its stage-0 fp16 never multiplies "
