@@ -9,7 +9,7 @@ offload_param with every parameter persistent (stage3_param_persistence_threshol
 DeepSpeed's numbers are reference/ds_memory.deepspeed_model_state_bytes on the live engine
 (reference/ds_run.run_deepspeed(capture_memory=True)), minizero's engine.memory_breakdown();
 one DeepSpeed launch per config (ZeRO-3 patches torch process-wide), all minizero configs of
-one world size in one launch. 22 DeepSpeed launches of ~8 s on 2 CPU cores (~4 min).
+one world size in one launch. 22 DeepSpeed launches of 4-8 s: 1.5-4 min on 2 shared CPU cores.
 
 The symbols (bytes per rank, exact integers):
   b   bytes per low-precision element (2 bf16/fp16, 4 fp32)
