@@ -101,10 +101,11 @@ class Size:
     n_train: int        # synthetic training images
     mem_steps: int      # steps of a memory run (iGPT-S whatever the size: see docs/gpu.md)
     compare_steps: int
+    step5_micro: int    # micro-batch of the step-5 offload runs (the tutorial's is 128)
 
 
-FULL = Size("tutorial", 32, 20, 10, 10000, 4, 30)
-QUICK = Size("tiny", 8, 6, 3, 1024, 2, 20)
+FULL = Size("tutorial", 32, 20, 10, 10000, 4, 30, 32)
+QUICK = Size("tiny", 8, 6, 3, 1024, 2, 20, 8)
 STAGES, DTYPES = (0, 1, 2, 3), ("fp16", "bf16")
 
 
@@ -154,6 +155,26 @@ def plan(n_gpus: int, quick: bool = False) -> list:
                       "-k", "cuda"], "cuda-checkpointing.log", {"MINIZERO_TEST_CUDA": "1"},   # else conftest hides CUDA
                      timeout=600, may_fail=True)]],
         judge=judge_pytest(allow_skips=False)))
+
+    checks.append(Check(
+        "cuda-offload", "the CUDA-only ZeRO-Offload tests in tests/test_offload.py (pinned host masters and shards, "
+                        "copies counted each way, one step within Adam's rounding of the GPU step)",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_offload.py",
+                      "-k", "cuda"], "cuda-offload.log", {"MINIZERO_TEST_CUDA": "1"}, timeout=600, may_fail=True)]],
+        judge=judge_pytest(allow_skips=False)))
+
+    # The tutorial's step 5 as written (ZeRO-3 fp16, offload_optimizer + offload_param), its
+    # 24-layer GPT: resumed == straight, bit for bit, on one GPU and on all of them.
+    for where, nproc, env, min_gpus in (("1gpu", 1, DETERMINISTIC_ENV, 1),
+                                        ("allgpu", max(n_gpus, 2), {**DETERMINISTIC_ENV, **DEBUG_ENV}, 2)):
+        name = f"offload-step5-{where}"
+        flags = [*data_flags(size, model="tutorial-24" if not quick else size.model), "--config",
+                 "launch/ds_config_step5.json", "--micro-batch", str(size.step5_micro), "--max-steps", str(size.steps)]
+        checks.append(Check(
+            name, f"launch/ds_config_step5.json (ZeRO-3 fp16, optimizer and parameters offloaded) on "
+                  f"{'1 GPU' if nproc == 1 else f'{nproc} GPUs'}: straight == resumed, bit for bit",
+            min_gpus=min_gpus, steps=resume_steps(launcher(nproc), flags, size, env, name, t_train),
+            judge=judge_resume("{dir}/straight", "{dir}/resumed", size.save_every)))
 
     # Train + resume == straight, bit for bit: one GPU, then all of them under torchrun.
     for where, nproc, env, min_gpus in (("1gpu", 1, DETERMINISTIC_ENV, 1),
