@@ -201,7 +201,7 @@ def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim
       in that case it passes weight_decay=0.0 explicitly to keep DS's effective default.
     - with ZeRO-Offload and without `torch_adam`, DS builds `DeepSpeedCPUAdam`, its
       vectorised C++ CPU Adam (weight_decay default 0.0). minizero builds torch's fused
-      CPU AdamW (`fused=True`), the fastest Adam torch has on a CPU (benchmarks/offload.py
+      CPU AdamW (`fused=True`), the fastest Adam torch has on a CPU (launch/bench_offload.py
       measures it against the default for-loop). It rounds differently from the for-loop:
       with `torch_adam` both libraries run torch's default, so they stay bit-identical.
     """
