@@ -28,7 +28,7 @@ import torch
 
 from . import comm
 from .flat_param import FlatParam
-from .offload import HostOffload
+from .offload import HostOffload, wait_for_device
 from .partition import unflatten
 
 GRAD_SQ_CHUNK = 1 << 20  # elements per fp64 temporary in grad_norm_sq (8 MB)
@@ -111,6 +111,10 @@ class ShardedOptimizer:
         for f, m in zip(self.flat_params, self.masters):
             m.grad = None
             self._write_shard(f, m)
+        if not self.on_host and any(f.shard_on_host for f in self.flat_params):
+            # offload_param alone wrote host shards by asynchronous device-to-host copies: wait
+            # for them before anything on the CPU (a checkpoint save) reads those shards
+            wait_for_device(self.flat_params[0].device)
 
     def _write_shard(self, f: FlatParam, master: torch.Tensor) -> None:
         """The new low-precision shard from the updated fp32 master (rounded to bf16/fp16)."""
