@@ -21,8 +21,9 @@ Why bitwise is the right expectation, operation by operation:
   the tutorial's config does not turn memory_efficient_linear off. minizero runs torch's
   F.linear. So this test runs minizero with `ds_linear` below, the same operations as
   DeepSpeed's Function (forward and backward), installed the same way (process-wide); the
-  rest of minizero is untouched. `test_torch_linear_is_not_bitwise_here` shows the patch
-  is needed: without it the runs differ.
+  rest of minizero is untouched. `test_ds_linear_is_deepspeeds_and_not_torchs` pins that
+  it computes exactly what DeepSpeed's Function computes, forward and backward, and not
+  what torch's F.linear computes in fp16.
 - every parameter of this GPT has at most 1e6 elements, so both keep all of them gathered
   (persistent); the gradients are averaged, reduce-scattered and accumulated in fp16 in the
   same order; the step is unscale-by-(clip * scale), torch AdamW (for-loop) on the fp32
@@ -169,3 +170,21 @@ def test_both_offload_what_the_config_says(runs):
     assert m["host"]["master_params"] == m["master_params"] > 0
     assert m["host"]["params"] == 0 and all(f["keep_full"] for f in mz[0]["layout"])
     assert m["device"]["master_params"] == m["device"]["optimizer_states"] == 0
+
+
+def test_ds_linear_is_deepspeeds_and_not_torchs():
+    """The test-only `ds_linear` equals DeepSpeed's zero3_linear_wrap bit for bit (output and
+    the three gradients) on this test's fp16 shapes, and torch's F.linear differs from both."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(MICRO, SHRINK["block_size"], SHRINK["n_embd"], generator=g).half()
+    w0 = torch.randn(4 * SHRINK["n_embd"], SHRINK["n_embd"], generator=g).half()
+    b0 = torch.randn(4 * SHRINK["n_embd"], generator=g).half()
+    outs = {}
+    for name, fn in (("ours", ds_linear), ("deepspeed", zero3_linear_wrap), ("torch", torch.nn.functional.linear)):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        y = fn(x, w, b)
+        y.float().pow(2).sum().backward()
+        outs[name] = (y.detach(), x.grad, w.grad, b.grad)
+    assert all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["deepspeed"]))
+    assert not all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["torch"]))
