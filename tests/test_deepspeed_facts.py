@@ -461,3 +461,29 @@ def test_checkpoint_folder_layout(seen):
     assert complete_tags(str(root / "stage2")) == [z2["tag"]]
     assert complete_tags(str(root / "stage3")) == [z3["tag"]]
     assert complete_tags(str(root / "stage2_bf16")) == [z2_bf16["tag"]]
+
+
+# ----------------------------------------------------------------------------- ZeRO-3 offload norm
+
+def _ds_zero3(offload: bool):
+    import functools
+    from reference.ds_run import run_deepspeed
+    from tests.harness import PatternBatches, make_config, make_model
+    zero = {"stage3_param_persistence_threshold": 0, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    cfg = make_config(3, "bf16", micro_batch=2, lr=3e-3, zero=zero, clip=0.05)   # clips on every step
+    return run_deepspeed(functools.partial(make_model, "micro", "gpt", embd_pdrop=0.0, resid_pdrop=0.0,
+                                           attn_pdrop=0.0), cfg, PatternBatches(62, 16, 4), 4)
+
+
+def test_zero3_offload_sums_the_gradient_norm_in_fp32():
+    """docs/deepspeed.md, "ZeRO-3 with offload_optimizer sums the gradient norm in fp32": the
+    same run with and without offload_optimizer, clipping on every step. The first forward is
+    the same; the norms offload reports are fp32 numbers (without offload: fp64 ones), and
+    once the clip factor is computed from them the weights part."""
+    off, on = (run_ranks(_ds_zero3, world_size=N, args=(o,), env=ENV)[0] for o in (False, True))
+    assert on["losses"][0] == off["losses"][0]
+    as_fp32 = lambda x: float(torch.tensor(x, dtype=torch.float32))
+    assert all(n == as_fp32(n) for n in on["grad_norms"])
+    assert any(n != as_fp32(n) for n in off["grad_norms"])
+    assert max(abs(a - b) for a, b in zip(on["grad_norms"], off["grad_norms"])) < 1e-5 * max(off["grad_norms"])
+    assert any(not torch.equal(on["final_state"][k], off["final_state"][k]) for k in on["final_state"])
