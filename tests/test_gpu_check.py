@@ -24,9 +24,9 @@ _spec.loader.exec_module(gc)
 
 RESUME_1 = [f"resume-1gpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
 RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
-MULTI = [*RESUME_N, *(f"overflow-z{s}" for s in range(4)), *(f"memory-z{s}" for s in range(4)), "memory-falls",
+MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overflow-z{s}" for s in range(4)), *(f"memory-z{s}" for s in range(4)), "memory-falls",
          "2node-straight", "2node-resume-shared", "2node-resume-separate", "2node-save-separate"]
-SINGLE = ["cpu-suite", "cuda-checkpointing", *RESUME_1, "compare", *(f"compare-z{s}" for s in range(4))]
+SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "offload-step5-1gpu", *RESUME_1, "compare", *(f"compare-z{s}" for s in range(4))]
 
 
 def by_name(n, quick=False):
@@ -391,3 +391,16 @@ def test_wrapper_parses_says_what_it_runs_and_passes_arguments_on():
     assert re.search(r"node.*gpu count|number of (nodes|processes)", header, re.I | re.S)
     assert 'launch/gpu_check.py "$@"' in sh.read_text()
     assert os.access(sh, os.X_OK)
+
+
+def test_offload_checks_run_the_tutorials_step5_config_and_the_cuda_offload_tests():
+    plan = by_name(2)
+    assert procs(plan["cuda-offload"])[0].env == {"MINIZERO_TEST_CUDA": "1"}
+    assert "tests/test_offload.py" in procs(plan["cuda-offload"])[0].argv
+    for name, nproc in (("offload-step5-1gpu", 1), ("offload-step5-allgpu", 2)):
+        straight, resumed = procs(plan[name])
+        for p in (straight, resumed):
+            assert flag(p.argv, "--config") == "launch/ds_config_step5.json"
+            assert flag(p.argv, "--model") == "tutorial-24"
+        assert "--resume" in resumed.argv and ("--nproc-per-node" in straight.argv) == (nproc > 1)
+    assert flag(procs(by_name(2, quick=True)["offload-step5-1gpu"])[0].argv, "--model") == "tiny"
