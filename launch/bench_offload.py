@@ -50,7 +50,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
@@ -61,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:      # `python launch/bench_offload.py` from anywhere: minizero, reference
     sys.path.insert(0, str(ROOT))
 
-from minizero.compare import COMPARE_DEFAULTS  # noqa: E402  (standard library only)
+from minizero.compare import COMPARE_DEFAULTS, machine  # noqa: E402  (standard library only)
 
 LIBS = ("minizero", "minizero-fused", "deepspeed")
 DEFAULT_LIBS = "minizero,deepspeed"
@@ -631,18 +630,6 @@ def adam_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                   for r in rows]
 
 
-def machine(cuda: bool) -> str:
-    import torch
-    if cuda:
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"CPU: {cpu} ({os.cpu_count()} cores), no GPU"
-
-
 def report(info: dict, results: list[dict], adam: list[dict], args) -> str:
     m = info["model"]
     gb = args.micro_batch * args.gas * args.world_size
@@ -702,7 +689,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # the profiler's start/stop lines
     t_start = time.perf_counter()
     info = {"command": "python launch/bench_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": machine(args.cuda), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": "GPU (NCCL)" if args.cuda else "CPU (gloo)",
             "versions": ", ".join(f"{p} {importlib.metadata.version(p)}" for p in ("torch", "deepspeed")
                                   if p == "torch" or "deepspeed" in args.libs),
