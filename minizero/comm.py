@@ -32,7 +32,6 @@ import os
 import sys
 import warnings
 from collections import defaultdict
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
