@@ -316,3 +316,21 @@ def test_cuda_offload_step_matches_the_gpu_step_to_adam_rounding():
         w = sa[k].double()
         ulp = torch.finfo(torch.float32).eps * w.abs().clamp_min(torch.finfo(torch.float32).tiny)
         assert ((sb[k].double() - w).abs() <= ulp + 2.0 ** -19 * lr).all(), k
+
+
+# ----------------------------------------------------------------------------- memory_table
+
+def test_memory_table_prints_device_and_host(capsys):
+    """`python -m minizero.memory_table --offload both`: stage 0 holds everything on the device;
+    at stages 1-3 the host holds the optimizer shard (12Ψ/N with padding), and at stage 3
+    the parameter shard too; device + host = total on every row."""
+    from minizero import memory_table
+    memory_table.main(["--model", "micro", "--nproc", "2", "--offload", "both"])
+    rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |")]
+    num = lambda c: int(c.strip().split(" ")[0].replace(",", ""))
+    by_stage = {int(r[1]): (num(r[6]), num(r[7]), num(r[8])) for r in rows}
+    assert sorted(by_stage) == [0, 1, 2, 3]
+    for stage, (tot, dev, host) in by_stage.items():
+        assert dev + host == tot, stage
+    assert by_stage[0][2] == 0 and by_stage[1][2] == by_stage[2][2] > 0
+    assert by_stage[3][2] > by_stage[2][2]        # + the parameter shard
