@@ -10,6 +10,7 @@ helpers compute it so it can be unit-tested without starting a single process.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -62,3 +63,23 @@ def bucketize(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+@dataclass(frozen=True)
+class FlatPlan:
+    """One FlatParam before it exists: which parameters (by name, in buffer order) it
+    flattens, its param group, and whether ZeRO-3 keeps it gathered (`keep_full`).
+
+    Every stage decides its layout as a list of these (zero1.group_plan, zero2.bucket_plan,
+    zero3.unit_plan) and then builds its FlatParams from the list. The plan depends on the
+    model and the config only, never on the world size, so memory_table.py can lay out a
+    model on the meta device for N = 1024 without a single process group."""
+    label: str
+    group: int
+    names: tuple
+    numels: tuple
+    keep_full: bool = True
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)

@@ -32,16 +32,16 @@ import torch
 
 from . import comm
 from .flat_param import FlatParam
+from .partition import FlatPlan
 
 
 class Zero1:
     stage = 1
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        names = {id(p): n for n, p in module.named_parameters()}
-        self.flat_params = [FlatParam(g["params"], [names[id(p)] for p in g["params"]], f"group{gi}", group=gi,
-                                      num_shards=comm.get_world_size(), shard_index=comm.get_rank())
-                            for gi, g in enumerate(param_groups) if g["params"]]
+        by_name = dict(module.named_parameters())
+        self.flat_params = [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank())
+                            for plan in group_plan(module, param_groups)]
 
     def prepare_backward(self) -> None:
         """Nothing: gradients accumulate in p.grad over the micro-steps."""
@@ -62,3 +62,17 @@ class Zero1:
 
     def grad_bytes(self) -> int:
         return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()
+
+
+def group_plan(module: torch.nn.Module, param_groups: list[dict]) -> list[FlatPlan]:
+    """ZeRO-1's layout (and stage 0's): one FlatParam per non-empty param group, its
+    parameters in the group's order."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [FlatPlan(f"group{gi}", gi, tuple(names[id(p)] for p in g["params"]), tuple(p.numel() for p in g["params"]))
+            for gi, g in enumerate(param_groups) if g["params"]]
+
+
+def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:
+    """The FlatParam a plan describes, over the module's parameters of those names."""
+    return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
+                     num_shards=num_shards, shard_index=shard_index, keep_full=plan.keep_full)

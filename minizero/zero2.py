@@ -36,7 +36,8 @@ import torch
 
 from . import comm
 from .flat_param import FlatParam
-from .partition import bucketize
+from .partition import FlatPlan, bucketize
+from .zero1 import build_flat
 
 
 class Bucket:
@@ -103,16 +104,23 @@ class Zero2:
 
 
 def size_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
-    """Per param group, buckets of at most `bucket_numel` elements (reduce_bucket_size),
-    formed in reverse parameter order (the order backward produces gradients); each is
-    one FlatParam, padded and sharded on its own, so every rank owns slice r of every bucket."""
+    """One Bucket (holding one FlatParam, padded and sharded on its own, so every rank owns
+    slice r of every bucket) per entry of bucket_plan."""
+    by_name = dict(module.named_parameters())
+    return [Bucket(plan.label, [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank())])
+            for plan in bucket_plan(module, param_groups, bucket_numel)]
+
+
+def bucket_plan(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[FlatPlan]:
+    """ZeRO-2's layout: per param group, buckets of at most `bucket_numel` elements
+    (reduce_bucket_size), formed in reverse parameter order (the order backward produces
+    gradients); within a bucket the parameters keep their forward order."""
     names = {id(p): n for n, p in module.named_parameters()}
-    buckets = []
+    plans = []
     for gi, g in enumerate(param_groups):
         params = list(g["params"])[::-1]  # backward order
         for bi, idx in enumerate(bucketize([p.numel() for p in params], bucket_numel)):
             members = [params[i] for i in idx][::-1]
-            label = f"group{gi}.bucket{bi}"
-            buckets.append(Bucket(label, [FlatParam(members, [names[id(p)] for p in members], label, group=gi,
-                                                    num_shards=comm.get_world_size(), shard_index=comm.get_rank())]))
-    return buckets
+            plans.append(FlatPlan(f"group{gi}.bucket{bi}", gi, tuple(names[id(p)] for p in members),
+                                  tuple(p.numel() for p in members)))
+    return plans

@@ -47,6 +47,8 @@ from torch import nn
 
 from . import checkpointing, comm
 from .flat_param import FlatParam
+from .partition import FlatPlan
+from .zero1 import build_flat
 from .zero2 import Bucket, Zero2
 
 
@@ -156,9 +158,17 @@ def _register_pre_backward(unit: Unit, output):
 
 
 def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int) -> list[Unit]:
-    """One Unit per module of find_units(); per param group, its parameters of more than
-    `persistence_threshold` elements in one partitioned FlatParam (keep_full=False), the
-    rest in one kept-gathered ("persistent") FlatParam."""
+    """One Unit per entry of unit_plan, its FlatParams built from the plan."""
+    by_name = dict(model.named_parameters())
+    return [Unit(name, m, [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank()) for plan in plans])
+            for name, m, plans in unit_plan(model, param_groups, persistence_threshold)]
+
+
+def unit_plan(model: nn.Module, param_groups: list[dict],
+              persistence_threshold: int) -> list[tuple[str, nn.Module, list[FlatPlan]]]:
+    """ZeRO-3's layout: (name, module, plans) per module of find_units(); per param group,
+    its parameters of more than `persistence_threshold` elements in one partitioned
+    FlatParam (keep_full=False), the rest in one kept-gathered ("persistent") FlatParam."""
     names = {id(p): n for n, p in model.named_parameters()}
     group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     modules = find_units(model)
@@ -169,17 +179,16 @@ def module_units(model: nn.Module, param_groups: list[dict], persistence_thresho
     units = []
     for name, m in modules:
         mine = [p for p in m.parameters() if owner[id(p)] == name and id(p) in group_of]
-        flats = []
+        plans = []
         for gi in range(len(param_groups)):
             in_group = [p for p in mine if group_of[id(p)] == gi]
             for params, keep_full, suffix in (([p for p in in_group if p.numel() > persistence_threshold], False, ""),
                                               ([p for p in in_group if p.numel() <= persistence_threshold], True,
                                                ".persist")):
                 if params:
-                    flats.append(FlatParam(params, [names[id(p)] for p in params], f"{name}.g{gi}{suffix}", group=gi,
-                                           num_shards=comm.get_world_size(), shard_index=comm.get_rank(),
-                                           keep_full=keep_full))
-        units.append(Unit(name, m, flats))
+                    plans.append(FlatPlan(f"{name}.g{gi}{suffix}", gi, tuple(names[id(p)] for p in params),
+                                          tuple(p.numel() for p in params), keep_full))
+        units.append((name, m, plans))
     return units
 
 
