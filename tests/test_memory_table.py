@@ -89,3 +89,44 @@ def test_paper_figure1_in_gb_of_1e9_bytes(capsys):
     assert totals == [120e9, 31.40625e9, 16.640625e9, 1.875e9]                            # 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N
     memory_table.main(["--paper-figure1"])
     assert "| 3 | 234,375,000 | 234,375,000 | 1,406,250,000 | 1,875,000,000 | 1.9 |" in capsys.readouterr().out
+
+
+def test_deepspeed_estimators_beside_minizero(capsys):
+    """reference/ds_memory.side_by_side: DeepSpeed's estimators with the multipliers
+    docs/zero.md explains (2Ψ + 18Ψ/N; 4L + 18Ψ/N; 4L + 2Ψ/N; 4L), each beside minizero's
+    exact bytes, which differ from them by the named terms plus minizero's padding only;
+    and the *_all_live printouts show the same numbers in GB of 2^30 bytes."""
+    pytest.importorskip("deepspeed")
+    import contextlib
+    import io
+
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+    from reference import ds_memory
+
+    rows = ds_memory.side_by_side("tutorial", [8, 64])
+    psi, big = rows[0]["total_params"], rows[0]["largest_layer_params"]
+    assert psi == 10_001_664
+    for r in rows:
+        n = r["world"]
+        pad = 16 * n * 64                     # < n padded elements per FlatParam, 16 bytes each at most
+        want = {(2, "none"): 2 * psi + int(18 * psi / n), (2, "optimizer"): 2 * psi,
+                (3, "none"): 4 * big + int(18 * psi / n), (3, "optimizer"): 4 * big + int(2 * psi / n),
+                (3, "both"): 4 * big}[r["stage"], r["offload"]]
+        assert r["gpu"] == want, r
+        mz = r["minizero_device"] + r["minizero_host"]
+        # what DeepSpeed adds over minizero's persistent bytes, term by term (ZeRO-2 offload:
+        # DeepSpeed's per-GPU number leaves out everything but the 16-bit parameters)
+        if r["offload"] == "none":
+            extra = 4 * psi / n if r["stage"] == 2 else 2 * psi / n + 4 * big
+            assert 0 <= (r["gpu"] - mz) - (extra - pad) <= pad + 1, r
+    from minizero.model import GPT, get_preset
+    model = GPT(get_preset("tutorial"))
+    for fn, stage in ((estimate_zero2_model_states_mem_needs_all_live, 2),
+                      (estimate_zero3_model_states_mem_needs_all_live, 3)):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            fn(model, num_gpus_per_node=8, num_nodes=1)
+        for r in rows:
+            if r["world"] == 8 and r["stage"] == stage:
+                assert f"{r['gpu'] / 2**30:6.2f}GB" in buf.getvalue(), (r, buf.getvalue())
