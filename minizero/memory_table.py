@@ -12,7 +12,8 @@ for byte to `engine.memory_breakdown()` of real engines (tests/test_memory_table
 nothing is trained, only laid out) and prints each rank's `engine.memory_breakdown()`: the
 measured table the per-stage tables in docs/zero.md come from. `--offload optimizer` adds
 offload_optimizer at stages 1-3, `both` also offload_param at stage 3 (docs/offload.md).
-`--paper-figure1` prints the ZeRO paper's Figure 1 example (Ψ = 7.5B, N = 64, K = 12).
+`--paper-figure1` prints the ZeRO paper's Figure 1 example (Ψ = 7.5B, N = 64, K = 12);
+`--paper-figure1 --png docs/img/zero_figure1.png` also draws it.
 """
 from __future__ import annotations
 
@@ -108,6 +109,39 @@ def print_figure1() -> None:
               f"{row['total'] / 1e9:.1f} | {row['total'] / 2**30:.1f} | {printed} GB |")
 
 
+def plot_figure1(path: str) -> None:
+    """The Figure 1 numbers as stacked bars (parameters, gradients, optimizer states) per
+    stage, in GB of 1e9 bytes: docs/img/zero_figure1.png."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--png needs matplotlib: pip install -e .[dev]") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = figure1()
+    names = ["baseline\n(stage 0)", "P_os\n(stage 1)", "P_os+g\n(stage 2)", "P_os+g+p\n(stage 3)"]
+    parts = [("parameters (2 bytes)", [r["params"] for r in rows], "#4c72b0"),
+             ("gradients (2 bytes)", [r["grads"] for r in rows], "#dd8452"),
+             ("optimizer states (K = 12 bytes)", [r["master_params"] + r["optimizer_states"] for r in rows], "#55a868")]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    bottom = [0.0] * 4
+    for label, values, colour in parts:
+        gb = [v / 1e9 for v in values]
+        ax.bar(names, gb, bottom=bottom, label=label, color=colour)
+        bottom = [b + v for b, v in zip(bottom, gb)]
+    for i, t in enumerate(bottom):
+        ax.text(i, t + 1.5, f"{t:.1f} GB", ha="center")
+    ax.set_ylabel("model states per device (GB = 1e9 bytes)")
+    ax.set_ylim(0, max(bottom) * 1.12)
+    ax.set_title(f"ZeRO paper, Figure 1: Ψ = 7.5B, N = {FIGURE1['world']}, K = {FIGURE1['k']}")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 # ----------------------------------------------------------------------------- measured: N real ranks
 
 def _rank(rank, world, port, model_name, dtype, stages, queue, offload="none"):
@@ -168,9 +202,14 @@ def main(argv=None) -> None:
                     help="ZeRO-3's stage3_param_persistence_threshold (computed mode; DeepSpeed's default "
                          "is 100000, the measured mode uses 0)")
     ap.add_argument("--paper-figure1", action="store_true", help="print the ZeRO paper's Figure 1 example and stop")
+    ap.add_argument("--png", help="with --paper-figure1: also draw it into this PNG (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.png and not args.paper_figure1:
+        ap.error("--png draws the paper's Figure 1: give it with --paper-figure1")
     if args.paper_figure1:
         print_figure1()
+        if args.png:
+            plot_figure1(args.png)
         return
     if args.world_size and args.nproc:
         ap.error("give --world-size (computed) or --nproc (measured), not both")

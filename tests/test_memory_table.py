@@ -80,6 +80,9 @@ def test_cli_computed_rows(capsys):
     num = lambda c: int(c.strip().split(" ")[0].replace(",", ""))
     for r in rows:
         assert num(r[7]) + num(r[8]) == num(r[6])
+    for bad in (["--world-size", "0"], ["--world-size", "2", "--nproc", "2"], ["--model", "nope"], ["--png", "x.png"]):
+        with pytest.raises(SystemExit):
+            memory_table.main(bad)
 
 
 def test_paper_figure1_in_gb_of_1e9_bytes(capsys):
