@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .partition import padded_numel, shard_range, unflatten
+from .partition import FlatPlan, padded_numel, shard_range, unflatten
 
 
 class FlatParam:
@@ -162,3 +162,19 @@ class FlatParam:
     def __repr__(self) -> str:
         return (f"FlatParam({self.label}: {len(self.params)} params, Ψ={self.numel}, "
                 f"padded={self.padded_numel}, shard={self.shard_numel} x {self.num_shards}, {self.dtype})")
+
+
+# ----------------------------------------------------------------------------- layout plans -> FlatParams
+
+def group_plan(module: torch.nn.Module, param_groups: list[dict]) -> list[FlatPlan]:
+    """The simplest layout (stage 0 and ZeRO-1): one FlatParam per non-empty param group,
+    its parameters in the group's order. ZeRO-2/3 plan theirs in zero2.py / zero3.py."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [FlatPlan(f"group{gi}", gi, tuple(names[id(p)] for p in g["params"]), tuple(p.numel() for p in g["params"]))
+            for gi, g in enumerate(param_groups) if g["params"]]
+
+
+def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:
+    """The FlatParam a plan describes, over the module's parameters of those names."""
+    return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
+                     num_shards=num_shards, shard_index=shard_index, keep_full=plan.keep_full)

@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from .flat_param import FlatParam
+from .flat_param import build_flat, group_plan
 
 
 class DataParallel:
     stage = 0
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        names = {id(p): n for n, p in module.named_parameters()}
-        self.flat_params = [FlatParam(g["params"], [names[id(p)] for p in g["params"]], f"group{gi}", group=gi,
-                                      num_shards=1, shard_index=0)
-                            for gi, g in enumerate(param_groups) if g["params"]]
+        by_name = dict(module.named_parameters())
+        self.flat_params = [build_flat(plan, by_name, num_shards=1, shard_index=0)
+                            for plan in group_plan(module, param_groups)]
 
     def prepare_backward(self) -> None:
         """Nothing: gradients accumulate in p.grad over the micro-steps."""

@@ -31,8 +31,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .flat_param import FlatParam
-from .partition import FlatPlan
+from .flat_param import build_flat, group_plan
 
 
 class Zero1:
@@ -63,16 +62,3 @@ class Zero1:
     def grad_bytes(self) -> int:
         return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()
 
-
-def group_plan(module: torch.nn.Module, param_groups: list[dict]) -> list[FlatPlan]:
-    """ZeRO-1's layout (and stage 0's): one FlatParam per non-empty param group, its
-    parameters in the group's order."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [FlatPlan(f"group{gi}", gi, tuple(names[id(p)] for p in g["params"]), tuple(p.numel() for p in g["params"]))
-            for gi, g in enumerate(param_groups) if g["params"]]
-
-
-def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:
-    """The FlatParam a plan describes, over the module's parameters of those names."""
-    return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
-                     num_shards=num_shards, shard_index=shard_index, keep_full=plan.keep_full)

@@ -35,9 +35,8 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .flat_param import FlatParam
+from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan, bucketize
-from .zero1 import build_flat
 
 
 class Bucket:

@@ -46,9 +46,8 @@ import torch
 from torch import nn
 
 from . import checkpointing, comm
-from .flat_param import FlatParam
+from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan
-from .zero1 import build_flat
 from .zero2 import Bucket, Zero2
 
 
