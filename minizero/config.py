@@ -34,7 +34,7 @@ from minizero.config_schema import Section, anything, boolean, integer, key, num
 from minizero.errors import ConfigError
 
 __all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
-           "ActivationCheckpointingConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
+           "ActivationCheckpointingConfig", "CollectivesConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
            "ignored_knobs", "ignored_knobs_note", "resolve_batch_size"]
 
 
@@ -299,6 +299,18 @@ class ActivationCheckpointingConfig(Section):
     profile: bool = key(False, boolean)
 
 
+@dataclass
+class CollectivesConfig(Section):
+    """`minizero_collectives`: minizero's own key (DeepSpeed ignores unknown top-level keys:
+    docs/deepspeed.md, "Unknown top-level config keys are ignored", so the config still runs
+    under DeepSpeed). check: the desync check before every collective (also on with
+    MINIZERO_DEBUG_COLLECTIVES=1); timeout_s: how long a collective may wait before the run
+    ends naming it (None: 60 s with the check, else the process group's own, 1800 s when
+    minizero started it). docs/debugging.md."""
+    check: bool = key(False, boolean)
+    timeout_s: Optional[float] = key(None, optional(real(lo=1)))
+
+
 _BATCH = optional(integer(lo=1))
 
 
@@ -320,6 +332,7 @@ class Config(Section):
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = key(
         None, optional(ActivationCheckpointingConfig.parse))
     steps_per_print: Optional[int] = key(None, optional(integer(lo=1)))   # DS 0.19.8 default: None (never print)
+    collectives: CollectivesConfig = key(CollectivesConfig, CollectivesConfig.parse, name="minizero_collectives")
     wall_clock_breakdown: bool = key(False, boolean, acts=False)
     zero_allow_untested_optimizer: bool = key(False, boolean, acts=False)
     zero_force_ds_cpu_optimizer: bool = key(True, boolean, acts=False)

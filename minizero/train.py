@@ -345,6 +345,14 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
         else:
             _let_rank0_speak()
         raise SystemExit(1) from None
+    except comm.CollectiveError as e:
+        # Ranks out of step (docs/debugging.md). A CollectiveMismatch is the same line on every
+        # rank, so rank 0 speaks for all; a timeout is this rank's own (it names the rank).
+        if comm.get_rank() == 0 or not isinstance(e, comm.CollectiveMismatch):
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        else:
+            _let_rank0_speak()
+        raise SystemExit(1) from None
     finally:
         comm.destroy()
 
