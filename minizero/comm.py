@@ -25,17 +25,9 @@ Offload (offload.py) adds a second kind of traffic, between the rank's device an
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
 same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network).
 
-Ranks that issue different collectives (a module used on one rank only, a different number
-of micro-steps) would otherwise block until the backend's timeout. Two guards, configured
-by the engine (`configure`; docs/debugging.md):
-
-3. *A desync check* (`MINIZERO_DEBUG_COLLECTIVES=1`, or the config's
-   `minizero_collectives.check`): before each collective, every rank all-gathers a small
-   fixed-size fingerprint (op, label, size, dtype). Both ranks of a desync reach *a*
-   collective, so both reach the same-shaped check, and all raise `CollectiveMismatch`
-   naming each rank's collective and step. Off, it costs nothing: no extra collective.
-4. *A named timeout*: a backend error or timeout inside a wrapper is re-raised as
-   `CollectiveError` naming the op, label, bytes and step this rank was waiting on.
+Every backend call goes through `desync.run_checked`: with the debug switch on, ranks first
+check that they are about to issue the same collective; a backend timeout comes back naming
+the collective that waited (desync.py, docs/debugging.md).
 """
 from __future__ import annotations
 
@@ -43,12 +35,13 @@ import datetime
 import os
 import sys
 import warnings
-import zlib
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from . import desync
 
 # torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
 # every call. We keep the names the ZeRO literature (and DeepSpeed) use.
@@ -235,107 +228,6 @@ class CommLedger:
 ledger = CommLedger()
 
 
-# ----------------------------------------------------------------------------- desync guard
-
-DEBUG_ENV = "MINIZERO_DEBUG_COLLECTIVES"
-DEBUG_TIMEOUT_S = 60.0   # with the check on, a rank left alone waits this long, not 30 min
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out on this rank; the message names which one."""
-
-
-class CollectiveMismatch(CollectiveError):
-    """Ranks issued different collectives; raised on every rank with the same message."""
-
-
-def debug_env() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-class _Guard:
-    """What the wrappers need to know to check and to name a collective: the switch, and
-    where the engine is (set_phase). Module state, like the ledger: one engine per process."""
-
-    def __init__(self):
-        self.check = debug_env()   # configure() may turn it on from the config too
-        self.phase, self.global_step, self.micro_step = "setup", 0, 0
-        self.seq = 0   # collectives issued by this rank since configure(), checked or not
-
-
-guard = _Guard()
-
-
-def configure(check: bool = False, timeout_s: float | None = None) -> None:
-    """Switch the desync check on (`check`, or MINIZERO_DEBUG_COLLECTIVES=1) and set the
-    process group's collective timeout: `timeout_s`, else DEBUG_TIMEOUT_S when checking,
-    else the group's own (init_distributed's 1800 s, or what its creator chose)."""
-    guard.check = bool(check) or debug_env()
-    guard.seq = 0
-    if timeout_s is None and guard.check:
-        timeout_s = DEBUG_TIMEOUT_S
-    if timeout_s is not None and is_distributed():
-        dist.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
-
-
-def set_phase(phase: str, global_step: int, micro_step: int) -> None:
-    """The engine says where it is (forward/backward/step of which step), for the messages."""
-    guard.phase, guard.global_step, guard.micro_step = phase, global_step, micro_step
-
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.uint8, torch.int8, torch.bool]
-
-
-def _where() -> str:
-    return f"{guard.phase} of global step {guard.global_step}, micro-step {guard.micro_step}"
-
-
-def _describe(op: str, label: str | None, numel: int, dtype: torch.dtype) -> str:
-    return f"{op} '{label or '-'}' ({numel} x {str(dtype).replace('torch.', '')})"
-
-
-def _check_agreement(op: str, label: str | None, numel: int, dtype: torch.dtype) -> None:
-    """All ranks all-gather (op, crc32(label), numel, dtype, steps, seq): 8 int64 per rank,
-    the same shape whatever collective each rank is about to issue, so ranks that disagree
-    still meet here. On disagreement the labels are exchanged (every rank knows, so every
-    rank makes that call too) and every rank raises the same CollectiveMismatch."""
-    dt = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    mine = torch.tensor([OPS.index(op), zlib.crc32((label or "").encode()), numel, dt,
-                         guard.global_step, guard.micro_step, guard.seq, 0], dtype=torch.int64)
-    n = get_world_size()
-    everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=get_device())
-    dist.all_gather_into_tensor(everyone, mine.to(get_device()))
-    rows = everyone.view(n, -1)[:, :4].cpu()
-    if bool((rows == rows[0]).all()):
-        return
-    infos = [None] * n
-    dist.all_gather_object(infos, (_describe(op, label, numel, dtype), _where(), guard.seq))
-    lines = "; ".join(f"rank {r}: {d} in {w} (collective #{s} of this rank)" for r, (d, w, s) in enumerate(infos))
-    raise CollectiveMismatch(f"ranks issued different collectives: {lines}. Every rank must run the same "
-                             f"modules and the same number of micro-steps (docs/debugging.md)")
-
-
-def _collective(op: str, label: str | None, t: torch.Tensor, nbytes: int, run, group=None) -> None:
-    """Run `run()` (the backend call) on more than one rank: checked first when the switch
-    is on (on the default group only: a subgroup's ranks are not all of them); a backend
-    error or timeout comes back naming the collective."""
-    try:
-        if guard.check and group is None:
-            _check_agreement(op, label, t.numel(), t.dtype)   # a rank left alone times out here
-        guard.seq += 1
-        run()
-    except CollectiveMismatch:
-        raise
-    except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        why = ("another rank issued no collective (it left the loop, or died)" if guard.check else
-               f"another rank issued a different collective or none; rerun with {DEBUG_ENV}=1 to name it")
-        raise CollectiveError(f"rank {get_rank()}: {_describe(op, label, t.numel(), t.dtype)}, {nbytes} bytes, "
-                              f"in {_where()} did not complete: {first}. {why[0].upper()}{why[1:]} "
-                              f"(docs/debugging.md)") from e
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -358,7 +250,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str
         if n == 1:
             output.copy_(shard.view_as(output))
         else:
-            _collective("all_gather", label, shard, _nbytes(output),
+            desync.run_checked("all_gather", label, shard, _nbytes(output),
                         lambda: dist.all_gather_into_tensor(output, shard, group=group), group)
     ledger.record("all_gather", _nbytes(output), _nbytes(output) * (n - 1) // n, label)
     return output
@@ -373,7 +265,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str |
         if n == 1:
             output.copy_(full.view_as(output))
         else:
-            _collective("reduce_scatter", label, full, _nbytes(full),
+            desync.run_checked("reduce_scatter", label, full, _nbytes(full),
                         lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group), group)
     ledger.record("reduce_scatter", _nbytes(full), _nbytes(full) * (n - 1) // n, label)
     return output
@@ -386,7 +278,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
     with _label("all_reduce", label):
         if n > 1:
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            _collective("all_reduce", label, tensor, _nbytes(tensor),
+            desync.run_checked("all_reduce", label, tensor, _nbytes(tensor),
                         lambda: dist.all_reduce(tensor, op=red, group=group), group)
     ledger.record("all_reduce", _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n, label)
     return tensor
@@ -397,7 +289,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
     n = get_world_size()
     with _label("broadcast", label):
         if n > 1:
-            _collective("broadcast", label, tensor, _nbytes(tensor),
+            desync.run_checked("broadcast", label, tensor, _nbytes(tensor),
                         lambda: dist.broadcast(tensor, src=src, group=group), group)
     ledger.record("broadcast", _nbytes(tensor), _nbytes(tensor) if n > 1 else 0, label)
     return tensor

@@ -28,7 +28,7 @@ import math
 import torch
 from torch.profiler import record_function
 
-from . import checkpointing, comm
+from . import checkpointing, comm, desync
 from .config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_across_ranks
 from .lr_schedules import build_scheduler
@@ -55,8 +55,8 @@ class Engine(torch.nn.Module):
         self.config = load_config(config, self.world_size)
         self.dtype = self.config.dtype
         # before the first collective (the weights' broadcast): the desync check and timeout
-        comm.configure(self.config.collectives.check, self.config.collectives.timeout_s)
-        comm.set_phase("setup", 0, 0)
+        desync.configure(self.config.collectives.check, self.config.collectives.timeout_s)
+        desync.set_phase("setup", 0, 0)
         if self.config.optimizer is None:
             raise ValueError("minizero: the config has no \"optimizer\" section; add e.g. "
                              "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}}")
@@ -120,7 +120,7 @@ class Engine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
             else (t.to(self.device) if torch.is_tensor(t) else t)
-        comm.set_phase("forward", self.global_steps, self.micro_steps)
+        desync.set_phase("forward", self.global_steps, self.micro_steps)
         with record_function("minizero::forward"):
             return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
 
@@ -135,7 +135,7 @@ class Engine(torch.nn.Module):
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        comm.set_phase("backward", self.global_steps, self.micro_steps)
+        desync.set_phase("backward", self.global_steps, self.micro_steps)
         with record_function("minizero::backward"):
             self.zero.prepare_backward()
             scaled.backward()
@@ -145,7 +145,7 @@ class Engine(torch.nn.Module):
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            comm.set_phase("step", self.global_steps, self.micro_steps)
+            desync.set_phase("step", self.global_steps, self.micro_steps)
             with record_function("minizero::step"):
                 self._take_model_step()
         self.micro_steps += 1

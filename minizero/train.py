@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from minizero import comm, rundir, runlog
+from minizero import comm, desync, rundir, runlog
 from minizero.checkpoint_io import CheckpointError
 from minizero.config import ConfigError, load_config
 from minizero.cifar10 import DatasetNotFoundError
@@ -345,10 +345,10 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
         else:
             _let_rank0_speak()
         raise SystemExit(1) from None
-    except comm.CollectiveError as e:
+    except desync.CollectiveError as e:
         # Ranks out of step (docs/debugging.md). A CollectiveMismatch is the same line on every
         # rank, so rank 0 speaks for all; a timeout is this rank's own (it names the rank).
-        if comm.get_rank() == 0 or not isinstance(e, comm.CollectiveMismatch):
+        if comm.get_rank() == 0 or not isinstance(e, desync.CollectiveMismatch):
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
         else:
             _let_rank0_speak()

@@ -167,12 +167,12 @@ def test_config_key_is_parsed_and_checked():
 
 @pytest.mark.parametrize("rank, printed", [(0, True), (1, False)])
 def test_train_prints_a_mismatch_once_from_rank_0_as_one_line(monkeypatch, capsys, rank, printed):
-    from minizero import comm
+    from minizero import comm, desync
     from minizero import train as train_cli
 
-    def desync(args, lib):
-        raise comm.CollectiveMismatch("ranks issued different collectives: rank 0: ...; rank 1: ...")
-    monkeypatch.setattr(train_cli, "train", desync)
+    def out_of_step(args, lib):
+        raise desync.CollectiveMismatch("ranks issued different collectives: rank 0: ...; rank 1: ...")
+    monkeypatch.setattr(train_cli, "train", out_of_step)
     monkeypatch.setattr(train_cli, "_let_rank0_speak", lambda: None)
     monkeypatch.setattr(comm, "get_rank", lambda: rank)
     with pytest.raises(SystemExit) as exit_:
@@ -184,11 +184,11 @@ def test_train_prints_a_mismatch_once_from_rank_0_as_one_line(monkeypatch, capsy
 
 
 def test_train_prints_a_timeout_on_the_rank_that_waited(monkeypatch, capsys):
-    from minizero import comm
+    from minizero import comm, desync
     from minizero import train as train_cli
 
     def waited(args, lib):
-        raise comm.CollectiveError("rank 1: all_gather 'root.g0.fwd' (5 x float32), 40 bytes, ... did not complete")
+        raise desync.CollectiveError("rank 1: all_gather 'root.g0.fwd' (5 x float32), 40 bytes, ... did not complete")
     monkeypatch.setattr(train_cli, "train", waited)
     monkeypatch.setattr(comm, "get_rank", lambda: 1)
     with pytest.raises(SystemExit):

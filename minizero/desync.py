@@ -1,0 +1,126 @@
+"""Ranks out of step: a desync check before every collective, and timeouts that say which one.
+
+When ranks issue different collectives (a module used on one rank only, a different number
+of micro-steps), every rank blocks until the backend's timeout, 30 minutes by default, and
+then a backend error names no module. Two guards, configured by the engine (`configure`)
+and applied by comm.py's wrappers through `run_checked` (docs/debugging.md):
+
+1. *A desync check* (`MINIZERO_DEBUG_COLLECTIVES=1`, or the config's
+   `minizero_collectives.check`): before each collective, every rank all-gathers a small
+   fixed-size fingerprint (op, label, size, dtype, step). Both ranks of a desync reach *a*
+   collective, so both reach the same-shaped check, and all raise `CollectiveMismatch`
+   naming each rank's collective and step. Off, it costs nothing: no extra collective.
+2. *A named timeout*: a backend error or timeout inside a wrapper is re-raised as
+   `CollectiveError` naming the op, label, bytes and step this rank was waiting on.
+
+Only torch.distributed is used here (comm.py imports this module, not the other way round).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+
+
+DEBUG_ENV = "MINIZERO_DEBUG_COLLECTIVES"
+DEBUG_TIMEOUT_S = 60.0   # with the check on, a rank left alone waits this long, not 30 min
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out on this rank; the message names which one."""
+
+
+class CollectiveMismatch(CollectiveError):
+    """Ranks issued different collectives; raised on every rank with the same message."""
+
+
+def debug_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+class _Guard:
+    """What the wrappers need to know to check and to name a collective: the switch, and
+    where the engine is (set_phase). Module state, like the ledger: one engine per process."""
+
+    def __init__(self):
+        self.check = debug_env()   # configure() may turn it on from the config too
+        self.phase, self.global_step, self.micro_step = "setup", 0, 0
+        self.seq = 0   # collectives issued by this rank since configure(), checked or not
+
+
+guard = _Guard()
+
+
+def configure(check: bool = False, timeout_s: float | None = None) -> None:
+    """Switch the desync check on (`check`, or MINIZERO_DEBUG_COLLECTIVES=1) and set the
+    process group's collective timeout: `timeout_s`, else DEBUG_TIMEOUT_S when checking,
+    else the group's own (init_distributed's 1800 s, or what its creator chose)."""
+    guard.check = bool(check) or debug_env()
+    guard.seq = 0
+    if timeout_s is None and guard.check:
+        timeout_s = DEBUG_TIMEOUT_S
+    if timeout_s is not None and dist.is_available() and dist.is_initialized():
+        dist.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
+
+
+def set_phase(phase: str, global_step: int, micro_step: int) -> None:
+    """The engine says where it is (forward/backward/step of which step), for the messages."""
+    guard.phase, guard.global_step, guard.micro_step = phase, global_step, micro_step
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.uint8, torch.int8, torch.bool]
+
+
+def where() -> str:
+    return f"{guard.phase} of global step {guard.global_step}, micro-step {guard.micro_step}"
+
+
+def describe(op: str, label: str | None, numel: int, dtype: torch.dtype) -> str:
+    return f"{op} '{label or '-'}' ({numel} x {str(dtype).replace('torch.', '')})"
+
+
+def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
+    """All ranks all-gather (op, crc32(label), numel, dtype, steps, seq): 8 int64 per rank,
+    the same shape whatever collective each rank is about to issue, so ranks that disagree
+    still meet here. On disagreement the labels are exchanged (every rank knows, so every
+    rank makes that call too) and every rank raises the same CollectiveMismatch. The
+    fingerprint goes where `t` is: a collective's tensor is on the rank's device."""
+    numel, dtype = t.numel(), t.dtype
+    dt = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    mine = torch.tensor([zlib.crc32(op.encode()), zlib.crc32((label or "").encode()), numel, dt,
+                         guard.global_step, guard.micro_step, guard.seq, 0], dtype=torch.int64)
+    n = dist.get_world_size()
+    everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
+    dist.all_gather_into_tensor(everyone, mine.to(t.device))
+    rows = everyone.view(n, -1)[:, :4].cpu()
+    if bool((rows == rows[0]).all()):
+        return
+    infos = [None] * n
+    dist.all_gather_object(infos, (describe(op, label, numel, dtype), where(), guard.seq))
+    lines = "; ".join(f"rank {r}: {d} in {w} (collective #{s} of this rank)" for r, (d, w, s) in enumerate(infos))
+    raise CollectiveMismatch(f"ranks issued different collectives: {lines}. Every rank must run the same "
+                             f"modules and the same number of micro-steps (docs/debugging.md)")
+
+
+def run_checked(op: str, label: str | None, t: torch.Tensor, nbytes: int, run, group=None) -> None:
+    """Run `run()` (the backend call) on more than one rank: checked first when the switch
+    is on (on the default group only: a subgroup's ranks are not all of them); a backend
+    error or timeout comes back naming the collective."""
+    try:
+        if guard.check and group is None:
+            check_agreement(op, label, t)   # a rank left alone times out here
+        guard.seq += 1
+        run()
+    except CollectiveMismatch:
+        raise
+    except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = ("another rank issued no collective (it left the loop, or died)" if guard.check else
+               f"another rank issued a different collective or none; rerun with {DEBUG_ENV}=1 to name it")
+        raise CollectiveError(f"rank {dist.get_rank()}: {describe(op, label, t.numel(), t.dtype)}, {nbytes} bytes, "
+                              f"in {where()} did not complete: {first}. {why[0].upper()}{why[1:]} "
+                              f"(docs/debugging.md)") from e
