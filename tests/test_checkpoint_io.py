@@ -11,11 +11,14 @@ from tests.launcher import run_ranks
 MB = 4  # micro-batch per rank
 
 
-def _config(stage, dtype):
+def checkpoint_config(stage, dtype, zero=(), torch_adam=True):
+    """The config of these tests; `zero`: more zero_optimization keys (tests/test_offload.py
+    adds offload), torch_adam False: the Adam minizero picks without it."""
+    params = {"lr": 1e-3, **({"torch_adam": True} if torch_adam else {})}
     cfg = {"train_micro_batch_size_per_gpu": MB,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+           "optimizer": {"type": "Adam", "params": params},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **dict(zero)}}
     if dtype == "fp16":  # a small window so the scale moves and must be restored too
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
     if dtype == "bf16":
@@ -23,20 +26,21 @@ def _config(stage, dtype):
     return cfg
 
 
-def _engine(stage, dtype, preset="micro", **overrides):
+def checkpoint_engine(stage, dtype, preset="micro", config=None, **overrides):
     from minizero.model import GPT, get_preset
     torch.manual_seed(0)
     model = GPT(get_preset(preset, **overrides))
     engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1),
-                                     config=_config(stage, dtype))
+                                     config=config or checkpoint_config(stage, dtype))
     return engine
 
 
-def _train(stage, dtype, steps, ckpt_dir, save_at=None, resume=False):
+def train_checkpointed(stage, dtype, steps, ckpt_dir, save_at=None, resume=False, config=None):
     """Train `steps` steps (dropout on, so RNG matters); optionally save at `save_at` or
-    resume from ckpt_dir first. Returns per-step losses of this rank and final fp32 weights."""
+    resume from ckpt_dir first. Returns this rank's per-step losses, the final fp32 weights,
+    the loss scale, the global step and each param group's Adam implementation (fused, foreach)."""
     from minizero import comm
-    engine = _engine(stage, dtype)
+    engine = checkpoint_engine(stage, dtype, config=config)
     start = 0
     if resume:
         path, client = engine.load_checkpoint(ckpt_dir)
@@ -53,7 +57,8 @@ def _train(stage, dtype, steps, ckpt_dir, save_at=None, resume=False):
         losses.append(loss.item())
         if save_at is not None and s + 1 == save_at:
             engine.save_checkpoint(ckpt_dir, client_state={"step": s + 1})
-    return losses, engine.full_fp32_state_dict(), engine.loss_scale, engine.global_steps
+    impl = [(g.get("fused"), g.get("foreach")) for g in engine.optimizer.param_groups]
+    return losses, engine.full_fp32_state_dict(), engine.loss_scale, engine.global_steps, impl
 
 
 # Every stage in fp16 (masters, low-precision shards and the loss scaler all restored),
@@ -62,8 +67,8 @@ def _train(stage, dtype, steps, ckpt_dir, save_at=None, resume=False):
                                          (1, "bf16"), (3, "fp32")])
 def test_resume_is_bit_exact(tmp_path, stage, dtype):
     d = str(tmp_path)
-    full = run_ranks(_train, 2, (stage, dtype, 6, d, 3))
-    resumed = run_ranks(_train, 2, (stage, dtype, 6, d, None, True))
+    full = run_ranks(train_checkpointed, 2, (stage, dtype, 6, d, 3))
+    resumed = run_ranks(train_checkpointed, 2, (stage, dtype, 6, d, None, True))
     for r in range(2):
         assert full[r][0][3:] == resumed[r][0], f"rank {r}: losses after resume differ"
         assert full[r][2] == resumed[r][2] and full[r][3] == resumed[r][3] == 6
@@ -77,7 +82,7 @@ def test_resume_is_bit_exact(tmp_path, stage, dtype):
 
 
 def _consolidate_check(stage, d):
-    _, live, _, _ = _train(stage, "bf16", 3, d, save_at=3)
+    _, live, *_ = train_checkpointed(stage, "bf16", 3, d, save_at=3)
     return live
 
 
@@ -100,7 +105,7 @@ def test_consolidate_equals_live_weights_and_loads_into_plain_gpt(tmp_path, stag
 
 
 def _load_into(stage, d, preset, overrides):
-    engine = _engine(stage, "fp32", preset, **overrides)
+    engine = checkpoint_engine(stage, "fp32", preset, **overrides)
     try:
         engine.load_checkpoint(d)
     except CheckpointError as e:
@@ -110,7 +115,7 @@ def _load_into(stage, d, preset, overrides):
 
 def test_load_with_other_world_size_or_model_is_a_clear_error(tmp_path):
     d = str(tmp_path)
-    run_ranks(_train, 2, (2, "fp32", 1, d, 1))
+    run_ranks(train_checkpointed, 2, (2, "fp32", 1, d, 1))
     msg = run_ranks(_load_into, 1, (2, d, "micro", {}), env={"MINIZERO_FORCE_PG": "1"})[0]
     assert msg is not None and "2 shards" in msg and "world size 1" in msg and "zero_to_fp32" in msg
     msg = run_ranks(_load_into, 2, (2, d, "tiny", {}))[0]
@@ -118,7 +123,7 @@ def test_load_with_other_world_size_or_model_is_a_clear_error(tmp_path):
 
 
 def test_no_checkpoint_returns_none(tmp_path):
-    engine = _engine(0, "fp32")
+    engine = checkpoint_engine(0, "fp32")
     assert engine.load_checkpoint(str(tmp_path)) == (None, None)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         minizero.consolidate(str(tmp_path))
@@ -126,7 +131,7 @@ def test_no_checkpoint_returns_none(tmp_path):
 
 def test_crash_mid_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path, monkeypatch):
     from minizero import checkpoint_io as checkpoint
-    engine = _engine(1, "fp32")
+    engine = checkpoint_engine(1, "fp32")
     engine.save_checkpoint(str(tmp_path), tag="good")
     real_save = torch.save
 
@@ -148,7 +153,7 @@ def test_save_inside_an_accumulation_window_is_refused_and_load_drops_held_grads
     from minizero.model import GPT, get_preset
     torch.manual_seed(0)
     model = GPT(get_preset("micro"))
-    cfg = dict(_config(1, "fp32"), gradient_accumulation_steps=2)
+    cfg = dict(checkpoint_config(1, "fp32"), gradient_accumulation_steps=2)
     engine, *_ = minizero.initialize(model=model, config=cfg)
     x = torch.randint(0, 62, (MB, 64), generator=torch.Generator().manual_seed(0))
     engine.save_checkpoint(str(tmp_path))                      # at a boundary: fine
@@ -167,7 +172,7 @@ def test_empty_param_group_keeps_its_lr_and_comm_stats_are_per_engine():
     model = GPT(get_preset("micro"))
     groups = [{"params": list(model.parameters()), "lr": 1e-2}, {"params": [], "lr": 5e-3}]
     comm.all_reduce(torch.zeros(3), label="someone-else")      # traffic before the engine exists
-    cfg = _config(0, "fp32")
+    cfg = checkpoint_config(0, "fp32")
     cfg.pop("scheduler")                                       # WarmupLR would start both at 0
     engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
     assert engine.get_lr() == [1e-2, 5e-3]
@@ -191,7 +196,7 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
     must name a complete checkpoint holding A or B, and the next save must clean up."""
     import shutil
     from minizero.checkpoint_folder import complete_tags
-    engine, checker = _engine(1, "fp32"), _engine(1, "fp32")
+    engine, checker = checkpoint_engine(1, "fp32"), checkpoint_engine(1, "fp32")
     base = str(tmp_path / "base")
     for s in range(2):     # WarmupLR: the first two steps have lr 0
         _one_step(engine, s)
@@ -253,7 +258,7 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
 
 def _nan_on_rank1(d, where):
     from minizero import comm
-    engine = _engine(1, "bf16")
+    engine = checkpoint_engine(1, "bf16")
     _one_step(engine, comm.get_rank())
     engine.save_checkpoint(d, tag="good")
     if comm.get_rank() == 1:
@@ -282,12 +287,12 @@ def test_non_finite_weights_on_one_rank_are_refused_everywhere(tmp_path, where):
 def test_resume_in_another_dtype_says_what_changed(tmp_path, saved, resumed):
     """Allowed (the fp32 masters and Adam state carry over exactly), and said in one warning."""
     import logging
-    engine = _engine(1, saved)
+    engine = checkpoint_engine(1, saved)
     for s in range(3):
         _one_step(engine, s)
     engine.save_checkpoint(str(tmp_path))
     live = engine.full_fp32_state_dict()
-    other = _engine(1, resumed)
+    other = checkpoint_engine(1, resumed)
     said = []
 
     class Catch(logging.Handler):

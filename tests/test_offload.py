@@ -184,47 +184,14 @@ def test_bad_offload_configs_are_one_line_errors():
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def _ckpt_config(stage, dtype, offload, torch_adam=True):
-    cfg = {"train_micro_batch_size_per_gpu": 4,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, **({"torch_adam": True} if torch_adam else {})}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **offload}}
-    if dtype == "fp16":   # a small window so the scale moves and must be restored too
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    return cfg
-
-
-def _train(cfg, steps, ckpt_dir=None, save_at=None, resume=False):
-    """`steps` steps of the micro GPT (dropout on, so the RNG state matters too); save at
-    `save_at`, or first resume from ckpt_dir. Per-step losses and the final fp32 weights."""
-    import minizero
-    from minizero import comm
-    from minizero.model import GPT, get_preset
-    torch.manual_seed(0)
-    model = GPT(get_preset("micro"))
-    engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1), config=cfg)
-    start = engine.load_checkpoint(ckpt_dir)[1]["step"] if resume else 0
-    losses = []
-    for s in range(start, steps):
-        g = torch.Generator().manual_seed(1000 + s)
-        x = torch.randint(0, 62, (4 * comm.get_world_size(), 64), generator=g)
-        xb = x[comm.get_rank() * 4:(comm.get_rank() + 1) * 4]
-        loss = engine(xb[:, :-1], xb[:, 1:])[1]
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        if save_at is not None and s + 1 == save_at:
-            engine.save_checkpoint(ckpt_dir, client_state={"step": s + 1})
-    impl = [(g.get("fused"), g.get("foreach")) for g in engine.optimizer.param_groups]
-    return losses, engine.full_fp32_state_dict(), engine.loss_scale, impl
-
-
 def _save_then_resume(stage, dtype, saved, resumed, d, torch_adam=True):
-    whole = _train(_ckpt_config(stage, dtype, resumed, torch_adam), 6)
-    first = _train(_ckpt_config(stage, dtype, saved, torch_adam), 3, d, save_at=3)
-    rest = _train(_ckpt_config(stage, dtype, resumed, torch_adam), 6, d, resume=True)
+    """tests/test_checkpoint_io.py's run (micro GPT, dropout on, WarmupLR, fp16 with a moving
+    scale) with offload `saved` while saving at step 3 and `resumed` when resuming."""
+    from tests.test_checkpoint_io import checkpoint_config, train_checkpointed
+    cfg = lambda offload: checkpoint_config(stage, dtype, zero=offload, torch_adam=torch_adam)
+    whole = train_checkpointed(stage, dtype, 6, None, config=cfg(resumed))
+    first = train_checkpointed(stage, dtype, 3, d, save_at=3, config=cfg(saved))
+    rest = train_checkpointed(stage, dtype, 6, d, resume=True, config=cfg(resumed))
     return whole, first, rest
 
 
@@ -251,8 +218,8 @@ def test_resume_keeps_this_runs_adam(tmp_path):
         d = tmp_path / ("a" if saved else "b")
         out = run_ranks(_save_then_resume, N, args=(2, "bf16", saved, resumed, str(d), False))
         for whole, first, rest in out:
-            assert first[3] == [(True, None) if saved else (None, None)] * len(first[3])
-            assert rest[3] == [want] * len(rest[3])
+            assert first[4] == [(True, None) if saved else (None, None)] * len(first[4])
+            assert rest[4] == [want] * len(rest[4])
             assert all(a == a for a in rest[0]) and len(rest[0]) == 3   # finite, resumed at step 3
 
 
