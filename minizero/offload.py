@@ -116,9 +116,15 @@ class HostOffload:
         return out
 
     def write_shard(self, f: FlatParam, master: torch.Tensor) -> None:
-        """f.shard <- the updated fp32 master, rounded to the training dtype on the host,
-        then copied to the device (or written in place when the shard lives on the host)."""
-        if f.shard_on_host:
+        """f.shard <- the updated fp32 master, rounded to the training dtype where the master
+        lives, then copied to where the shard lives (2 bytes per element in bf16/fp16)."""
+        if not self.optimizer:                       # the master is on the device
+            if f.shard_on_host:                      # offload_param alone: round there, copy over
+                comm.copy_to_host(f.shard, master.to(f.dtype), label=f"{f.label}.params")
+            elif master is not f.shard:
+                f.shard.copy_(master)
+            return
+        if f.shard_on_host:                          # both on the host
             f.shard.copy_(master)
             return
         if master.dtype == f.dtype:                  # fp32 training: copy the master itself
@@ -127,6 +133,14 @@ class HostOffload:
             staged = host_empty(f.shard_numel, f.dtype, self.pin_optimizer)
             staged.copy_(master)
         comm.copy_to_device(f.shard, staged, label=f"{f.label}.params")
+
+    def finish_writes(self, flat_params: list[FlatParam]) -> None:
+        """After the step's write_shard calls. offload_param alone wrote the host shards by
+        asynchronous device-to-host copies: wait for them before anything on the CPU (a
+        checkpoint save) reads those shards. (Copies to the device need no wait: the stream
+        orders them before the gathers that read them.)"""
+        if not self.optimizer and any(f.shard_on_host for f in flat_params):
+            wait_for_device(self.device)
 
     def describe(self, flat_params: list[FlatParam]) -> str:
         """The one log line saying what lives where."""

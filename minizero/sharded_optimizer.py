@@ -28,7 +28,7 @@ import torch
 
 from . import comm
 from .flat_param import FlatParam
-from .offload import HostOffload, wait_for_device
+from .offload import HostOffload
 from .partition import unflatten
 
 GRAD_SQ_CHUNK = 1 << 20  # elements per fp64 temporary in grad_norm_sq (8 MB)
@@ -39,8 +39,8 @@ class ShardedOptimizer:
                  offload: HostOffload | None = None):
         self.flat_params = flat_params
         self.mixed = flat_params[0].dtype != torch.float32
-        self.offload = offload if offload is not None and offload.optimizer else None
-        self.on_host = self.offload is not None      # masters and moments in host memory
+        self.offload = offload                      # None: everything on the device
+        self.on_host = offload is not None and offload.optimizer   # masters and moments in host memory
         # fp32 master copy of what this rank owns. In fp32 training the shard itself is the
         # master: DeepSpeed keeps a second fp32 copy even then (docs/deepspeed.md, "fp32 ZeRO
         # keeps a second fp32 master copy"); we do not, and memory_breakdown says so. With
@@ -110,20 +110,12 @@ class ShardedOptimizer:
         self.optimizer.step()
         for f, m in zip(self.flat_params, self.masters):
             m.grad = None
-            self._write_shard(f, m)
-        if not self.on_host and any(f.shard_on_host for f in self.flat_params):
-            # offload_param alone wrote host shards by asynchronous device-to-host copies: wait
-            # for them before anything on the CPU (a checkpoint save) reads those shards
-            wait_for_device(self.flat_params[0].device)
-
-    def _write_shard(self, f: FlatParam, master: torch.Tensor) -> None:
-        """The new low-precision shard from the updated fp32 master (rounded to bf16/fp16)."""
-        if self.on_host:
-            self.offload.write_shard(f, master)
-        elif f.shard_on_host:     # offload_param alone: round on the device, copy to the host shard
-            comm.copy_to_host(f.shard, master.to(f.dtype), label=f"{f.label}.params")
-        elif master is not f.shard:
-            f.shard.copy_(master)
+            if self.offload is not None:
+                self.offload.write_shard(f, m)   # wherever the master and the shard live
+            elif m is not f.shard:
+                f.shard.copy_(m)                 # round the updated fp32 master to bf16/fp16
+        if self.offload is not None:
+            self.offload.finish_writes(self.flat_params)
 
     def zero_grad(self) -> None:
         for f in self.flat_params:
