@@ -10,14 +10,14 @@ import torch
 
 from minizero.checkpoint_folder import CheckpointError, complete_tags, describe_tags, optim_file
 from tests.launcher import run_ranks
-from tests.test_checkpoint_io import _engine, _one_step
+from tests.test_checkpoint_io import _one_step, checkpoint_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK1 = optim_file(1)
 
 
 def _save_two_steps(d):
-    engine = _engine(1, "fp32")
+    engine = checkpoint_engine(1, "fp32")
     for s in range(2):
         _one_step(engine, s)
         engine.save_checkpoint(d)   # global_step1, global_step2
@@ -63,7 +63,7 @@ def test_complete_tags_skips_tmp_and_incomplete_folders(two_rank_run, tmp_path):
 
 
 def _load_damaged(d):
-    engine = _engine(1, "fp32")
+    engine = checkpoint_engine(1, "fp32")
     before = engine.full_fp32_state_dict()
     try:
         engine.load_checkpoint(d)
@@ -121,7 +121,7 @@ def _save_node_local(d):
     not see the `<tag>.tmp` folder rank 0 creates (os.path.isdir is what save asks)."""
     import torch.distributed as dist
     from minizero import checkpoint_io as checkpoint
-    engine = _engine(1, "fp32")
+    engine = checkpoint_engine(1, "fp32")
     _one_step(engine, 0)
     if dist.get_rank() == 1:
         real = os.path.isdir
