@@ -25,6 +25,10 @@ Offload (offload.py) adds a second kind of traffic, between the rank's device an
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
 same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network).
 
+Each collective and copy runs through `_issue`, which also tells the *watchers*: the timeline
+trace (trace.py: when each call ran and how long it waited) and DeepSpeed's comms logger
+(comms_logger.py: latency and bandwidth per op and message size), each only when switched on.
+
 Every backend call goes through `desync.run_checked`: with the debug switch on, ranks first
 check that they are about to issue the same collective; a backend timeout comes back naming
 the collective that waited (desync.py, docs/debugging.md).
@@ -237,6 +241,47 @@ def _label(op: str, label: str | None):
     return record_function(name)
 
 
+# Who else watches each collective and copy: the timeline trace (trace.py) and DeepSpeed's
+# comms logger (comms_logger.py), each only while switched on. A watcher has
+# begin(op, label) -> token and end(token, op, label, nbytes, wire_bytes, msg_bytes).
+watchers: list = []
+comms_logger = None   # a comms_logger.CommsLogger while an engine's config enables it
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False):
+    """deepspeed.comm.log_summary: rank 0 prints the comms logger's table (DeepSpeed's format,
+    comms_logger.py); with return_dict, every rank gets {"summary": ..., "straggler_analysis":
+    ..., "metadata": ...} as DeepSpeed returns it. A collective when show_straggler is set."""
+    if comms_logger is None:
+        raise RuntimeError("minizero: the comms logger is off; enable it with the config section "
+                           "\"comms_logger\": {\"enabled\": true}")
+    summary = comms_logger.summary()
+    straggler = comms_logger.straggler() if show_straggler else None
+    if get_rank() == 0:
+        from .comms_logger import format_straggler_table, format_table
+        print(format_table(summary))
+        if straggler is not None:
+            print(format_straggler_table(straggler))
+    if return_dict:
+        return {"summary": summary, "straggler_analysis": straggler,
+                "metadata": {"world_size": get_world_size(), "rank": get_rank()}}
+    return None
+
+
+def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_bytes: int | None = None) -> None:
+    """Run one collective or copy (`call`) inside its profiler range, tell the watchers, count it.
+
+    nbytes / wire_bytes: the ledger's two counts (module docstring). msg_bytes: the size
+    DeepSpeed's comms logger records, the tensor its wrapper reads (all_gather: the input
+    shard; the others: `tensor`), default nbytes."""
+    with _label(op, label):
+        tokens = [w.begin(op, label) for w in watchers]
+        call()
+        for w, token in zip(watchers, tokens):
+            w.end(token, op, label, nbytes, wire_bytes, nbytes if msg_bytes is None else msg_bytes)
+    ledger.record(op, nbytes, wire_bytes, label)
+
+
 # ----------------------------------------------------------------------------- collectives
 # Each takes an optional `label` (e.g. "block3.params") that goes into the profiler range
 # name and the ledger's per-label breakdown.
@@ -246,13 +291,12 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str
     """output (N*n elements) <- concatenation of every rank's `shard` (n elements), rank order."""
     n = get_world_size()
     assert output.numel() == shard.numel() * n, (output.numel(), shard.numel(), n)
-    with _label("all_gather", label):
-        if n == 1:
-            output.copy_(shard.view_as(output))
-        else:
-            desync.run_checked("all_gather", label, shard, _nbytes(output),
-                        lambda: dist.all_gather_into_tensor(output, shard, group=group), group)
-    ledger.record("all_gather", _nbytes(output), _nbytes(output) * (n - 1) // n, label)
+    if n == 1:
+        call = lambda: output.copy_(shard.view_as(output))
+    else:
+        call = lambda: desync.run_checked("all_gather", label, shard, _nbytes(output),
+                                          lambda: dist.all_gather_into_tensor(output, shard, group=group), group)
+    _issue("all_gather", label, call, _nbytes(output), _nbytes(output) * (n - 1) // n, msg_bytes=_nbytes(shard))
     return output
 
 
@@ -261,13 +305,13 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str |
     """output (n elements) <- SUM over ranks of chunk `rank` of `full` (N*n elements)."""
     n = get_world_size()
     assert full.numel() == output.numel() * n, (full.numel(), output.numel(), n)
-    with _label("reduce_scatter", label):
-        if n == 1:
-            output.copy_(full.view_as(output))
-        else:
-            desync.run_checked("reduce_scatter", label, full, _nbytes(full),
-                        lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group), group)
-    ledger.record("reduce_scatter", _nbytes(full), _nbytes(full) * (n - 1) // n, label)
+    if n == 1:
+        call = lambda: output.copy_(full.view_as(output))
+    else:
+        call = lambda: desync.run_checked(
+            "reduce_scatter", label, full, _nbytes(full),
+            lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group), group)
+    _issue("reduce_scatter", label, call, _nbytes(full), _nbytes(full) * (n - 1) // n, msg_bytes=_nbytes(full))
     return output
 
 
@@ -275,23 +319,23 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
                group=None) -> torch.Tensor:
     """In place. `op` is "sum" or "max" (the fp16 overflow vote uses max)."""
     n = get_world_size()
-    with _label("all_reduce", label):
-        if n > 1:
-            red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            desync.run_checked("all_reduce", label, tensor, _nbytes(tensor),
-                        lambda: dist.all_reduce(tensor, op=red, group=group), group)
-    ledger.record("all_reduce", _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n, label)
+    call = lambda: None
+    if n > 1:
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        call = lambda: desync.run_checked("all_reduce", label, tensor, _nbytes(tensor),
+                                          lambda: dist.all_reduce(tensor, op=red, group=group), group)
+    _issue("all_reduce", label, call, _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n)
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, group=None) -> torch.Tensor:
     """In place: every rank's `tensor` becomes rank `src`'s."""
     n = get_world_size()
-    with _label("broadcast", label):
-        if n > 1:
-            desync.run_checked("broadcast", label, tensor, _nbytes(tensor),
-                        lambda: dist.broadcast(tensor, src=src, group=group), group)
-    ledger.record("broadcast", _nbytes(tensor), _nbytes(tensor) if n > 1 else 0, label)
+    call = lambda: None
+    if n > 1:
+        call = lambda: desync.run_checked("broadcast", label, tensor, _nbytes(tensor),
+                                          lambda: dist.broadcast(tensor, src=src, group=group), group)
+    _issue("broadcast", label, call, _nbytes(tensor), _nbytes(tensor) if n > 1 else 0)
     return tensor
 
 
@@ -303,17 +347,13 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
     """dst (host memory) <- src (this rank's device)."""
-    with _label("d2h", label):
-        dst.copy_(src, non_blocking=True)
-    ledger.record("d2h", _nbytes(src), 0, label)
+    _issue("d2h", label, lambda: dst.copy_(src, non_blocking=True), _nbytes(src), 0)
     return dst
 
 
 def copy_to_device(dst: torch.Tensor, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
     """dst (this rank's device) <- src (host memory)."""
-    with _label("h2d", label):
-        dst.copy_(src, non_blocking=True)
-    ledger.record("h2d", _nbytes(src), 0, label)
+    _issue("h2d", label, lambda: dst.copy_(src, non_blocking=True), _nbytes(src), 0)
     return dst
 
 

@@ -30,11 +30,12 @@ from typing import Optional
 import torch
 
 from minizero import lr_schedules
-from minizero.config_schema import Section, anything, boolean, integer, key, number, only, optional, real
+from minizero.config_schema import (Section, anything, boolean, integer, key, list_of, number, only, optional, real,
+                                    string)
 from minizero.errors import ConfigError
 
 __all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
-           "ActivationCheckpointingConfig", "CollectivesConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
+           "ActivationCheckpointingConfig", "CollectivesConfig", "CommsLoggerConfig", "TraceConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
            "ignored_knobs", "ignored_knobs_note", "resolve_batch_size"]
 
 
@@ -311,6 +312,39 @@ class CollectivesConfig(Section):
     timeout_s: Optional[float] = key(None, optional(real(lo=1)))
 
 
+_COMM_OP_NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
+
+
+def _comm_op_name(v, path):
+    """An op minizero issues, by the name DeepSpeed's logger gives it (comms_logger.OP_NAMES)."""
+    if v not in _COMM_OP_NAMES:
+        raise ConfigError(f"{path} = {v!r}: minizero issues only {', '.join(_COMM_OP_NAMES)}; name one of those")
+    return v
+
+
+@dataclass
+class CommsLoggerConfig(Section):
+    """`comms_logger`, as DeepSpeed's CommsLoggerConfig (comm/config.py): time every
+    collective and print DeepSpeed's summary table (comms_logger.py says what each key does).
+    Unlike DeepSpeed, `enabled` decides (docs/deepspeed.md, "comms_logger is on whenever the
+    section is present")."""
+    enabled: bool = key(False, boolean)
+    prof_all: bool = key(True, boolean)
+    prof_ops: list = key(list, list_of(_comm_op_name))
+    verbose: bool = key(False, boolean)
+    debug: bool = key(False, boolean)
+
+
+@dataclass
+class TraceConfig(Section):
+    """`minizero_trace`: minizero's own key (DeepSpeed ignores it). Write a Chrome-trace
+    timeline of the chosen optimizer steps (1-based) to output_path: one JSON per rank, the
+    merged JSON and timeline.png (trace.py)."""
+    enabled: bool = key(False, boolean)
+    output_path: str = key("trace", string)
+    steps: tuple = key((2,), list_of(integer(lo=1)))
+
+
 _BATCH = optional(integer(lo=1))
 
 
@@ -333,6 +367,8 @@ class Config(Section):
         None, optional(ActivationCheckpointingConfig.parse))
     steps_per_print: Optional[int] = key(None, optional(integer(lo=1)))   # DS 0.19.8 default: None (never print)
     collectives: CollectivesConfig = key(CollectivesConfig, CollectivesConfig.parse, name="minizero_collectives")
+    comms_logger: CommsLoggerConfig = key(CommsLoggerConfig, CommsLoggerConfig.parse)
+    trace: TraceConfig = key(TraceConfig, TraceConfig.parse, name="minizero_trace")
     wall_clock_breakdown: bool = key(False, boolean, acts=False)
     zero_allow_untested_optimizer: bool = key(False, boolean, acts=False)
     zero_force_ds_cpu_optimizer: bool = key(True, boolean, acts=False)

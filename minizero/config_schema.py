@@ -65,6 +65,21 @@ def only(value, why):
     return check
 
 
+def list_of(check):
+    """A JSON list whose every item passes `check`."""
+    def check_list(v, path):
+        if not isinstance(v, list):
+            raise ConfigError(f"{path} must be a JSON list, got {v!r}")
+        return [check(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    return check_list
+
+
+def string(v, path):
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{path} must be a non-empty string, got {v!r}")
+    return v
+
+
 def anything(v, path):
     return v
 

@@ -65,6 +65,41 @@ def test_deepspeed_ignores_unknown_top_level_keys_but_not_in_zero_optimization(d
         ds_parse({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_max_live_params": 0}})
 
 
+def test_comms_logger_is_on_whenever_the_section_is_present(ds_parse, monkeypatch):
+    import deepspeed.comm.comm as ds_comm
+    logger = ds_comm.comms_logger
+    for attr in ("enabled", "verbose", "debug", "prof_ops", "prof_all"):   # restored after the test
+        monkeypatch.setattr(logger, attr, getattr(logger, attr))
+    cfg = ds_parse({"train_batch_size": 8, "comms_logger": {"enabled": False}})
+    ds_comm._configure_using_config_file(cfg.comms_config)
+    assert logger.enabled is True, "comms_logger.enabled: false now switches the logger off"
+    assert cfg.comms_config.comms_logger.enabled is False       # the key was read, and not used
+
+
+def test_comms_logger_bandwidths_and_reduce_scatter_message_size(monkeypatch):
+    """minizero's calc_bw is DeepSpeed's calc_bw_log for every op minizero issues, and the
+    message size DeepSpeed logs for reduce_scatter_tensor is its whole input."""
+    import inspect
+
+    import deepspeed.comm as ds_dist
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.comm.utils import get_msg_size_from_args
+    from deepspeed.utils.comms_logging import calc_bw_log
+
+    from minizero.comms_logger import OP_NAMES, calc_bw
+    for n in (2, 4, 8):
+        monkeypatch.setattr(ds_dist, "get_world_size", lambda *a, _n=n, **k: _n)
+        for op in OP_NAMES.values():
+            for size, ms in ((8, 0.01), (4096, 0.5), (12856, 2.93)):
+                assert calc_bw(op, size, ms, n) == calc_bw_log(op, size, ms), (op, n)
+    n = 4
+    full, shard = torch.zeros(n * 10), torch.zeros(10)
+    rs = inspect.getclosurevars(ds_comm.reduce_scatter_tensor).nonlocals["func"]
+    ag = inspect.getclosurevars(ds_comm.all_gather_into_tensor).nonlocals["func"]
+    assert get_msg_size_from_args(rs, shard, full) == full.numel() * 4    # the whole input: N shards
+    assert get_msg_size_from_args(ag, full, shard) == shard.numel() * 4   # the input: one shard
+
+
 def test_cpu_accelerator_claims_fp16_only_where_mkldnn_runs_it(monkeypatch):
     acc = deepspeed.accelerator.get_accelerator()
     assert acc._name == "cpu"
