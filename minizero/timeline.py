@@ -1,0 +1,117 @@
+"""Draw a traced step (trace.py) as one picture: ranks as rows, time left to right.
+
+For slides and for readers who will not open Perfetto. Each rank's row has, from top to
+bottom: the units (each block's forward, backward, recompute), and the collectives, one
+colour per kind, their waiting part hatched; behind both, the step's phases shaded
+(forward, backward, optimizer step). Only the first traced step is drawn: one step is
+what a class looks at (trace.json has them all).
+
+    python -m minizero.timeline DIR     # merge DIR/rank*.json into DIR/trace.json, draw DIR/timeline.png
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+OP_COLOURS = {"all_gather": "#1f77b4", "reduce_scatter": "#d62728", "all_reduce": "#9467bd",
+              "broadcast": "#8c564b", "d2h": "#7f7f7f", "h2d": "#bcbd22"}
+PHASE_COLOURS = {"forward": "#cfe3f5", "backward": "#fbe0c8", "step": "#d8f0d2"}
+UNIT_COLOURS = {"forward": "#6baed6", "backward": "#fd8d3c", "recompute": "#74c476"}
+
+
+def plot(doc: dict, path: str) -> str:
+    """Draw the first traced step of a (merged) Chrome-trace document to `path` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    step = min(e["args"]["step"] for e in events)
+    events = [e for e in events if e["args"].get("step") == step]
+    ranks = sorted({e["pid"] for e in events})
+    t0 = min(e["ts"] for e in events)
+    ms = lambda us: (us - t0) / 1e3
+    span_ms = ms(max(e["ts"] + e["dur"] for e in events))
+    fig, ax = plt.subplots(figsize=(14, 1.3 + 1.1 * len(ranks)))
+    for row, r in enumerate(ranks):
+        y = len(ranks) - 1 - row          # rank 0 on top
+        mine = [e for e in events if e["pid"] == r]
+        for e in mine:
+            x, w = ms(e["ts"]), e["dur"] / 1e3
+            if e["cat"] == "step" and e["name"] in PHASE_COLOURS:
+                ax.broken_barh([(x, w)], (y, 0.95), color=PHASE_COLOURS[e["name"]], zorder=0)
+            elif e["cat"] == "units":   # the root unit encloses the blocks: drawn paler, behind them
+                root = e["args"]["unit"] == "root"
+                ax.broken_barh([(x, w)], (y + 0.5, 0.4), facecolor=UNIT_COLOURS[e["args"]["phase"]],
+                               alpha=0.35 if root else 1.0, edgecolor="white", linewidth=0.6, zorder=1 if root else 2)
+                if not root and w > span_ms / 60:
+                    ax.text(x + w / 2, y + 0.7, e["args"]["unit"], ha="center", va="center",
+                            fontsize=6, zorder=5)
+            elif e["cat"] in ("collectives", "copies"):
+                ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor=OP_COLOURS[e["args"]["op"]], zorder=3)
+            elif e["cat"] == "wait":
+                ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor="white", alpha=0.55, hatch="////",
+                               edgecolor=OP_COLOURS[e["args"]["op"]], linewidth=0, zorder=4)
+    ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_ylim(0, len(ranks))
+    ax.set_xlabel("time in the step (ms)")
+    info = doc.get("otherData", {})
+    dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(info.get("dtype"), "")
+    ax.set_title(f"minizero, ZeRO stage {info.get('stage', '?')}, {dtype}, "
+                 f"{len(ranks)} rank{'s' * (len(ranks) > 1)}: optimizer step {step}")
+    ops = sorted({e["args"]["op"] for e in events if e["cat"] in ("collectives", "copies")},
+                 key=list(OP_COLOURS).index)
+    handles = ([Patch(color=PHASE_COLOURS[p], label=f"phase: {p}") for p in PHASE_COLOURS]
+               + [Patch(color=UNIT_COLOURS[u], label=f"unit {u}") for u in UNIT_COLOURS
+                  if any(e["cat"] == "units" and e["args"]["phase"] == u for e in events)]
+               + [Patch(color=OP_COLOURS[o], label=o) for o in ops]
+               + [Patch(facecolor="white", edgecolor="black", hatch="////", label="waiting for other ranks")])
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / len(ranks)),
+              ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def merge(folder: str) -> dict:
+    """The rank*.json files of a trace folder as one document (all ranks on one timeline)."""
+    files = sorted(glob.glob(os.path.join(folder, "rank*.json")),
+                   key=lambda p: int(re.search(r"rank(\d+)\.json$", p).group(1)))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no rank*.json files (write them with "
+                                f"python -m minizero.train ... --trace {folder})")
+    docs = []
+    for p in files:
+        try:
+            with open(p) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{p}: not a readable trace ({e})") from None
+    out = {"traceEvents": [e for d in docs for e in d["traceEvents"]], "displayTimeUnit": "ms",
+           "otherData": dict(docs[0].get("otherData", {}), ranks=len(docs))}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minizero.timeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", help="a trace folder holding rank0.json, rank1.json, ...")
+    args = ap.parse_args(argv)
+    try:
+        doc = merge(args.folder)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"python -m minizero.timeline: error: {e}", file=sys.stderr)
+        return 2
+    with open(os.path.join(args.folder, "trace.json"), "w") as f:
+        json.dump(doc, f)
+    print(plot(doc, os.path.join(args.folder, "timeline.png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
