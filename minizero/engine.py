@@ -284,12 +284,12 @@ class Engine(torch.nn.Module):
     def _start_comms_logger(self) -> None:
         """DeepSpeed's comms logger when the config enables it: every collective timed, the
         table printed by comm.log_summary() (comms_logger.py). One per process, as DeepSpeed's."""
-        if not self.config.comms_logger.enabled:
-            return
-        if comm.comms_logger in comm.watchers:
+        if comm.comms_logger in comm.watchers:   # the newest engine's config decides
             comm.watchers.remove(comm.comms_logger)
-        comm.comms_logger = CommsLogger(self.config.comms_logger, self.world_size, self.global_rank, self.device)
-        comm.watchers.append(comm.comms_logger)
+        comm.comms_logger = None
+        if self.config.comms_logger.enabled:
+            comm.comms_logger = CommsLogger(self.config.comms_logger, self.world_size, self.global_rank, self.device)
+            comm.watchers.append(comm.comms_logger)
 
     def _explain_ignored_performance_knobs(self) -> None:
         note = ignored_knobs_note(self.config)   # overlap/prefetch knobs: accepted, not acted on

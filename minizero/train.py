@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import io
 import itertools
+import json
 import logging
 import os
 import sys
@@ -105,7 +106,11 @@ USER_ERRORS = (UserError, ConfigError, DataConfigError, DatasetNotFoundError, Un
 
 def train(args, lib: Library) -> None:
     """Set up, run the loop, and write the results however it ends (runlog.finish)."""
+    if args.trace is not None and lib.name != "minizero":
+        raise UserError("--trace records minizero's own timeline; DeepSpeed has none (--comms-logger gives "
+                        "its per-op latency table)")
     run = setup(args, lib)
+    aim_trace(run)
     guard = NonFiniteGuard(args.max_nonfinite_steps, enabled=run.dtype != "fp16")
     status = "failed"
     try:
@@ -122,10 +127,48 @@ def train(args, lib: Library) -> None:
         raise TrainingDiverged(diverged_message(what, run.cfg, run.dtype, run.save_dir)) from None
     finally:
         try:
+            finish_observers(run, status)
             runlog.finish(run, status)
         finally:
             if run.lock is not None:
                 run.lock.release()
+
+
+def aim_trace(run: Run) -> None:
+    """--trace without --trace-steps means the second step *of this run* (the first after
+    warm-up), also after --resume; say where the timeline will go."""
+    tracer = getattr(run.engine, "tracer", None)
+    if tracer is None or run.args.trace is None:
+        return
+    first = run.state["step"] + 1
+    if run.args.trace_default:
+        tracer.steps = [first + 1 if run.max_steps > first else first]
+    if max(tracer.steps) < first:
+        raise UserError(f"--trace-steps {' '.join(map(str, tracer.steps))}: this run resumes at step {first}; "
+                        f"choose steps from {first} to {run.max_steps}")
+    runlog.log0(f"minizero: tracing step{'s' * (len(tracer.steps) > 1)} {' '.join(map(str, tracer.steps))} "
+                f"into {run.args.trace} (timeline.png, trace.json, rank<r>.json)")
+
+
+def finish_observers(run: Run, status: str) -> None:
+    """However the run ended: close the trace (a run that stopped before its traced steps
+    writes what it has and says so), and write the comms logger's table (rank 0)."""
+    tracer = getattr(run.engine, "tracer", None)
+    if tracer is not None and not tracer.closed:
+        missed = [s for s in tracer.steps if s not in tracer.traced_steps]
+        tracer.close(failed=status != "completed")
+        if missed:
+            runlog.log0(f"minizero: trace: step{'s' * (len(missed) > 1)} {' '.join(map(str, missed))} never ran")
+    if comm.comms_logger is not None and run.lib.name == "minizero":
+        summary = comm.comms_logger.summary()
+        if comm.get_rank() == 0:
+            from minizero.comms_logger import format_table
+            with open(os.path.join(run.save_dir, "comms_summary.txt"), "w") as f:
+                f.write(format_table(summary) + "\n")
+            with open(os.path.join(run.save_dir, "comms_summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            runlog.log0(f"minizero: comms logger, rank 0 (DeepSpeed's log_summary table; also in "
+                        f"{os.path.join(run.save_dir, 'comms_summary.txt')}):\n{format_table(summary)}")
 
 
 def train_loop(run: Run, guard: NonFiniteGuard) -> None:

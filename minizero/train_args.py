@@ -96,6 +96,17 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
                    help="also write samples-step<N>.png every N steps (samples.png is always written at the end)")
     g.add_argument("--num-samples", type=int, default=32, metavar="N", help="images in a sample grid")
     g.add_argument("--top-k", type=int, default=100, help="sample from the k most likely colours (play_image: 100)")
+    g = p.add_argument_group("see the collectives")
+    g.add_argument("--trace", metavar="DIR",
+                   help="minizero only: write a timeline of the --trace-steps optimizer steps to DIR: rank<r>.json "
+                        "per rank (Chrome trace: ui.perfetto.dev or chrome://tracing), the merged trace.json and "
+                        "timeline.png (docs/lesson.md)")
+    g.add_argument("--trace-steps", type=int, nargs="+", metavar="N",
+                   help="with --trace: the optimizer steps to record (default: step 2, the first after warm-up; "
+                        "step 1 when the run has one step)")
+    g.add_argument("--comms-logger", action="store_true",
+                   help="add DeepSpeed's comms_logger section: time every collective and write DeepSpeed's "
+                        "summary table to comms_summary.txt (numbers in comms_summary.json)")
     return p
 
 
@@ -111,6 +122,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = off)")
     if args.tag is not None and args.resume is None:
         parser.error("--tag needs --resume DIR (the folder holding that checkpoint)")
+    args.trace_default = args.trace is not None and args.trace_steps is None
+    if args.trace_steps is not None:
+        if args.trace is None:
+            parser.error("--trace-steps needs --trace DIR (where to write the timeline)")
+        if min(args.trace_steps) < 1:
+            parser.error(f"--trace-steps are optimizer steps, counted from 1; got {min(args.trace_steps)}")
+        if args.max_steps is not None and max(args.trace_steps) > args.max_steps:
+            parser.error(f"--trace-steps {max(args.trace_steps)} is after the last step (--max-steps {args.max_steps})")
+    elif args.trace is not None:
+        args.trace_steps = [1 if args.max_steps == 1 else 2]
     cuda = torch.cuda.is_available()
     args.chosen = []   # defaults we picked, printed at start
     if args.dataset is None:
@@ -190,6 +211,10 @@ def build_config(args, world_size: int) -> dict:
         cfg["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
     if args.lr_schedule == "mingpt" and "scheduler" in cfg:
         cfg.pop("scheduler")   # the token schedule replaces it
+    if args.trace is not None:
+        cfg["minizero_trace"] = {"enabled": True, "output_path": args.trace, "steps": list(args.trace_steps)}
+    if args.comms_logger:
+        cfg["comms_logger"] = dict(cfg.get("comms_logger") or {}, enabled=True)
     return cfg
 
 
