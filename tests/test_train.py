@@ -120,9 +120,9 @@ def test_resume_is_exact(single_run, tmp_path, data_dir):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_torchrun_two_ranks(stage, tmp_path, data_dir):
-    save = str(tmp_path / f"z{stage}")
+    save, trace = str(tmp_path / f"z{stage}"), str(tmp_path / f"trace{stage}")
     _run([*_torchrun(2), "-m", "minizero.train", *SMALL, "--stage", str(stage),
-          "--data-dir", data_dir, "--save-dir", save])
+          "--data-dir", data_dir, "--save-dir", save, "--trace", trace, "--comms-logger"])
     s = _check_run(save, "minizero", stage, 2)
     comm = s["comm_wire_bytes_per_step"]
     assert comm["total"] > 0
@@ -130,6 +130,24 @@ def test_torchrun_two_ranks(stage, tmp_path, data_dir):
         assert comm["all_reduce"] > 0 and comm["all_gather"] == 0
     if stage >= 1:
         assert comm["all_gather"] > 0
+    # --trace: step 2 by default, one file per rank, the merged file and the picture; each
+    # op's events sum to the ledger's bytes over that step (tests/test_trace.py checks the
+    # ledger against engine.comm_stats())
+    assert sorted(os.listdir(trace)) == ["rank0.json", "rank1.json", "timeline.png", "trace.json"]
+    for rank in (0, 1):
+        with open(os.path.join(trace, f"rank{rank}.json")) as f:
+            doc = json.load(f)
+        assert doc["otherData"]["steps"] == [2]
+        events = [e for e in doc["traceEvents"] if e.get("cat") in ("collectives", "copies")]
+        for op, counts in doc["otherData"]["ledger"]["2"].items():
+            assert sum(e["args"]["bytes"] for e in events if e["args"]["op"] == op) == counts["bytes"]
+            assert sum(1 for e in events if e["args"]["op"] == op) == counts["calls"]
+    # --comms-logger: DeepSpeed's table, and its numbers
+    with open(os.path.join(save, "comms_summary.txt")) as f:
+        assert f.readline().split()[:5] == ["Comm.", "Op", "Message", "Size", "Count"]
+    with open(os.path.join(save, "comms_summary.json")) as f:
+        summary = json.load(f)
+    assert ("all_reduce" if stage == 0 else "all_gather_into_tensor") in summary
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
@@ -154,6 +172,7 @@ def test_bad_input_one_clear_line(tmp_path):
         "cifar": (["--dataset", "cifar10", "--data-dir", str(empty)], [str(empty), "--dataset synthetic"]),
         "config": (["--config", str(bad_cfg)], ["gradient_cliping"]),
         "resume": (["--resume", str(empty)], [str(empty), "no checkpoint found"]),
+        "trace": (["--trace", str(tmp_path / "t"), "--trace-steps", "5"], ["--trace-steps 5", "--max-steps 3"]),
     }
     procs = {k: subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", str(tmp_path / k), *extra],
                                  cwd=ROOT, env=_env(),
