@@ -83,3 +83,54 @@ class FlatPlan:
     @property
     def numel(self) -> int:
         return sum(self.numels)
+
+
+# ----------------------------------------------------------------------------- resharding
+
+def param_offsets(numels: Sequence[int]) -> list[int]:
+    """Where each parameter starts in a flat buffer that lays them end to end."""
+    offsets, off = [], 0
+    for n in numels:
+        offsets.append(off)
+        off += n
+    return offsets
+
+
+def shards_holding(start: int, stop: int, shard_numel: int) -> list[tuple[int, int, int]]:
+    """Which shards hold elements [start, stop) of a flat buffer cut into shards of
+    `shard_numel` elements (rank r holds [r * shard_numel, (r + 1) * shard_numel)):
+    (rank, lo, hi) in rank order, lo and hi counted inside that rank's shard.
+
+    This is how a saved checkpoint is read back at another world size: a parameter's
+    elements lie at [offset, offset + numel) of its flat buffer, in one shard or spread
+    over several consecutive ones."""
+    if not 0 <= start <= stop:
+        raise ValueError(f"shards_holding: need 0 <= start <= stop, got [{start}, {stop})")
+    if shard_numel <= 0:
+        if start == stop:
+            return []
+        raise ValueError(f"shards_holding: shard_numel must be positive, got {shard_numel}")
+    pieces = []
+    pos = start
+    while pos < stop:
+        rank = pos // shard_numel
+        end = min(stop, (rank + 1) * shard_numel)
+        pieces.append((rank, pos - rank * shard_numel, end - rank * shard_numel))
+        pos = end
+    return pieces
+
+
+def params_in_range(numels: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """The parameter pieces inside elements [start, stop) of a flat buffer (parameters laid
+    end to end in `numels` order, then padding): (param index, lo, hi, at), meaning
+    elements [lo, hi) of that parameter (flattened) sit at `at` counted from `start`.
+    Padding holds no parameter, so it appears in no piece.
+
+    This is how a rank's new shard is filled when resharding: its range [start, stop) of
+    the new padded buffer is cut into the parameter slices it holds."""
+    pieces = []
+    for i, (off, n) in enumerate(zip(param_offsets(numels), numels)):
+        lo, hi = max(start, off), min(stop, off + n)
+        if lo < hi:
+            pieces.append((i, lo - off, hi - off, lo - start))
+    return pieces
