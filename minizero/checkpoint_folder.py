@@ -4,7 +4,8 @@ Layout (DeepSpeed's names, so the folders look familiar):
 
     <save_dir>/latest                                   the newest complete tag
     <save_dir>/<tag>/mp_rank_00_model_states.pt         rank 0: counters, LR schedule, loss
-                                                        scaler, client_state, the layout
+                                                        scaler, client_state, the layout,
+                                                        the parameter names in model order
     <save_dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt
                                                         rank r: its fp32 master shards, its
                                                         low-precision shards, its Adam state
@@ -12,6 +13,8 @@ Layout (DeepSpeed's names, so the folders look familiar):
 
 The names are DeepSpeed's (it also prefixes bf16 optimizer files with `bf16_` and writes
 per-rank model-state files at ZeRO-3: docs/deepspeed.md, "Checkpoint folder layout").
+docs/checkpoints.md says what each file holds at each stage, and how a folder is
+resharded for another world size.
 
 `latest` always names a complete checkpoint. A kill -9 of any rank, or of the whole job,
 at any instant (even mid-write) leaves it on one:
@@ -46,6 +49,7 @@ import zipfile
 import torch
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+DS_ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # DeepSpeed's ZeRO-3 writes one per rank
 
 
 class CheckpointError(RuntimeError):
@@ -97,7 +101,7 @@ def _complete_step(folder: str) -> int | None:
     if folder.endswith(".tmp") or not os.path.isdir(folder):
         return None
     names = set(os.listdir(folder))
-    model = next((m for m in (MODEL_FILE, "zero_pp_rank_0_mp_rank_00_model_states.pt") if m in names), None)
+    model = next((m for m in (MODEL_FILE, DS_ZERO3_MODEL_FILE) if m in names), None)
     if model is None:
         return None
     try:   # mmap: a DeepSpeed model-states file holds the weights; read only the small entries
@@ -147,10 +151,13 @@ def describe_tags(save_dir: str, exclude: str | None = None) -> str:
 
 # ----------------------------------------------------------------------------- reading
 
-def load_file(save_dir: str, tag: str, name: str):
-    """torch.load one checkpoint file; any failure is a one-line CheckpointError naming it."""
+def load_file(save_dir: str, tag: str, name: str, mmap: bool = False):
+    """torch.load one checkpoint file; any failure is a one-line CheckpointError naming it.
+    mmap: the tensors stay in the file until read (resharding reads slices of shards)."""
     path = os.path.join(save_dir, tag, name)
     try:
+        if mmap:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:   # truncated zip, EOF, unpickling error, missing file, ...
         raise CheckpointError(f"{path}: damaged or incomplete checkpoint file ({_why(path, e)}); "

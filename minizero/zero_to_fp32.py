@@ -10,19 +10,21 @@ import sys
 
 import torch
 
-from .checkpoint_folder import MODEL_FILE, CheckpointError, describe_tags, load_file, optim_file, resolve_tag
-from .partition import unflatten
+from .checkpoint_folder import MODEL_FILE, CheckpointError, describe_tags, load_file, resolve_tag
+from .checkpoint_state import MinizeroSource
 
 PROG = "python -m minizero.zero_to_fp32"
 
 
-def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+def consolidate(checkpoint_dir: str, tag: str | None = None, kind: str = "master") -> dict[str, torch.Tensor]:
     """Full fp32 state dict (name -> tensor) from a sharded checkpoint, on one process.
 
-    The fp32 masters of every rank are concatenated in rank order into each FlatParam's
-    padded buffer, the padding is cut off, and each parameter is viewed back into its
-    shape: the exact inverse of the partitioning in flat_param.py. Loadable by a plain
-    `GPT` with `model.load_state_dict(sd)`. (DeepSpeed's equivalent is zero_to_fp32.py.)
+    Each parameter's slice of every rank's fp32 master is read from the files that hold
+    it (checkpoint_state.MinizeroSource: the shards in rank order are the padded flat
+    buffer, the parameter lies at its offset in it) and viewed back into its shape: the
+    exact inverse of the partitioning in flat_param.py. Loadable by a plain `GPT` with
+    `model.load_state_dict(sd)`. (DeepSpeed's equivalent is zero_to_fp32.py.)
+    kind "exp_avg" / "exp_avg_sq": Adam's moments instead, laid out the same way.
     """
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir}: no such directory")
@@ -36,16 +38,8 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
     if "layout" not in meta:
         raise CheckpointError(f"{path} is not a minizero checkpoint (saved by DeepSpeed? use the zero_to_fp32.py "
                               f"DeepSpeed saves next to its tag folders)")
-    n = meta["world_size"] if meta["stage"] > 0 else 1
-    ranks = [load_file(checkpoint_dir, tag, optim_file(r)) for r in range(n)]
-    out = {}
-    for i, f in enumerate(meta["layout"]):
-        full = torch.cat([r["masters"][i].float() for r in ranks])
-        if full.numel() != f["padded_numel"]:
-            raise CheckpointError(f"{path}: the shards of {f['label']} hold {full.numel()} values, the layout says "
-                                  f"{f['padded_numel']}; the optimizer files are not from one checkpoint")
-        out.update({name: t.clone() for name, t in unflatten(full, f["names"], f["shapes"]).items()})
-    return out
+    source = MinizeroSource(path, meta)
+    return {name: source.read(kind, name).view(source.shapes[name]) for f in source.layout for name in f["names"]}
 
 
 def main(argv=None) -> int:
