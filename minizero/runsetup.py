@@ -141,7 +141,8 @@ def resume(run: Run, tag: str | None) -> None:
     """Load the checkpoint and the trainer's own state: data position, losses, RNG, schedule.
 
     The data position is (epoch, micro-batches consumed in it): the DistributedSampler's
-    order is a function of (seed, epoch), so skipping that many batches continues exactly."""
+    order is a function of (seed, epoch), so skipping that many batches continues exactly;
+    at another world size or micro-batch, carry_data_position converts it."""
     args, state, sched, log = run.args, run.state, run.sched, runlog.log0
     path, client = run.engine.load_checkpoint(args.resume, tag=tag)
     if path is None or not client or "train_state" not in client:
@@ -153,8 +154,9 @@ def resume(run: Run, tag: str | None) -> None:
         torch.set_rng_state(torch.as_tensor(state["rng"], dtype=torch.uint8).cpu())
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.as_tensor(state["cuda_rng"], dtype=torch.uint8).cpu())
+    moved = carry_data_position(run, path)
     log(f"{run.lib.name}: resumed from {path} at step {state['step']} (epoch {state['epoch']}, "
-        f"micro-batch {state['batch_in_epoch']})")
+        f"micro-batch {state['batch_in_epoch']}){moved}")
     saved = state.get("lr_schedule")
     if sched is not None and saved:
         planned = sched.final_tokens
@@ -165,3 +167,40 @@ def resume(run: Run, tag: str | None) -> None:
             log(f"{run.lib.name}: keeping the saved lr schedule (minGPT cosine ending at step {end}); --max-steps "
                 f"{run.max_steps} " + (f"goes on past it at the floor lr {0.1 * sched.learning_rate:.1e}"
                                        if run.max_steps > end else "stops before its end"))
+
+
+def carry_data_position(run: Run, path: str) -> str:
+    """A checkpoint saved by another number of ranks (or micro-batch size): convert the data
+    position and return what the resumed line should add ("" when nothing changed).
+
+    The sampler's permutation of the dataset depends on (seed, epoch) only; N ranks that
+    each took b micro-batches of m samples have used exactly its first b * m * N entries
+    (rank r takes entries r, r + N, ...). So M ranks with micro-batch m' go on at micro-batch
+    floor(b * m * N / (m' * M)) of the same epoch: no sample skipped, and the few beyond
+    the last whole batch are seen again. Which rank sees which sample, and so the dropout
+    masks, differ from a run that never stopped (engine.load_checkpoint says so). The
+    number of epochs or steps asked for still holds: --epochs E ends after epoch E."""
+    from minizero.checkpoint_io import saved_batch
+    state, args, engine = run.state, run.args, run.engine
+    old_world, old_micro = saved_batch(path)
+    world, micro = comm.get_world_size(), engine.train_micro_batch_size_per_gpu()
+    old_micro = old_micro or micro
+    if (old_world, old_micro) == (world, micro):
+        return ""
+    per_epoch = run.steps_per_epoch * run.gas
+    used = state["batch_in_epoch"] * old_micro * old_world
+    first, again = divmod(used, micro * world)
+    if first + run.gas > per_epoch:      # no whole step left in this epoch
+        state["epoch"], first, again = state["epoch"] + 1, 0, 0
+    state["batch_in_epoch"] = first
+    steps_left_in_epoch = (per_epoch - first) // run.gas
+    if args.epochs:                      # the epochs asked for, at this run's steps per epoch
+        run.n_epochs = args.epochs
+        run.max_steps = state["step"] + steps_left_in_epoch + (args.epochs - state["epoch"] - 1) * run.steps_per_epoch
+        if args.max_steps is not None:
+            run.max_steps = min(run.max_steps, args.max_steps)
+    more = max(0, run.max_steps - state["step"] - steps_left_in_epoch)
+    run.n_epochs = max(run.n_epochs, state["epoch"] + 1 + math.ceil(more / run.steps_per_epoch))
+    return (f"; saved by {old_world} rank{'s' if old_world != 1 else ''} x micro-batch {old_micro}, now {world} x "
+            f"{micro}: the epoch's first {used} samples were used, going on at micro-batch {first}" +
+            (f" ({again} samples seen again)" if again else "") + f", {run.max_steps} steps in all")
