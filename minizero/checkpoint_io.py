@@ -235,7 +235,11 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     engine.micro_steps, engine.global_samples = meta["micro_steps"], meta["global_samples"]
     if rng is not None:
         _set_rng_state(rng)
-    if not same_dtype and rank == 0:
+    if rank == 0 and meta["world_size"] != engine.world_size:   # stage 0, on another number of ranks
+        logger.warning(_moved_note(path, "minizero", meta["world_size"], meta["stage"], _dtype_name(meta["dtype"]),
+                                   meta["loss_scaler"], engine, has_rng=rng is not None, optimizer=load_optimizer_states,
+                                   how="loaded as saved"))
+    elif not same_dtype and rank == 0:
         logger.warning(_dtype_change(meta, engine, path))
     return path, meta["client_state"]
 
@@ -337,23 +341,26 @@ def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, lo
     if rng is not None:
         _set_rng_state(rng)
     if engine.global_rank == 0:
-        logger.warning(_reshard_note(source, engine, path, has_rng=rng is not None,
-                                     optimizer=state["optimizer"] is not None))
+        logger.warning(_moved_note(path, source.library, source.world_size, source.zero_stage, source.dtype,
+                                   source.loss_scaler, engine, has_rng=rng is not None,
+                                   optimizer=state["optimizer"] is not None, how="resharded"))
     return path, source.client_state
 
 
-def _reshard_note(source, engine, path: str, has_rng: bool, optimizer: bool) -> str:
-    """The one line a resharded load says: what it did, and what did not carry over."""
-    n, m = source.world_size, engine.world_size
+def _moved_note(path: str, library: str, n: int, stage: int, dtype: str, saved_scaler: dict | None, engine,
+                has_rng: bool, optimizer: bool, how: str) -> str:
+    """The one line a load onto another world size or layout says: what it did, and what
+    did not carry over."""
+    m = engine.world_size
     ranks = lambda k: f"{k} rank{'s' if k != 1 else ''}"
-    lib = "DeepSpeed checkpoint" if source.library == "deepspeed" else "checkpoint"
+    lib = "DeepSpeed checkpoint" if library == "deepspeed" else "checkpoint"
     carried = "fp32 master weights" + (", Adam's moments and step" if optimizer else "") + \
         ", lr schedule, loss scale and step counters carried over exactly"
     lost = []
     ours = _dtype_name(engine.dtype)
-    if source.dtype != ours:
-        lost.append(f"saved in {source.dtype}, this run is {ours}: the {ours} weights are rounded from the masters, "
-                    f"{_scale_clause(source.loss_scaler, engine)}")
+    if dtype != ours:
+        lost.append(f"saved in {dtype}, this run is {ours}: the {ours} weights are rounded from the masters, "
+                    f"{_scale_clause(saved_scaler, engine)}")
     if not optimizer:
         lost.append("Adam's moments and step start fresh (not loaded)")
     if not has_rng:
@@ -367,7 +374,7 @@ def _reshard_note(source, engine, path: str, has_rng: bool, optimizer: bool) -> 
     if m != n:
         lost.append(f"each batch is split over {ranks(m)}, not {n}, so data order and dropout masks differ from "
                     f"a run that never stopped")
-    return (f"{path}: {lib} of {ranks(n)} at ZeRO stage {source.zero_stage} resharded onto {ranks(m)} at stage "
+    return (f"{path}: {lib} of {ranks(n)} at ZeRO stage {stage} {how} onto {ranks(m)} at stage "
             f"{engine.zero.stage}: {carried}" + "".join(f"; {x}" for x in lost))
 
 

@@ -221,14 +221,12 @@ def test_resume_at_another_world_size_and_stage(saved, saved_stage, stage, world
         # arithmetic in the same order, so the losses are equal bit for bit, in fp16 too.
         assert losses == ref_losses, rank
     said = results[0][2]
-    if saved_stage == stage == 0:   # stage 0 is not sharded: loaded as saved, at any world size
-        assert said == []
-    else:
-        assert len(said) == 1, said
-        assert f"checkpoint of 2 ranks at ZeRO stage {saved_stage} resharded onto {world} rank" in said[0]
-        if world != 2:
-            assert "data order" in said[0] and "RNG" in said[0]
-        assert all(r[2] == [] for r in results[1:])   # rank 0 speaks
+    assert len(said) == 1, said   # one line, on rank 0
+    how = "loaded as saved" if saved_stage == stage == 0 else "resharded"   # stage 0 is not sharded
+    assert f"checkpoint of 2 ranks at ZeRO stage {saved_stage} {how} onto {world} rank" in said[0], said
+    if world != 2:
+        assert "data order" in said[0] and "RNG" in said[0]
+    assert all(r[2] == [] for r in results[1:])
 
 
 # ----------------------------------------------------------------------------- offline: python -m minizero.reshard
