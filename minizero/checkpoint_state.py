@@ -13,8 +13,7 @@ slices inside it (`params_in_range`) are read from the source, which finds the s
 that hold them in the old layout (`shards_holding`) and reads only those files, mmap'd.
 `rank_state` builds what one rank holds, in the form a rank's optimizer file holds it;
 checkpoint_io.load uses it for this rank, `python -m minizero.reshard` for every rank.
-(DeepSpeed's answer to the same need is its "universal checkpoint": an offline
-conversion to one file per parameter; docs/checkpoints.md compares the two.)
+docs/checkpoints.md walks through it with numbers.
 """
 from __future__ import annotations
 
