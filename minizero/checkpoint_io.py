@@ -58,7 +58,7 @@ from . import comm
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file,
                                 optim_file, publish, read_latest, resolve_tag, rng_file)
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
-                               rank_state)
+                               fill_missing_hparams, rank_state)
 from .version import __version__
 
 logger = logging.getLogger("minizero")
@@ -314,7 +314,10 @@ def _reshard_state(engine, source, path: str, load_optimizer_states: bool) -> di
         groups[f.group].update(f.names)
     check_same_groups(source, groups, path)
     layout = [{"names": f.names, "shapes": f.shapes, "group": f.group} for f in flats]
-    return rank_state(source, layout, flats[0].num_shards, flats[0].shard_index, optimizer=load_optimizer_states)
+    state = rank_state(source, layout, flats[0].num_shards, flats[0].shard_index, optimizer=load_optimizer_states)
+    if state["optimizer"] is not None:
+        fill_missing_hparams(state["optimizer"], engine.optimizer.param_groups)
+    return state
 
 
 def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, load_lr_scheduler_states: bool):

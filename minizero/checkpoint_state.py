@@ -272,3 +272,14 @@ def adam_state_dict(source: CheckpointSource, layout: list[dict], moments: list[
                 sid += 1
         groups.append({**saved["hparams"], "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def fill_missing_hparams(state_dict: dict, defaults: list[dict]) -> None:
+    """Give each saved param group the hyper-parameters it does not carry (a source from
+    another library may leave out torch's flags), from `defaults` (per group; this run's
+    groups when loading). torch would fill what is missing with Adam's defaults, and Adam's
+    `decoupled_weight_decay` default is False: an AdamW run would silently become Adam."""
+    for saved, ours in zip(state_dict["param_groups"], defaults):
+        for k, v in ours.items():
+            if k != "params":
+                saved.setdefault(k, v)

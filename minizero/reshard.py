@@ -26,7 +26,7 @@ from torch import nn
 
 from .checkpoint_folder import MODEL_FILE, CheckpointError, describe_tags, optim_file, publish, resolve_tag, rng_file
 from .checkpoint_io import open_checkpoint, rank_span
-from .checkpoint_state import adam_state_dict, rank_state
+from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
 from .config import ZeroConfig
 from .partition import padded_numel
 from .version import __version__
@@ -109,11 +109,13 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = Non
 def _write(source, layout: list[dict], tmp: str, world_size: int, stage: int, shards: int) -> None:
     """Every rank's files into the tag's .tmp folder, rank by rank (one rank's shards in memory)."""
     lp = TORCH_DTYPES[source.dtype]
+    defaults = [_adam_defaults(source.config, source.world_size)] * len(source.groups)
     for r in range(shards):
         st = rank_state(source, layout, shards, r)
         if st["optimizer"] is None:   # no Adam state saved: Adam's as at init (zeros, step 0)
             st["optimizer"] = adam_state_dict(source, layout, [{k: torch.zeros_like(m) for k in ("exp_avg", "exp_avg_sq")}
                                                                for m in st["masters"]])
+        fill_missing_hparams(st["optimizer"], defaults)
         torch.save({"rank": r, "masters": st["masters"], "shards": [m.to(lp) for m in st["masters"]],
                     "optimizer": st["optimizer"], "partition_count": shards}, os.path.join(tmp, optim_file(r)))
     for r in range(world_size):   # a rank the saving run did not have gets no RNG state ({}): it keeps its own
@@ -129,6 +131,20 @@ def _write(source, layout: list[dict], tmp: str, world_size: int, stage: int, sh
         "client_state": source.client_state, "config": config,
         "resharded_from": {"library": source.library, "world_size": source.world_size, "stage": source.zero_stage},
     }, os.path.join(tmp, MODEL_FILE))
+
+
+def _adam_defaults(config: dict | None, world_size: int) -> dict:
+    """The param-group keys of the Adam the saved config builds (sharded_optimizer.build_optimizer),
+    for a source that does not carry them all; AdamW's when the config cannot say."""
+    from .config import load_config
+    from .sharded_optimizer import build_optimizer
+    dummy = [{"params": [nn.Parameter(torch.zeros(1))]}]
+    try:
+        opt_cfg = load_config(dict(config or {}), world_size=world_size).optimizer
+    except Exception:   # another library's config: keys minizero does not know
+        opt_cfg = None
+    opt = build_optimizer(dummy, opt_cfg) if opt_cfg is not None else torch.optim.AdamW(dummy)
+    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}
 
 
 def describe_move(source, world_size: int, stage: int | None) -> str:

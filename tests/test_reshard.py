@@ -2,6 +2,7 @@
 load-time reshard (every stage, across stages, N=2 -> 1, 2, 4), the offline form
 (`python -m minizero.reshard`), the trainer's --resume, and one line for a bad folder."""
 import logging
+import math
 import os
 import random
 import shutil
@@ -365,3 +366,40 @@ def test_train_resume_at_another_world_size_and_stage(tmp_path):
     a, b = (json.load(open(os.path.join(x, "summary.json"))) for x in (run, resumed))
     assert b["status"] == "completed" and b["world_size"] == 1 and b["steps"] == 6
     assert b["losses"][:3] == a["losses"][:3] and len(b["losses"]) == 6   # the first 3 carried in train_state
+
+
+def test_data_position_at_another_world_size(monkeypatch):
+    """runsetup.carry_data_position: the epoch's first b*m*N samples were used, so M ranks of
+    m' go on at floor(b*m*N / (m'*M)); --epochs still ends after its last epoch."""
+    from types import SimpleNamespace
+
+    from minizero import checkpoint_io, comm, runsetup
+
+    def run_at(world, micro, saved, state, spe, gas=1, epochs=None, max_steps=None):
+        monkeypatch.setattr(checkpoint_io, "saved_batch", lambda path: saved)
+        monkeypatch.setattr(comm, "get_world_size", lambda: world)
+        steps = min(spe * (epochs or 10 ** 9), max_steps or 10 ** 18)   # as runsetup.setup
+        run = SimpleNamespace(state=dict(state), args=SimpleNamespace(epochs=epochs, max_steps=max_steps),
+                              engine=SimpleNamespace(train_micro_batch_size_per_gpu=lambda: micro),
+                              steps_per_epoch=spe, gas=gas, n_epochs=math.ceil(steps / spe), max_steps=steps)
+        return run, runsetup.carry_data_position(run, "ckpt")
+
+    # 2 ranks x 8, 12 micro-batches (192 samples); 1 rank x 8, 32 steps an epoch, 2 epochs asked for
+    run, said = run_at(1, 8, (2, 8), {"step": 12, "epoch": 0, "batch_in_epoch": 12}, spe=32, epochs=2)
+    assert run.state["batch_in_epoch"] == 24 and run.state["epoch"] == 0
+    assert run.max_steps == 12 + (32 - 24) + 32 and run.n_epochs == 2 and "first 192 samples" in said
+    # 3 ranks x 8, 5 micro-batches (120 samples); 2 ranks x 16: 3 whole batches, 24 samples again
+    run, said = run_at(2, 16, (3, 8), {"step": 5, "epoch": 1, "batch_in_epoch": 5}, spe=10, max_steps=40)
+    assert run.state["batch_in_epoch"] == 3 and "(24 samples seen again)" in said
+    # 7 steps left in epoch 1, 40 - 5 - 7 = 28 more: epochs 2, 3, 4 (the 4 asked for would stop short)
+    assert run.max_steps == 40 and run.n_epochs == 5
+    # no whole step left in the epoch at the new batch: the next epoch
+    # 128 samples used = 16 micro-batches of 1 x 8; with 2 micro-batches a step and 9 steps
+    # an epoch one step is left, with 8 steps none: the next epoch
+    run, _ = run_at(1, 8, (2, 8), {"step": 4, "epoch": 0, "batch_in_epoch": 8}, spe=9, gas=2)
+    assert (run.state["epoch"], run.state["batch_in_epoch"]) == (0, 16)
+    run, _ = run_at(1, 8, (2, 8), {"step": 4, "epoch": 0, "batch_in_epoch": 8}, spe=8, gas=2)
+    assert (run.state["epoch"], run.state["batch_in_epoch"]) == (1, 0)
+    # the same world size and micro-batch: untouched
+    run, said = run_at(2, 8, (2, 8), {"step": 3, "epoch": 0, "batch_in_epoch": 3}, spe=10)
+    assert said == "" and run.state["batch_in_epoch"] == 3
