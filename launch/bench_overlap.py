@@ -1,0 +1,355 @@
+"""Does minizero hide communication behind compute? samples/s against DeepSpeed at every ZeRO
+stage, with both libraries' overlap/prefetch knobs at DeepSpeed's defaults and at 0/off.
+
+    python launch/bench_overlap.py                                     # the full table: ~30-40 min on 2 CPU cores
+    python launch/bench_overlap.py --stages 0,3 --dtypes bf16 --reps 1 # a part of it
+    python launch/bench_overlap.py --model micro --n-embd 21 --seq 16 --reps 1 --stages 0 --steps 2   # seconds
+
+What it runs: the tutorial GPT (10M parameters; the preset with --n-embd 256 and 8x8 images,
+--seq 63 tokens, dropout off) on `--world-size` ranks (gloo on a CPU, NCCL on GPUs), micro-batch
+8, minGPT play_image's AdamW (torch's, "torch_adam": true, in both libraries), for each ZeRO
+stage, dtype and knob setting:
+
+  default  the zero_optimization keys below left out, so each library applies its default:
+           DeepSpeed's overlap_comm (on at stage 3 only), stage3_prefetch_bucket_size 5e7,
+           stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9,
+           stage3_param_persistence_threshold 1e5 (minizero's parser has the same defaults)
+  off      overlap_comm false, prefetch 0, max live 0, reuse distance 0, persistence 0: the
+           paper's algorithm, one gather per use (what minizero.compare pins)
+
+Both settings also pin what is not about overlap, as minizero.compare does: memory_efficient_linear
+false (the same F.linear in both) and reduce_bucket_size 500,000 (DeepSpeed's 5e8 allocates a
+2 GB bucket at init).
+
+Each run is a launch of fresh ranks (launch/bench_offload.py's run_launch and bench_job):
+`--warmup` untimed steps, `--steps` timed steps; a step's time is the slowest rank's, a run's
+samples/s comes from the median step. `--reps` repetitions, interleaved: every repetition runs
+every cell once, libraries alternating which goes first, so a change in the load of a shared
+machine hits both. A cell shows the median over repetitions and the spread (min-max).
+
+minizero's runs of the first repetition also trace one step (its timeline, minizero/trace.py,
+written under --trace-dir): the last warm-up step but one (step 2 by default). From the
+trace, per stage and knob setting: the share of the step spent inside collectives and the
+share spent waiting in them for the other rank (sum of durations, sum of wait_us, over the
+step's duration; mean over ranks). Collectives that run asynchronously can overlap each
+other, so the first share can exceed 100%.
+
+It prints one markdown table (stdout; progress on stderr): samples/s per library, minizero /
+DeepSpeed, each stage's samples/s over the same library's stage 0 (the stage-3 row holds the
+stage-3/stage-0 ratio), and the trace's two shares. A benchmark that prints numbers, not a
+timed test: on a shared machine samples/s swings by tens of percent (the spread says how much).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(ROOT), str(ROOT / "launch")):   # `python launch/bench_overlap.py` from anywhere
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import bench_offload as bo  # noqa: E402  (its launching, timing and table helpers)
+from minizero.compare import machine  # noqa: E402
+
+LIBS = ("minizero", "deepspeed")
+DTYPES = ("fp32", "bf16")
+STAGES = (0, 1, 2, 3)
+KNOBS = ("default", "off")
+# the knobs that decide overlap and prefetch; "default" leaves them out, "off" sets these
+OVERLAP_OFF = {"overlap_comm": False, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
+               "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
+# pinned in both settings: not about overlap (module docstring)
+PINNED = {"memory_efficient_linear": False, "reduce_bucket_size": 500_000}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise bo.BenchError(f"{message} (see --help)")
+
+
+def _list(text: str, choices, what: str, cast=str) -> list:
+    try:
+        items = [cast(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = None
+    if not items or any(x not in choices for x in items):
+        raise bo.BenchError(f"--{what} {text!r}: give comma-separated values of {', '.join(map(str, choices))}")
+    return sorted(set(items), key=list(choices).index)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = OneLineParser(prog="python launch/bench_overlap.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--libs", default="minizero,deepspeed", help="comma-separated, of minizero, deepspeed")
+    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32, bf16 (default both)")
+    p.add_argument("--knobs", default="default,off", help="comma-separated, of default, off (default both)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every cell, interleaved (default 3)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default 2; on a GPU machine min(2, GPUs))")
+    p.add_argument("--model", default="tutorial", help="GPT preset (default tutorial: 10M parameters)")
+    p.add_argument("--n-layer", type=int, help="override the preset's depth")
+    p.add_argument("--n-embd", type=int, default=256, help="width (default 256, the tutorial's)")
+    p.add_argument("--n-head", type=int, help="heads (default: the preset's, or 4 when it does not divide --n-embd)")
+    p.add_argument("--seq", type=int, default=63, help="tokens per row (default 63: 8x8 images)")
+    p.add_argument("--micro-batch", type=int, default=8, help="train_micro_batch_size_per_gpu (default 8)")
+    p.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps (default 1)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps per run (default 3; at least 3 unless --no-trace)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1, as torchrun's)")
+    p.add_argument("--no-trace", action="store_true", help="skip minizero's traced step")
+    p.add_argument("--trace-dir", help="where the traces go (default: a new temporary folder)")
+    p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--json", help="also write every number to this JSON file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's and minizero's info logs (stderr)")
+    return p.parse_args(argv)
+
+
+def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
+    """Normalise args in place; BenchError with one line for anything that cannot run."""
+    import importlib.util
+
+    from minizero.model import ModelConfigError, UnknownPresetError, get_preset
+    if cuda is None:
+        import torch
+        cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
+    args.cuda = cuda
+    args.libs = _list(args.libs, LIBS, "libs")
+    args.stages = _list(args.stages, STAGES, "stages", int)
+    args.dtypes = _list(args.dtypes, DTYPES, "dtypes")
+    args.knobs = _list(args.knobs, KNOBS, "knobs")
+    if "deepspeed" in args.libs and importlib.util.find_spec("deepspeed") is None:
+        raise bo.BenchError("--libs deepspeed: deepspeed is not installed (pip install -e .[dev]), or pass --libs minizero")
+    if args.world_size is None:
+        args.world_size = min(2, gpus) if cuda else 2
+    for name in ("reps", "world_size", "seq", "micro_batch", "gas", "steps", "threads", "n_embd"):
+        if getattr(args, name) < 1:
+            raise bo.BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise bo.BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.no_trace and args.warmup < MIN_WARMUP_TRACED:
+        raise bo.BenchError(f"--warmup {args.warmup}: the traced step needs --warmup >= {MIN_WARMUP_TRACED} (step 1 "
+                            f"records, step 2 is traced, step 3 absorbs writing the trace), or pass --no-trace")
+    if cuda and args.world_size > gpus:
+        raise bo.BenchError(f"--world-size {args.world_size} but {gpus} GPU(s) visible: one rank per GPU")
+    args.block_size, args.profile_steps = None, 0    # what bench_offload's helpers read
+    try:
+        args.model_kw = bo.model_overrides(args, get_preset(args.model))
+        get_preset(args.model, **args.model_kw)
+    except (UnknownPresetError, ModelConfigError) as e:
+        raise bo.BenchError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- configs and jobs
+
+def zero_section(stage: int, knobs: str) -> dict:
+    return {"stage": stage, **PINNED, **(OVERLAP_OFF if knobs == "off" else {})}
+
+
+def make_config(stage: int, dtype: str, knobs: str, args) -> dict:
+    """minizero.train's default CPU config (minGPT play_image's AdamW), sized by the flags."""
+    from minizero.train_args import DEFAULT_CONFIG
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    cfg.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=args.gas,
+               steps_per_print=10 ** 9, zero_optimization=zero_section(stage, knobs))
+    if dtype != "fp32":
+        cfg[dtype] = {"enabled": True}
+    return cfg
+
+
+MIN_WARMUP_TRACED = 3
+
+
+def trace_step(args) -> int:
+    """The traced optimizer step (1-based): the last warm-up step but one. Step 1 may record
+    ZeRO-3's execution order, and the traced step ends with writing the files (rank 0 also
+    draws timeline.png) while the other rank waits in the next step's first collective: that
+    next step must be untimed too. Hence --warmup >= MIN_WARMUP_TRACED when tracing."""
+    return args.warmup - 1
+
+
+def cells(args) -> list[tuple]:
+    return [(stage, dtype, knobs) for dtype in args.dtypes for knobs in args.knobs for stage in args.stages]
+
+
+def schedule(args) -> list[dict]:
+    """Every run, in order: repetition by repetition, each cell once per library; libraries
+    alternate which goes first from one cell to the next and from one repetition to the next."""
+    runs = []
+    for rep in range(args.reps):
+        for i, (stage, dtype, knobs) in enumerate(cells(args)):
+            libs = list(reversed(args.libs)) if (rep + i) % 2 else list(args.libs)
+            for lib in libs:
+                run = {"lib": lib, "stage": stage, "dtype": dtype, "knobs": knobs, "rep": rep, "offload": "none",
+                       "config": make_config(stage, dtype, knobs, args)}
+                if lib == "minizero" and rep == 0 and not args.no_trace:
+                    run["trace_dir"] = os.path.join(args.trace_dir, f"{dtype}-{knobs}-stage{stage}")
+                    run["config"]["minizero_trace"] = {"enabled": True, "output_path": run["trace_dir"],
+                                                       "steps": [trace_step(args)]}
+                runs.append(run)
+    return runs
+
+
+# ----------------------------------------------------------------------------- the trace
+
+def trace_shares(trace_dir: str) -> dict | None:
+    """From each rank<r>.json: the traced step's duration, and the sums of its collectives'
+    durations and wait_us; the two shares of the step, mean over ranks. None without files."""
+    per_rank = []
+    for path in sorted(glob.glob(os.path.join(trace_dir, "rank*.json"))):
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        step = [e for e in events if e.get("cat") == "step" and e["name"].startswith("step ")]
+        if not step:
+            continue
+        colls = [e for e in events if e.get("cat") == "collectives"]
+        dur = sum(e["dur"] for e in step)
+        per_rank.append({"step_us": dur, "in_collectives_us": sum(e["dur"] for e in colls),
+                         "waiting_us": sum(e["args"].get("wait_us", 0.0) for e in colls), "collectives": len(colls)})
+    if not per_rank:
+        return None
+    mean = {k: statistics.fmean(r[k] for r in per_rank) for k in per_rank[0]}
+    return {**mean, "in_collectives": statistics.fmean(r["in_collectives_us"] / r["step_us"] for r in per_rank),
+            "waiting": statistics.fmean(r["waiting_us"] / r["step_us"] for r in per_rank)}
+
+
+# ----------------------------------------------------------------------------- the table
+
+def summarize(results: list[dict], args) -> list[dict]:
+    """One row per cell: per library the median and spread of samples/s over repetitions."""
+    rows = []
+    for stage, dtype, knobs in cells(args):
+        row = {"stage": stage, "dtype": dtype, "knobs": knobs}
+        for lib in args.libs:
+            sps = [r["samples_per_s"] for r in results
+                   if (r["lib"], r["stage"], r["dtype"], r["knobs"]) == (lib, stage, dtype, knobs)]
+            row[lib] = {"median": statistics.median(sps), "min": min(sps), "max": max(sps), "n": len(sps)} if sps else None
+        traced = [r["trace"] for r in results if r.get("trace") and (r["stage"], r["dtype"], r["knobs"]) ==
+                  (stage, dtype, knobs)]
+        row["trace"] = traced[0] if traced else None
+        rows.append(row)
+    for row in rows:   # each stage over the same library's stage 0, same dtype and knobs
+        base = next((r for r in rows if (r["stage"], r["dtype"], r["knobs"]) == (0, row["dtype"], row["knobs"])), None)
+        for lib in args.libs:
+            a, b = row[lib], base and base[lib]
+            row[f"{lib}_over_stage0"] = a["median"] / b["median"] if a and b else None
+        mz, ds = row.get("minizero"), row.get("deepspeed")
+        row["mz_over_ds"] = mz["median"] / ds["median"] if mz and ds else None
+    return rows
+
+
+def spread(cell: dict | None) -> str:
+    if not cell:
+        return "-"
+    return f"{cell['median']:.2f} ({cell['min']:.2f}-{cell['max']:.2f})"
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def table(rows: list[dict], args) -> str:
+    head = ["dtype", "knobs", "stage"]
+    head += [f"{lib} samples/s median (min-max)" for lib in args.libs]
+    if len(args.libs) == 2:
+        head.append("minizero / DeepSpeed")
+    head += [f"{lib} / its stage 0" for lib in args.libs]
+    if "minizero" in args.libs:
+        head += ["mz in collectives, % of step", "mz waiting, % of step"]
+    out = []
+    for r in rows:
+        cells_ = [r["dtype"], r["knobs"], str(r["stage"])] + [spread(r[lib]) for lib in args.libs]
+        if len(args.libs) == 2:
+            cells_.append(bo.fmt(r["mz_over_ds"], ".2f"))
+        cells_ += [bo.fmt(r[f"{lib}_over_stage0"], ".2f") for lib in args.libs]
+        if "minizero" in args.libs:
+            t = r["trace"]
+            cells_ += [pct(t and t["in_collectives"]), pct(t and t["waiting"])]
+        out.append(cells_)
+    return bo.md_table(head, out)
+
+
+def report(info: dict, rows: list[dict], args) -> str:
+    m = info["model"]
+    lines = [f"# Overlap benchmark: minizero vs DeepSpeed, {args.world_size} ranks, {info['device']}", "",
+             f"- command: `{info['command']}`", f"- machine: {info['machine']}", f"- date: {info['date']}",
+             f"- model: {args.model} with {m['config']} ({m['psi']:,} parameters); micro-batch {args.micro_batch} x "
+             f"gas {args.gas} x {args.world_size} ranks of {args.seq} tokens; {args.warmup} warmup + {args.steps} "
+             f"timed steps per run, {args.reps} repetition(s), interleaved",
+             f"- knobs default: DeepSpeed's defaults (keys left out); off: {json.dumps(OVERLAP_OFF)}; both: "
+             f"{json.dumps(PINNED)}", "",
+             table(rows, args), "",
+             "samples/s: per run from the median step (the slowest rank's time); median over repetitions, "
+             "min-max in brackets. `/ its stage 0`: the same library's samples/s at stage 0 (same dtype and knobs). "
+             "mz in collectives / waiting: minizero's traced step (first repetition): the sum of its collectives' "
+             "durations and of their wait_us over the step's duration, mean over ranks."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def log(msg: str) -> None:
+    print(f"[bench_overlap {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        check_args(args)
+    except bo.BenchError as e:
+        print(f"bench_overlap: error: {e}", file=sys.stderr)
+        return 2
+    os.environ["DS_ACCELERATOR"] = "cuda" if args.cuda else "cpu"   # before any rank imports deepspeed
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if not args.verbose:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    args.trace_dir = os.path.abspath(args.trace_dir or tempfile.mkdtemp(prefix="bench_overlap_trace_"))
+    t_start = time.perf_counter()
+    info = {"command": "python launch/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": "GPU (NCCL)" if args.cuda else "CPU (gloo)", "model": bo.model_numbers(args)}
+    log(f"model {args.model} {info['model']['config']}: Ψ = {info['model']['psi']:,}; {args.world_size} ranks on "
+        f"{info['device']}; traces in {args.trace_dir}")
+    results = []
+    try:
+        ctx = bo._context(args)
+        runs = schedule(args)
+        for i, run in enumerate(runs):
+            what = f"{run['lib']} stage {run['stage']} {run['dtype']} knobs {run['knobs']} (rep {run['rep'] + 1})"
+            launch_args = argparse.Namespace(**{**vars(args), "dtype": run["dtype"]})
+            per_rank = bo.run_launch(ctx, [run], launch_args)[0]
+            ms, _ = bo.step_ms([r["step_s"] for r in per_rank])
+            res = {k: run[k] for k in ("lib", "stage", "dtype", "knobs", "rep")}
+            res.update(ms=ms, samples_per_s=bo.samples_per_s(ms, args.micro_batch * args.gas * args.world_size),
+                       final_loss=per_rank[0]["final_loss"])
+            if "trace_dir" in run:
+                res["trace"] = trace_shares(run["trace_dir"])
+            results.append(res)
+            log(f"[{i + 1}/{len(runs)}] {what}: {ms:.0f} ms/step, {res['samples_per_s']:.2f} samples/s")
+    except bo.BenchError as e:
+        print(f"bench_overlap: error: {e}", file=sys.stderr)
+        return 1
+    rows = summarize(results, args)
+    text = report(info, rows, args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"info": info, "args": vars(args), "rows": rows, "runs": results},
+                                              indent=1, default=str) + "\n")
+    log(f"done in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""launch/bench_overlap.py, the overlap benchmark: its schedule, its trace arithmetic, bad flags,
+and one tiny run (micro model, stage 0, fp32, 1 repetition, 2 timed steps) whose table has one
+row per (dtype, knobs, stage) and one cell per column. Timing itself is not tested."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "bench_overlap.py"
+
+_spec = importlib.util.spec_from_file_location("bench_overlap", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_schedule_interleaves_repetitions_and_alternates_libraries(tmp_path):
+    args = bench.parse_args(["--stages", "0,3", "--dtypes", "fp32", "--reps", "2", "--trace-dir", str(tmp_path)])
+    bench.check_args(args, cuda=False, gpus=0)
+    runs = bench.schedule(args)
+    assert len(runs) == 2 * 2 * 2 * 2                                  # reps x stages x knobs x libs
+    assert [r["rep"] for r in runs] == [0] * 8 + [1] * 8               # a repetition is whole before the next
+    firsts = [runs[i]["lib"] for i in range(0, len(runs), 2)]
+    assert firsts[:2] == ["minizero", "deepspeed"] and set(firsts) == {"minizero", "deepspeed"}
+    traced = [r for r in runs if "trace_dir" in r]                      # minizero, first repetition only
+    assert {r["lib"] for r in traced} == {"minizero"} and {r["rep"] for r in traced} == {0} and len(traced) == 4
+    assert all(r["config"]["minizero_trace"]["steps"] == [2] for r in traced)
+    zero = {(r["knobs"], r["lib"]): r["config"]["zero_optimization"] for r in runs if r["stage"] == 3}
+    assert zero["default", "minizero"] == zero["default", "deepspeed"] == {"stage": 3, **bench.PINNED}
+    assert zero["off", "minizero"]["stage3_prefetch_bucket_size"] == 0 and zero["off", "deepspeed"]["overlap_comm"] is False
+
+
+def test_trace_shares(tmp_path):
+    def rank_file(r, step_us, colls):
+        events = [{"name": "step 2", "cat": "step", "ph": "X", "ts": 0, "dur": step_us, "args": {}},
+                  {"name": "forward", "cat": "step", "ph": "X", "ts": 0, "dur": 10, "args": {}}]
+        events += [{"name": "all_reduce", "cat": "collectives", "ph": "X", "ts": 1, "dur": d, "args": {"wait_us": w}}
+                   for d, w in colls]
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({"traceEvents": events}))
+    rank_file(0, 100.0, [(20.0, 5.0), (10.0, 0.0)])    # 30% in collectives, 5% waiting
+    rank_file(1, 200.0, [(40.0, 30.0)])                # 20%, 15%
+    s = bench.trace_shares(str(tmp_path))
+    assert s["in_collectives"] == pytest.approx(0.25) and s["waiting"] == pytest.approx(0.10)
+    assert bench.trace_shares(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--libs", "minizero,torchzero"], "--libs"),
+    (["--stages", "5"], "--stages"),
+    (["--dtypes", "fp16"], "--dtypes"),
+    (["--knobs", "on"], "--knobs"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--warmup", "2"], "--warmup 2"),
+    (["--model", "huge"], "unknown model preset"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_flags_give_one_line(argv, says, capsys):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench_overlap: error:") and says in err[0], err
+
+
+def test_tiny_run_prints_the_table(tmp_path):
+    js = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", "micro", "--seq", "16", "--n-embd", "21", "--micro-batch", "2",
+           "--stages", "0", "--dtypes", "fp32", "--reps", "1", "--steps", "2", "--json", str(js),
+           "--trace-dir", str(tmp_path / "traces")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[:3] == ["dtype", "knobs", "stage"] and "minizero / DeepSpeed" in head
+    rows = [[c.strip() for c in x.strip("|").split("|")] for x in lines[2:]]
+    assert [row[:3] for row in rows] == [["fp32", "default", "0"], ["fp32", "off", "0"]]
+    for row in rows:
+        assert len(row) == len(head) and "-" not in row, row       # every cell measured
+        assert row[head.index("minizero / its stage 0")] == "1.00"
+    runs = json.loads(js.read_text())["runs"]
+    assert len(runs) == 4 and all(x["samples_per_s"] > 0 for x in runs)
+    traced = [x for x in runs if x.get("trace")]
+    assert len(traced) == 2 and all(0 < x["trace"]["in_collectives"] and 0 <= x["trace"]["waiting"]
+                                    <= x["trace"]["in_collectives"] for x in traced)
