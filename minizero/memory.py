@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import torch
+
 from .partition import padded_numel
 
 
@@ -104,3 +106,47 @@ def human(nbytes: float) -> str:
 
 def padding_elements(flat_numels: Sequence[int], world_size: int) -> int:
     return sum(padded_numel(x, world_size) - x for x in flat_numels)
+
+
+# ----------------------------------------------------------------------------- measured, not computed
+
+def held_bytes(engine) -> dict:
+    """What this rank's model states occupy right now, measured from the engine's buffers.
+
+    `engine.memory_breakdown()` is the layout formula: what a rank holds at the end of
+    backward, whatever the moment. This reads the tensors themselves, so it changes as a step
+    goes on: the gradients exist from backward to the step and are gone after it (stage 0
+    and ZeRO-1 hold them in each p.grad until the step reduces them, ZeRO-2/3 in the reduced
+    grad_shard), and a ZeRO-3 unit gathered at that moment counts its full buffer. Each
+    storage is counted once, whole (the ZeRO-0/1/2 shard is a view of the full buffer; in
+    fp32 the master is the shard), in the first category that holds it, in the order
+    params, master_params, optimizer_states, grads: the way reference/ds_memory.py walks a
+    DeepSpeed engine, so the two libraries are measured alike (runlog.MemoryMoments).
+    Place is logical, as in memory_breakdown: a shard or master in host memory (offload.py)
+    counts on the host even when the training device is the CPU too.
+
+    Returns memory_breakdown's shape: the four categories, then "device" and "host".
+    """
+    zero, opt = engine.zero, engine.sharded_optimizer
+    where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
+    seen: set[int] = set()
+
+    def claim(category: str, tensors, on_host: bool) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:   # a freed ZeRO-3 buffer, or counted
+                continue
+            seen.add(storage.data_ptr())
+            where["host" if on_host else "device"][category] += storage.nbytes()
+
+    for f in zero.flat_params:
+        claim("params", [f.full], False)              # allocated: ZeRO-0/1/2, persistent, or gathered now
+        claim("params", [f.shard], f.shard_on_host)   # ZeRO-3's own shard (a view of full otherwise)
+    claim("master_params", opt.masters, opt.on_host)
+    claim("optimizer_states", [v for st in opt.optimizer.state.values() for v in st.values()
+                               if torch.is_tensor(v) and v.dim() > 0], opt.on_host)   # not Adam's scalar step
+    for f in zero.flat_params:
+        claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
+    return placed(where["device"], where["host"])

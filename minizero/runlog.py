@@ -10,7 +10,9 @@ call torch.distributed directly, see mean_across_ranks.
 Files a run writes (rank 0, into its save dir):
 
     metrics.csv   one row per logged step, columns METRICS_COLUMNS
-    summary.json  one JSON object, keys SUMMARY_KEYS (see minizero/train.py)
+    summary.json  one JSON object, keys SUMMARY_KEYS (see minizero/train.py); memory_moments
+                  is MemoryMoments.result(): each rank's model states at the end of the
+                  last step's backward and after that step, measured alike in both libraries
     samples.png   a grid of images sampled from the model
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ METRICS_COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s",
 
 SUMMARY_KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses",
                 "final_loss", "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s",
-                "comm_wire_bytes_per_step", "skipped_steps", "config"]
+                "comm_wire_bytes_per_step", "skipped_steps", "memory_moments", "config"]
 
 
 # ----------------------------------------------------------------------------- process group
@@ -97,6 +99,43 @@ def memory_mb(device) -> tuple[float, float]:
     except OSError:   # no /proc (macOS): the peak is the best we have
         rss = peak
     return rss, peak
+
+
+MOMENTS = ("after_backward", "after_step")
+
+
+class MemoryMoments:
+    """This rank's model states at two moments of one optimizer step, read the same way
+    under either library, so the two compare like for like:
+
+        after_backward   after engine.backward of the step's last micro-batch, before engine.step
+        after_step       after engine.step at the accumulation boundary
+
+    `measure(engine)` reads what the engine really holds at that moment, by category
+    (params, grads, master_params, optimizer_states, and their "device" / "host" split):
+    minizero's memory.held_bytes, DeepSpeed's reference.ds_memory walker. The training
+    loop calls take() at both moments of every step; only `step` (the run's last) is read,
+    so nothing else pays for the walk. summary.json's model_state_bytes stays what it was
+    (minizero's layout formula, DeepSpeed's walk at the end of the run); these are the two
+    numbers to set side by side."""
+
+    def __init__(self, measure, step: int):
+        self.measure, self.step = measure, step
+        self.readings: dict[str, dict] = {}
+
+    def take(self, moment: str, engine, step: int) -> None:
+        assert moment in MOMENTS, moment
+        if step == self.step and self.measure is not None:
+            self.readings[moment] = self.measure(engine)
+
+    def result(self, together: bool) -> dict | None:
+        """{"step", "after_backward": [per rank], "after_step": [per rank]}, or None when the
+        run never reached the step. Collective when `together` (every rank calls it)."""
+        mine = {m: self.readings.get(m) for m in MOMENTS}
+        ranks = comm.all_gather_object(mine) if together else [mine]
+        if any(r[m] is None for r in ranks for m in MOMENTS):
+            return None
+        return {"step": self.step, **{m: [r[m] for r in ranks] for m in MOMENTS}}
 
 
 # ----------------------------------------------------------------------------- the metrics line
@@ -280,6 +319,7 @@ def finish(run, status: str) -> None:
     # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
     mine = run.lib.model_state_bytes(engine)
     model_state = comm.all_gather_object(mine) if together else [mine]
+    moments = run.moments.result(together) if getattr(run, "moments", None) is not None else None
     test_loss = state["test_loss"]
     if status == "completed":
         if test_loss is None or state.get("eval_step") != state["step"]:   # e.g. resumed at the very end
@@ -288,14 +328,14 @@ def finish(run, status: str) -> None:
     peak = memory_mb(device)[1]
     peaks = comm.all_gather_object(peak) if together else [peak]
     if comm.get_rank() == 0:
-        write_results(run, status, test_loss, model_state, peaks)
+        write_results(run, status, test_loss, model_state, peaks, moments)
     if together and status != "completed":
         # The run stops with an error on every rank; the first rank to exit makes torchrun
         # kill the others, so nobody leaves before rank 0 has written the files.
         comm.barrier()
 
 
-def write_results(run, status: str, test_loss, model_state: list, peaks: list) -> None:
+def write_results(run, status: str, test_loss, model_state: list, peaks: list, moments: dict | None = None) -> None:
     """Rank 0: metrics.csv and summary.json, and the run's last line."""
     state, losses = run.state, run.state["losses"]
     write_metrics_csv(os.path.join(run.save_dir, "metrics.csv"), state["rows"])
@@ -306,7 +346,7 @@ def write_results(run, status: str, test_loss, model_state: list, peaks: list) -
         "test_loss": test_loss, "model_state_bytes": model_state, "peak_mem_mb": peaks,
         "samples_per_s": median_throughput(state["rows"]),
         "comm_wire_bytes_per_step": run.window.per_step(), "skipped_steps": int(run.engine.skipped_steps),
-        "config": run.cfg,
+        "memory_moments": moments, "config": run.cfg,
     }
     write_summary(os.path.join(run.save_dir, "summary.json"), summary)
     wrote = "metrics.csv, summary.json" + (", samples.png" if status == "completed" else "")

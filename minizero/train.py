@@ -49,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from minizero import comm, desync, rundir, runlog
+from minizero import comm, desync, memory, rundir, runlog
 from minizero.checkpoint_io import CheckpointError
 from minizero.config import ConfigError, load_config
 from minizero.cifar10 import DatasetNotFoundError
@@ -75,6 +75,7 @@ class Library:
     comm_snapshot: Callable         # engine -> {op: {"wire_bytes": int, ...}} since start
     check_config: Callable          # (cfg, world_size) -> cfg as the engine will use it
     user_errors: tuple = field(default_factory=tuple)   # exception types that mean bad input
+    held_bytes: Callable | None = None   # engine -> dict: what it holds right now (runlog.MemoryMoments)
 
 
 def _minizero_initialize(model, param_groups, cfg, args):
@@ -96,6 +97,7 @@ MINIZERO = Library(
     model_state_bytes=lambda engine: engine.memory_breakdown(),
     comm_snapshot=lambda engine: engine.comm_stats(),
     check_config=_minizero_check_config,
+    held_bytes=memory.held_bytes,
 )
 
 USER_ERRORS = (UserError, ConfigError, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
@@ -110,6 +112,7 @@ def train(args, lib: Library) -> None:
         raise UserError("--trace records minizero's own timeline; DeepSpeed has none (--comms-logger gives "
                         "its per-op latency table)")
     run = setup(args, lib)
+    run.moments = runlog.MemoryMoments(lib.held_bytes, step=run.max_steps)   # model states at the last step
     aim_trace(run)
     guard = NonFiniteGuard(args.max_nonfinite_steps, enabled=run.dtype != "fp16")
     status = "failed"
@@ -181,13 +184,16 @@ def train_loop(run: Run, guard: NonFiniteGuard) -> None:
             run.window.open()                                    # count this step's collectives
             progress.step_begins()
             loss_sum = 0.0
-            for x, y in micro_batches:                           # gradient accumulation
+            for micro, (x, y) in enumerate(micro_batches):       # gradient accumulation
                 _, loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                 engine.backward(loss)
+                if micro == run.gas - 1:
+                    run.moments.take("after_backward", engine, step)   # the step's gradients are all here
                 skipped_before = engine.skipped_steps
                 engine.step()                                    # the optimizer steps at the accumulation boundary
                 loss_sum = loss_sum + loss.detach().double()     # stays on the device: no host sync per micro-batch
             run.window.close()
+            run.moments.take("after_step", engine, step)
             bookkeeping(run, guard, progress, step, epoch, i, loss_sum / run.gas,
                         stepped=engine.skipped_steps == skipped_before)
 

@@ -190,6 +190,7 @@ DEEPSPEED = mtrain.Library(
     model_state_bytes=_model_state_bytes,
     comm_snapshot=lambda engine: COUNTER.snapshot(),
     check_config=_check_config,
+    held_bytes=_model_state_bytes,   # the same walk, at the moments runlog.MemoryMoments picks
 )
 
 
