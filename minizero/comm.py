@@ -268,64 +268,113 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
     return None
 
 
-def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_bytes: int | None = None) -> None:
+def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_bytes: int | None = None,
+           async_op: bool = False, check: tuple | None = None) -> "Pending | None":
     """Run one collective or copy (`call`) inside its profiler range, tell the watchers, count it.
 
     nbytes / wire_bytes: the ledger's two counts (module docstring). msg_bytes: the size
     DeepSpeed's comms logger records, the tensor its wrapper reads (all_gather: the input
-    shard; the others: `tensor`), default nbytes."""
+    shard; the others: `tensor`), default nbytes. async_op: `call` returned the backend's work
+    handle; the collective is counted now and finishes (for the watchers too) at Pending.wait().
+    check: (tensor, keep) for Pending: what to name on a timeout, what to keep alive."""
+    msg = nbytes if msg_bytes is None else msg_bytes
+    watching = list(watchers)
     with _label(op, label):
-        tokens = [w.begin(op, label) for w in watchers]
-        call()
-        for w, token in zip(watchers, tokens):
-            w.end(token, op, label, nbytes, wire_bytes, nbytes if msg_bytes is None else msg_bytes)
+        tokens = [w.begin(op, label) for w in watching]
+        work = call()
     ledger.record(op, nbytes, wire_bytes, label)
+
+    def finish() -> None:
+        for w, token in zip(watching, tokens):
+            w.end(token, op, label, nbytes, wire_bytes, msg)
+    if not async_op:
+        finish()
+        return None
+    return Pending(op, label, work, finish, nbytes, *check)
+
+
+class Pending:
+    """A collective issued with async_op=True and not yet waited for.
+
+    Until wait() returns, its output must not be read and none of its tensors may be freed,
+    resized or reused: gloo's worker thread, or NCCL's own CUDA stream, may still be reading
+    or writing them. `keep` holds every such tensor, so no Python reference going away can
+    free one early; wait() (work.wait(): on CUDA the *current stream* waits for NCCL's,
+    the host does not block) releases them. Callers still must not resize_(0) a kept
+    buffer's storage before wait: see each call site (flat_param.py, zero2.py, zero3.py).
+    """
+
+    def __init__(self, op: str, label: str | None, work, finish, nbytes: int, tensor: torch.Tensor, keep: tuple):
+        self.op, self.label, self.work, self._finish = op, label, work, finish
+        self.nbytes, self.tensor, self.keep = nbytes, tensor, keep
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        with record_function(f"minizero::wait::{self.op}" + (f"::{self.label}" if self.label else "")):
+            if self.work is not None:
+                desync.wait_checked(self.work, self.op, self.label, self.tensor, self.nbytes)
+            self._finish()
+        self.done, self.work, self.keep, self.tensor = True, None, (), None
 
 
 # ----------------------------------------------------------------------------- collectives
 # Each takes an optional `label` (e.g. "block3.params") that goes into the profiler range
-# name and the ledger's per-label breakdown.
+# name and the ledger's per-label breakdown, and async_op: False (the default) returns when
+# the collective is done; True returns a Pending to wait() on before touching the tensors.
+
+def _done(_) -> None:
+    """One rank: the collective was a local copy, done already; no work handle."""
+    return None
+
 
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str | None = None,
-                           group=None) -> torch.Tensor:
+                           group=None, async_op: bool = False):
     """output (N*n elements) <- concatenation of every rank's `shard` (n elements), rank order."""
     n = get_world_size()
     assert output.numel() == shard.numel() * n, (output.numel(), shard.numel(), n)
     if n == 1:
-        call = lambda: output.copy_(shard.view_as(output))
+        call = lambda: _done(output.copy_(shard.view_as(output)))
     else:
-        call = lambda: desync.run_checked("all_gather", label, shard, _nbytes(output),
-                                          lambda: dist.all_gather_into_tensor(output, shard, group=group), group)
-    _issue("all_gather", label, call, _nbytes(output), _nbytes(output) * (n - 1) // n, msg_bytes=_nbytes(shard))
-    return output
+        call = lambda: desync.run_checked(
+            "all_gather", label, shard, _nbytes(output),
+            lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op), group)
+    pending = _issue("all_gather", label, call, _nbytes(output), _nbytes(output) * (n - 1) // n,
+                     msg_bytes=_nbytes(shard), async_op=async_op, check=(shard, (output, shard)))
+    return pending if async_op else output
 
 
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str | None = None,
-                          group=None) -> torch.Tensor:
+                          group=None, async_op: bool = False):
     """output (n elements) <- SUM over ranks of chunk `rank` of `full` (N*n elements)."""
     n = get_world_size()
     assert full.numel() == output.numel() * n, (full.numel(), output.numel(), n)
     if n == 1:
-        call = lambda: output.copy_(full.view_as(output))
+        call = lambda: _done(output.copy_(full.view_as(output)))
     else:
         call = lambda: desync.run_checked(
             "reduce_scatter", label, full, _nbytes(full),
-            lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group), group)
-    _issue("reduce_scatter", label, call, _nbytes(full), _nbytes(full) * (n - 1) // n, msg_bytes=_nbytes(full))
-    return output
+            lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
+            group)
+    pending = _issue("reduce_scatter", label, call, _nbytes(full), _nbytes(full) * (n - 1) // n,
+                     msg_bytes=_nbytes(full), async_op=async_op, check=(full, (output, full)))
+    return pending if async_op else output
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
-               group=None) -> torch.Tensor:
+               group=None, async_op: bool = False):
     """In place. `op` is "sum" or "max" (the fp16 overflow vote uses max)."""
     n = get_world_size()
     call = lambda: None
     if n > 1:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         call = lambda: desync.run_checked("all_reduce", label, tensor, _nbytes(tensor),
-                                          lambda: dist.all_reduce(tensor, op=red, group=group), group)
-    _issue("all_reduce", label, call, _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n)
-    return tensor
+                                          lambda: dist.all_reduce(tensor, op=red, group=group, async_op=async_op),
+                                          group)
+    pending = _issue("all_reduce", label, call, _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n,
+                     async_op=async_op, check=(tensor, (tensor,)))
+    return pending if async_op else tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, group=None) -> torch.Tensor:

@@ -106,21 +106,34 @@ def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
                              f"modules and the same number of micro-steps (docs/debugging.md)")
 
 
-def run_checked(op: str, label: str | None, t: torch.Tensor, nbytes: int, run, group=None) -> None:
-    """Run `run()` (the backend call) on more than one rank: checked first when the switch
-    is on (on the default group only: a subgroup's ranks are not all of them); a backend
-    error or timeout comes back naming the collective."""
+def run_checked(op: str, label: str | None, t: torch.Tensor, nbytes: int, run, group=None):
+    """Run `run()` (the backend call) on more than one rank and return what it returns (a
+    work handle for an asynchronous op): checked first when the switch is on (on the default
+    group only: a subgroup's ranks are not all of them); a backend error or timeout comes
+    back naming the collective."""
     try:
         if guard.check and group is None:
             check_agreement(op, label, t)   # a rank left alone times out here
         guard.seq += 1
-        run()
+        return run()
     except CollectiveMismatch:
         raise
     except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        why = ("another rank issued no collective (it left the loop, or died)" if guard.check else
-               f"another rank issued a different collective or none; rerun with {DEBUG_ENV}=1 to name it")
-        raise CollectiveError(f"rank {dist.get_rank()}: {describe(op, label, t.numel(), t.dtype)}, {nbytes} bytes, "
-                              f"in {where()} did not complete: {first}. {why[0].upper()}{why[1:]} "
-                              f"(docs/debugging.md)") from e
+        raise _named(e, op, label, t, nbytes) from e
+
+
+def wait_checked(work, op: str, label: str | None, t: torch.Tensor, nbytes: int) -> None:
+    """work.wait() of an asynchronous collective; its timeout or error named as run_checked's."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise _named(e, op, label, t, nbytes) from e
+
+
+def _named(e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int) -> CollectiveError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    why = ("another rank issued no collective (it left the loop, or died)" if guard.check else
+           f"another rank issued a different collective or none; rerun with {DEBUG_ENV}=1 to name it")
+    return CollectiveError(f"rank {dist.get_rank()}: {describe(op, label, t.numel(), t.dtype)}, {nbytes} bytes, "
+                           f"in {where()} did not complete: {first}. {why[0].upper()}{why[1:]} "
+                           f"(docs/debugging.md)")
