@@ -143,7 +143,7 @@ class Engine(torch.nn.Module):
             scaled = scaled * self.loss_scaler.cur_scale
         desync.set_phase("backward", self.global_steps, self.micro_steps)
         with trace.span("backward"):
-            self.zero.prepare_backward()
+            self.zero.prepare_backward(self.is_gradient_accumulation_boundary())
             scaled.backward()
             self.zero.finish_backward()
         return loss

@@ -31,6 +31,9 @@ Every collective that moves a FlatParam is a method here, so they read together:
     free_full()            drop the full buffer's storage    (ZeRO-3 after use)
     reduce_scatter_grad()  grad_shard += my chunk of the summed gradient   (ZeRO-1/2/3)
     all_reduce_grad()      grad_shard  = the whole summed gradient         (stage 0)
+
+Each takes async_op (overlap_comm, ZeRO-3 prefetch): the collective is issued and a handle
+returned, whose wait() must come before the result is read or the buffers are touched.
 """
 from __future__ import annotations
 
@@ -41,6 +44,17 @@ from .partition import FlatPlan, padded_numel, shard_range, unflatten
 
 
 class FlatParam:
+    # Elements of partitioned (ZeRO-3) FlatParams whose full buffer is allocated right now, in
+    # this process, and the most there ever were since reset_live(): the "live parameters"
+    # that stage3_max_live_parameters bounds (prefetch.py). Counted where the storage is
+    # really allocated and freed, so nothing else can drift from it.
+    live_numel = 0
+    peak_live_numel = 0
+
+    @classmethod
+    def reset_live(cls) -> None:
+        cls.peak_live_numel = cls.live_numel
+
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], label: str, *, group: int,
                  num_shards: int, shard_index: int, keep_full: bool = True):
         assert params, "a FlatParam needs at least one parameter"
@@ -58,6 +72,7 @@ class FlatParam:
         self.shard_numel = self.shard_end - self.shard_start
 
         self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        self._live = False   # counted in live_numel (a partitioned FlatParam's gathered buffer)
         self._views = list(unflatten(self.full, names, self.shapes).values())
         for p, view in zip(params, self._views):
             view.copy_(p.detach())
@@ -86,6 +101,9 @@ class FlatParam:
         return self.full.untyped_storage().nbytes() > 0
 
     def free_full(self) -> None:
+        if self._live:
+            FlatParam.live_numel -= self.padded_numel
+            self._live = False
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self._placeholder
@@ -94,18 +112,25 @@ class FlatParam:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         for p, v in zip(self.params, self._views):
             p.data = v
+        if not self.keep_full and not self._live:
+            FlatParam.live_numel += self.padded_numel
+            self._live = True
+            FlatParam.peak_live_numel = max(FlatParam.peak_live_numel, FlatParam.live_numel)
 
-    def all_gather(self, label: str = "params") -> None:
+    def all_gather(self, label: str = "params", async_op: bool = False):
         """full <- every rank's shard. With keep_full the shard is already in place. A shard
         in host memory (offload_param) is copied into this rank's slice of `full` first,
-        and that slice is the gather's input: in place again, no temporary on the device."""
+        and that slice is the gather's input: in place again, no temporary on the device.
+        async_op (ZeRO-3 prefetch, ZeRO-1/2's gather after the step): returns the Pending;
+        `full` must be neither read nor freed before its wait()."""
         if not self.full_is_allocated():
             self.alloc_full()
         shard = self.shard
         if self.shard_on_host:
             shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
                                         label=f"{self.label}.{label}")
-        comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}")
+        pending = comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}", async_op=async_op)
+        return pending if async_op else None
 
     def param_bytes(self) -> int:
         """Bytes of low-precision parameters this rank keeps between uses."""
@@ -128,28 +153,35 @@ class FlatParam:
             buf.div_(divide_by)
         return buf
 
-    def reduce_scatter_grad(self) -> None:
+    def reduce_scatter_grad(self, async_op: bool = False) -> "GradReduction | None":
         """grad_shard += this rank's chunk of the rank-averaged gradient; drop the full one.
 
-        ZeRO-1 calls it once per step, at the boundary; ZeRO-2/3 once per micro-step from
-        backward hooks, so grad_shard accumulates the micro-steps."""
+        ZeRO-1 calls it once per step; ZeRO-2/3 once per micro-step from backward hooks, so
+        grad_shard accumulates the micro-steps. async_op (overlap_comm): returns the
+        reduction in flight; its wait() does the add. The p.grads are dropped at once either
+        way: their values are in the flat buffer, which the Pending keeps until the wait."""
         full = self.flat_grad(divide_by=comm.get_world_size())
         out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
-        comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads")
+        pending = comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads", async_op=async_op)
         del full
         self.clear_param_grads()
-        if self.grad_shard is None:
-            self.grad_shard = out
-        else:
-            self.grad_shard.add_(out)
+        reduction = GradReduction(self, out, pending if async_op else None, accumulate=True)
+        if async_op:
+            return reduction
+        reduction.wait()
+        return None
 
-    def all_reduce_grad(self) -> None:
+    def all_reduce_grad(self, async_op: bool = False) -> "GradReduction | None":
         """Stage 0: grad_shard = the whole rank-averaged gradient (one flat all-reduce, so
-        the ledger counts 2Ψ(N-1)/N per rank, the ring all-reduce)."""
+        the ledger counts 2Ψ(N-1)/N per rank, the ring all-reduce). async_op: as above."""
         buf = self.flat_grad(divide_by=comm.get_world_size())
-        comm.all_reduce(buf, label=f"{self.label}.grads")
+        pending = comm.all_reduce(buf, label=f"{self.label}.grads", async_op=async_op)
         self.clear_param_grads()
-        self.grad_shard = buf
+        reduction = GradReduction(self, buf, pending if async_op else None, accumulate=False)
+        if async_op:
+            return reduction
+        reduction.wait()
+        return None
 
     def clear_param_grads(self) -> None:
         for p in self.params:
@@ -164,15 +196,25 @@ class FlatParam:
                 f"padded={self.padded_numel}, shard={self.shard_numel} x {self.num_shards}, {self.dtype})")
 
 
+class GradReduction:
+    """A FlatParam's gradient reduction, possibly still in flight (comm.Pending). wait()
+    completes it and puts the result where the optimizer reads it: added into grad_shard
+    (reduce-scatter: micro-steps accumulate) or as grad_shard (stage 0's all-reduce)."""
+
+    def __init__(self, flat: FlatParam, result: torch.Tensor, pending, accumulate: bool):
+        self.flat, self.result, self.pending, self.accumulate = flat, result, pending, accumulate
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+        f = self.flat
+        if self.accumulate and f.grad_shard is not None:
+            f.grad_shard.add_(self.result)
+        else:
+            f.grad_shard = self.result
+
+
 # ----------------------------------------------------------------------------- layout plans -> FlatParams
-
-def group_plan(module: torch.nn.Module, param_groups: list[dict]) -> list[FlatPlan]:
-    """The simplest layout (stage 0 and ZeRO-1): one FlatParam per non-empty param group,
-    its parameters in the group's order. ZeRO-2/3 plan theirs in zero2.py / zero3.py."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [FlatPlan(f"group{gi}", gi, tuple(names[id(p)] for p in g["params"]), tuple(p.numel() for p in g["params"]))
-            for gi, g in enumerate(param_groups) if g["params"]]
-
 
 def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:
     """The FlatParam a plan describes, over the module's parameters of those names."""

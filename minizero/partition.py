@@ -70,7 +70,7 @@ class FlatPlan:
     """One FlatParam before it exists: which parameters (by name, in buffer order) it
     flattens, its param group, and whether ZeRO-3 keeps it gathered (`keep_full`).
 
-    Every stage decides its layout as a list of these (flat_param.group_plan, zero2.bucket_plan,
+    Every stage decides its layout as a list of these (buckets.bucket_plan,
     zero3.unit_plan) and then builds its FlatParams from the list. The plan depends on the
     model and the config only, never on the world size, so memory_table.py can lay out a
     model on the meta device for N = 1024 without a single process group."""

@@ -7,7 +7,8 @@ for its 1/N slice of the flat parameter buffer and updates only that slice:
 
     memory per rank: 2Ψ (lp params) + 2Ψ (lp grads) + 12Ψ/N
 
-One step, per param group (one FlatParam each, padded to a multiple of N):
+One step, per gradient bucket (one FlatParam each, padded to a multiple of N; with
+DeepSpeed's default reduce_bucket_size, one per param group; buckets.py):
 
     backward          full low-precision gradient in each p.grad (as stage 0)
     reduce_gradients  reduce-scatter the flat gradient: rank r receives the *sum over ranks*
@@ -30,28 +31,30 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .flat_param import build_flat, group_plan
+from .buckets import GradBuckets, size_buckets
 
 
 class Zero1:
     stage = 1
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        by_name = dict(module.named_parameters())
-        self.flat_params = [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank())
-                            for plan in group_plan(module, param_groups)]
+        buckets = size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
+        self.flat_params = [f for b in buckets for f in b.flats]
+        self.grads = GradBuckets(buckets, lambda f, async_op: f.reduce_scatter_grad(async_op),
+                                 every_micro_step=False, overlap=bool(zero_cfg.overlap_comm))
 
-    def prepare_backward(self) -> None:
-        """Nothing: gradients accumulate in p.grad over the micro-steps."""
+    def prepare_backward(self, boundary: bool = True) -> None:
+        """Gradients accumulate in p.grad over the micro-steps; with overlap_comm the last
+        micro-step's backward reduce-scatters each bucket as it fills."""
+        self.grads.prepare_backward(boundary)
 
     def finish_backward(self) -> None:
-        """Nothing: reduced once, at the boundary."""
+        self.grads.finish_backward()
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter each flat gradient: rank r keeps the averaged slice r only."""
-        for f in self.flat_params:
-            f.reduce_scatter_grad()
+        """Reduce-scatter each bucket's flat gradient: rank r keeps the averaged slice r
+        only (done already in the last backward with overlap_comm)."""
+        self.grads.reduce_all()
 
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters.
@@ -61,4 +64,3 @@ class Zero1:
 
     def grad_bytes(self) -> int:
         return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()
-

@@ -132,7 +132,8 @@ def test_stage3_moves_1_5x_stage0():
 
 @pytest.mark.parametrize("name", ["fp32-s0-n2", "fp32-s0-gas2-n2", "bf16-s0-n4", "fp16-s0-n2"])
 def test_stage0_one_flat_gradient_all_reduce_per_step(name):
-    """Issue 2: stage 0 all-reduces the flat gradient once per param group per optimizer
+    """Issue 2: stage 0 all-reduces the flat gradient once per bucket (with the default
+    reduce_bucket_size, one bucket per param group) per optimizer
     step (not per parameter, not per micro-step), and that buffer is the whole gradient."""
     run = er.get(**RUNS[name])
     for r in run:
@@ -140,7 +141,7 @@ def test_stage0_one_flat_gradient_all_reduce_per_step(name):
         assert len(r["flats"]) == 2                     # the two param groups
         assert d["all_reduce"]["calls"] == 2
         grads = {k: v for k, v in r["comm_last_step"]["by_label"].items() if k.endswith(".grads")}
-        assert sorted(grads) == ["all_reduce:group0.grads", "all_reduce:group1.grads"]
+        assert sorted(grads) == ["all_reduce:group0.bucket0.grads", "all_reduce:group1.bucket0.grads"]
         assert [grads[f"all_reduce:{f['label']}.grads"]["bytes"] for f in r["flats"]] == \
             [f["numel"] * elem for f in r["flats"]]
 

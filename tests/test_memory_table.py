@@ -1,5 +1,5 @@
 """`python -m minizero.memory_table --world-size ...` computes each rank's model-state bytes
-from the layout plans (zero1.group_plan, zero2.bucket_plan, zero3.unit_plan) on a meta-device
+from the layout plans (buckets.bucket_plan, zero3.unit_plan) on a meta-device
 model, without a process group. Checked here against real multi-process engines:
 
 - at N = 2 and 4, stages 0-3 in bf16, plus several ZeRO-2 buckets, ZeRO-3 persistent
