@@ -203,23 +203,25 @@ class ZeroConfig(Section):
     """`zero_optimization`, as DeepSpeedZeroConfig (runtime/zero/config.py), whose pydantic
     aliases (populate_by_name=True) are the `alias`es here.
 
-    acts=False: knobs that tune *when* DeepSpeed moves data (overlap, prefetch, bucketing,
-    keeping parameters gathered for reuse), not *what* ZeRO computes. minizero gathers each
-    unit right before use and releases it right after (docs/zero.md).
+    acts=False: knobs that tune DeepSpeed's own buffers and copies (contiguous gradients,
+    allgather buckets, sub-groups, offload buffers), not *what* ZeRO computes nor when
+    minizero communicates.
     """
     stage: int = key(0, _stage)
     reduce_bucket_size: int = key(500_000_000, integer(lo=1))
     stage3_param_persistence_threshold: int = key(100_000, integer(lo=0), alias="param_persistence_threshold")
     offload_optimizer: Optional[OffloadOptimizerConfig] = key(None, optional(OffloadOptimizerConfig.parse))
     offload_param: Optional[OffloadParamConfig] = key(None, optional(OffloadParamConfig.parse))
+    # when minizero moves data: asynchronous bucket reductions (buckets.py), ZeRO-3's
+    # prefetch, reuse and live limit (prefetch.py)
+    overlap_comm: Optional[bool] = key(None, optional(boolean))   # None: True only at stage 3
+    stage3_prefetch_bucket_size: int = key(50_000_000, integer(lo=0), alias="prefetch_bucket_size")
+    stage3_max_live_parameters: int = key(1_000_000_000, integer(lo=0), alias="max_live_parameters")
+    stage3_max_reuse_distance: int = key(1_000_000_000, integer(lo=0), alias="max_reuse_distance")
     # accepted, minizero does nothing with them
-    overlap_comm: Optional[bool] = key(None, optional(boolean), acts=False)   # None: True only at stage 3
     contiguous_gradients: bool = key(True, boolean, acts=False)
     reduce_scatter: bool = key(True, boolean, acts=False)
     allgather_bucket_size: int = key(500_000_000, integer(lo=1), acts=False)
-    stage3_prefetch_bucket_size: int = key(50_000_000, integer(lo=0), alias="prefetch_bucket_size", acts=False)
-    stage3_max_live_parameters: int = key(1_000_000_000, integer(lo=0), alias="max_live_parameters", acts=False)
-    stage3_max_reuse_distance: int = key(1_000_000_000, integer(lo=0), alias="max_reuse_distance", acts=False)
     sub_group_size: int = key(1_000_000_000, integer(lo=0), acts=False)
     # minizero's ZeRO-3 never swaps F.linear: docs/deepspeed.md, "ZeRO-3 replaces F.linear
     # (memory_efficient_linear)"
@@ -232,13 +234,12 @@ class ZeroConfig(Section):
     round_robin_gradients: bool = key(False, boolean, acts=False)   # DeepSpeed's offload copy ordering
     # deprecated; DeepSpeed accepts it and does nothing with it (pin_memory in each offload section)
     cpu_offload_use_pin_memory: Optional[bool] = key(None, optional(boolean), acts=False)
-    elastic_checkpoint: bool = key(False, only(False, "use the same world size to resume"))
+    elastic_checkpoint: bool = key(False, only(False, "minizero reshards any checkpoint as it loads: docs/checkpoints.md"))
     stage3_gather_16bit_weights_on_model_save: bool = key(
         False, only(False, "there is no save_16bit_model"), alias="gather_16bit_weights_on_model_save")
 
     def __post_init__(self):
-        # DeepSpeed's default (DeepSpeedZeroConfig.overlap_comm_valid), kept so the parsed config
-        # equals DeepSpeed's (tests/test_config.py); minizero does not act on it
+        # DeepSpeed's default (DeepSpeedZeroConfig.overlap_comm_valid): on at stage 3 only
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
         if self.offload_param_enabled and self.stage != 3:
@@ -411,8 +412,7 @@ def ignored_knobs_note(cfg: Config) -> str | None:
     if not knobs:
         return None
     return (f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility; they tune "
-            f"overlap/prefetch/reuse or DeepSpeed's own CPU Adam and NVMe buffers, which minizero does "
-            f"not do (it gathers each unit on use and releases it after; see docs/zero.md)")
+            f"DeepSpeed's own buffers, copies and CPU Adam, which minizero does not have (docs/zero.md)")
 
 
 # ----------------------------------------------------------------------------- batch sizes

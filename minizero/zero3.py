@@ -29,6 +29,13 @@ gradient reduce-scattered once: 3Ψ(N-1)/N on the wire per rank, 1.5x stage 0's
 all-reduce (paper, section 7.2.2). The gathers are labelled `.fwd`, `.bwd` and, when
 activation checkpointing recomputes a block inside backward, `.recompute`.
 
+That is with DeepSpeed's knobs at 0. *When* a unit is gathered and freed is prefetch.py's
+decision (the `Prefetcher`): with `stage3_prefetch_bucket_size` the next units' gathers are
+issued while this one computes (`.prefetch` in the label), and `stage3_max_reuse_distance`
+keeps a unit that is used again soon (DeepSpeed's default keeps every unit from its forward
+to its backward: 2Ψ gathered per step instead of 3Ψ). With `overlap_comm` (DeepSpeed's
+default at stage 3) the gradients' reduce-scatters run asynchronously too (buckets.py).
+
 Small parameters (at most `stage3_param_persistence_threshold` elements, DeepSpeed's
 default 1e5) are *persistent*: kept gathered on every rank like ZeRO-2 (their optimizer
 state and gradient stay partitioned) because gathering many tiny tensors costs more in
@@ -48,7 +55,9 @@ from torch import nn
 from . import checkpointing, comm
 from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan
-from .zero2 import Bucket, Zero2
+from .buckets import Bucket
+from .prefetch import Prefetcher
+from .zero2 import Zero2
 
 
 class ShardState(Enum):
@@ -70,12 +79,19 @@ class Unit(Bucket):
     def state(self) -> ShardState:
         return ShardState.UNSHARDED if any(f.full_is_allocated() for f in self.partitioned) else ShardState.SHARDED
 
-    def unshard(self, why: str) -> None:
-        if self.state is ShardState.UNSHARDED:
-            return
+    def is_sharded(self) -> bool:
+        return self.state is ShardState.SHARDED
+
+    def partitioned_numel(self) -> int:
+        """Elements this unit occupies while gathered (its partitioned FlatParams, padded)."""
+        return sum(f.padded_numel for f in self.partitioned)
+
+    def gather(self, why: str, async_op: bool = False):
+        """All-gather the partitioned FlatParams (`why`: fwd, bwd, recompute; .prefetch).
+        async_op: returns their Pendings, to wait() before the unit runs (prefetch.py)."""
         with torch.profiler.record_function(f"minizero::unshard::{self.name}"):
-            for f in self.partitioned:
-                f.all_gather(label=why)
+            pendings = [f.all_gather(label=why, async_op=async_op) for f in self.partitioned]
+        return pendings if async_op else None
 
     def reshard(self) -> None:
         for f in self.partitioned:
@@ -87,9 +103,13 @@ class Zero3(Zero2):
 
     def __init__(self, module: nn.Module, param_groups: list[dict], zero_cfg):
         # 1. layout: one Unit per module instead of ZeRO-2's size buckets; its gradients
-        #    still take ZeRO-2's path (use_buckets: hooks, reduce-scatter when complete).
-        self.use_buckets(module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold)))
-        for u in self.buckets:
+        #    still take ZeRO-2's path (GradBuckets: hooks, reduce-scatter when complete).
+        units = module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold))
+        self.use_buckets(units, zero_cfg, on_reduced=self.post_backward)
+        # When each unit is gathered and freed: on demand, or read ahead from a recorded trace.
+        self.prefetcher = Prefetcher(units, int(zero_cfg.stage3_prefetch_bucket_size),
+                                     int(zero_cfg.stage3_max_live_parameters), int(zero_cfg.stage3_max_reuse_distance))
+        for u in units:
             u.module.register_forward_pre_hook(self.pre_forward_hook(u))
             u.module.register_forward_hook(self.post_forward_hook(u))
 
@@ -98,22 +118,28 @@ class Zero3(Zero2):
         def pre_forward(module, args):
             # label only: a forward inside minizero's activation-checkpointing backward is
             # a recompute (another library's recompute is labelled "fwd")
-            unit.unshard("recompute" if checkpointing.in_recompute() else "fwd")
+            self.prefetcher.fetch(unit, "recompute" if checkpointing.in_recompute() else "fwd")
         return pre_forward
 
     def post_forward_hook(self, unit: Unit):
         def post_forward(module, args, output):
-            unit.reshard()
+            self.prefetcher.release(unit)
             if not torch.is_grad_enabled():
                 return output
-            return _register_pre_backward(unit, output)
+            return _register_pre_backward(lambda: self.prefetcher.fetch(unit, "bwd"), output)
         return post_forward
 
     # ------------------------------------------------------------------ 3. backward
     # pre_backward: _PreBackward below, on the unit's outputs.
     def post_backward(self, unit: Unit) -> None:
-        super().post_backward(unit)   # reduce-scatter the unit's gradients, as ZeRO-2
-        unit.reshard()
+        """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
+        free its parameters. Safe while the reduce-scatter may still run: it reads the flat
+        gradient buffer, which its Pending keeps alive, never the parameters."""
+        self.prefetcher.release(unit)
+
+    def finish_backward(self) -> None:
+        super().finish_backward()            # reduce what is left, wait for every reduction
+        self.prefetcher.end_of_backward()    # nothing stays gathered into the step
 
     # ------------------------------------------------------------------ 4. step
     def after_step(self) -> None:
@@ -123,32 +149,31 @@ class Zero3(Zero2):
             if f.keep_full:
                 f.all_gather()
 
-
 class _PreBackward(torch.autograd.Function):
     """Identity on a unit's outputs whose backward re-gathers the unit's parameters:
     the gradient arriving at a module's outputs is the signal that its backward is next."""
 
     @staticmethod
-    def forward(ctx, unit, *tensors):
-        ctx.unit = unit
+    def forward(ctx, fetch, *tensors):
+        ctx.fetch = fetch
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.unshard("bwd")
+        ctx.fetch()
         return (None, *grads)
 
 
-def _register_pre_backward(unit: Unit, output):
+def _register_pre_backward(fetch, output):
     """Route the tensors in `output` (a tensor, or a tuple/list of tensors and others)
     through _PreBackward, returning the same structure."""
     if torch.is_tensor(output):
-        return _PreBackward.apply(unit, output)[0] if output.requires_grad else output
+        return _PreBackward.apply(fetch, output)[0] if output.requires_grad else output
     if isinstance(output, (tuple, list)):
         idx = [i for i, t in enumerate(output) if torch.is_tensor(t) and t.requires_grad]
         if not idx:
             return output
-        wrapped = _PreBackward.apply(unit, *[output[i] for i in idx])
+        wrapped = _PreBackward.apply(fetch, *[output[i] for i in idx])
         out = list(output)
         for i, t in zip(idx, wrapped):
             out[i] = t

@@ -288,7 +288,10 @@ def overflow_run(stage: int) -> dict:
     return {"rank": rank, "log": log}
 
 
-Z3P0 = {"stage3_param_persistence_threshold": 0}
+# ZeRO-3 as the paper describes it: every parameter partitioned, each unit gathered before
+# each use and freed after (prefetch and reuse off; DeepSpeed's defaults keep units gathered
+# from forward to backward: minizero/prefetch.py)
+Z3P0 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
 
 
 # ----------------------------------------------------------------------------- cache

@@ -133,13 +133,13 @@ def test_ignored_knobs_are_those_given_that_minizero_does_not_act_on():
     cfg = load_config({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "overlap_comm": True, "reduce_bucket_size": 10, "prefetch_bucket_size": 5,
         "memory_efficient_linear": False, "allgather_partitions": True}}, 1)
-    assert ignored_knobs(cfg) == ["overlap_comm", "prefetch_bucket_size", "memory_efficient_linear"]
-    assert "overlap_comm, prefetch_bucket_size, memory_efficient_linear: accepted for DeepSpeed" \
-        in ignored_knobs_note(cfg)
+    assert ignored_knobs(cfg) == ["memory_efficient_linear"]   # overlap and prefetch act (buckets.py, prefetch.py)
+    assert "memory_efficient_linear: accepted for DeepSpeed" in ignored_knobs_note(cfg)
     assert ignored_knobs_note(load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, 1)) is None
     # the engine acts on the other keys: a new ZeroConfig key must say which it is
     acting = {f for f, row in ZeroConfig.rows().items() if row.metadata["acts"]}
-    assert {"stage", "reduce_bucket_size", "stage3_param_persistence_threshold"} <= acting
+    assert {"stage", "reduce_bucket_size", "stage3_param_persistence_threshold", "overlap_comm",
+            "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance"} <= acting
 
 
 @pytest.mark.parametrize("raw,needle", [

@@ -32,7 +32,9 @@ def _run(stage: int, out_dir: str | None, dtype: str = "fp32", gas: int = 2, ckp
     import minizero
     from minizero import comm
 
-    zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    # ZeRO-3 on demand (prefetch and reuse off): every unit gathered before each use
+    zero = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0} if stage == 3 else {}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     cfg = make_config(stage, dtype, micro_batch=2, lr=1e-2, gas=gas, ckpt=ckpt, zero=zero)

@@ -1,0 +1,169 @@
+"""ZeRO-3 prefetch and reuse: gather the next units while this one computes; keep a unit
+gathered when it is used again soon.
+
+Without this file ZeRO-3 gathers each unit exactly when it is needed and frees it right
+after: every all-gather is time the step waits, and the root (embeddings, head), used at
+the end of forward and again at the start of backward, is gathered twice back to back.
+DeepSpeed's answer (ZeRO-Infinity, Rajbhandari et al., SC'21, section 6.2, "overlap-centric
+design"; deepspeed/runtime/zero/partitioned_param_coordinator.py) is a *trace*: the order in
+which modules fetch their parameters is the same every step, so record it once and read ahead:
+
+- **record**: the first forward+backward (a micro-step) appends every fetch, `(unit)`, to
+  `order`, forward and backward (and recomputation) alike. From the next micro-step on the
+  trace is complete, and every fetch is checked against it: a different unit (another
+  branch, an eval forward) *invalidates* it: in-flight gathers are waited for, prefetched
+  units freed, and the next micro-step records again. Nothing but speed depends on the trace.
+- **prefetch** (`stage3_prefetch_bucket_size`, elements): after gathering the current unit,
+  walk the trace ahead and issue asynchronous all-gathers for the next units not yet
+  gathered, until the prefetch bucket is full, never past `stage3_max_live_parameters`.
+- **reuse** (`stage3_max_reuse_distance`, elements): when a unit is done, look ahead in the
+  trace over at most that many elements of fetches; if the unit comes up again, keep it
+  gathered. The root, done at the end of forward and needed first in backward, is kept:
+  one all-gather fewer per step. DeepSpeed's default (1e9) keeps every unit from its
+  forward to its backward: ZeRO-3 then moves 2Ψ per step, not the paper's 3Ψ (and holds
+  the whole model at the turn, which is what the knob trades).
+- **max live** (`stage3_max_live_parameters`, elements): gathered elements of partitioned
+  units, counted in FlatParam (`FlatParam.live_numel`). minizero never exceeds it: a
+  prefetch stops before a unit that would, a unit is kept for reuse only within it, and a
+  fetch first frees kept, idle units to make room. Only the units being computed may go
+  over it together (a unit larger than the limit must still be gathered to run).
+  DeepSpeed instead may overshoot by the last prefetched parameter and by reuse (it
+  checks the limit only when prefetching).
+
+Units, not parameters: DeepSpeed traces every module that holds parameters (each Linear,
+LayerNorm, Embedding); minizero traces ZeRO-3's units (zero3.py: each block and the root),
+the granularity at which it gathers. Numels count padded FlatParam elements.
+
+With prefetch 0 and reuse 0, `fetch` gathers and `release` frees: exactly the gathers of
+the paper's 3Ψ, which the communication-volume tests assert. Gathers write the same
+bytes whenever they run, so losses are bit-identical with prefetch on or off.
+"""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+
+class TraceMode(Enum):
+    RECORD = auto()     # this micro-step appends every fetch to the trace
+    COMPLETE = auto()   # the trace is read ahead (prefetch, reuse)
+    INVALID = auto()    # execution left the trace: on-demand only until the next micro-step records
+
+
+class Prefetcher:
+    """Decides when each ZeRO-3 unit is gathered and freed (zero3.py calls fetch / release)."""
+
+    def __init__(self, units, prefetch_numel: int, max_live_numel: int, reuse_numel: int):
+        self.prefetch_numel, self.max_live_numel, self.reuse_numel = prefetch_numel, max_live_numel, reuse_numel
+        self.reads_ahead = prefetch_numel > 0 or reuse_numel > 0   # else: the paper's on-demand ZeRO-3
+        self.units = units
+        self.mode = TraceMode.RECORD
+        self.order: list = []            # the recorded fetch order: units
+        self.next = 0                    # index into order of the next fetch
+        self.in_flight: dict = {}        # unit -> its Pending all-gathers (prefetched)
+        self.active: set = set()         # units fetched and not yet released (being computed)
+        self.covered_to: dict = {}       # unit -> furthest trace index a prefetch walk passed it at
+
+    # ------------------------------------------------------------------ fetch
+    def fetch(self, unit, why: str) -> None:
+        """The unit is about to run (its pre_forward / pre_backward): make it gathered, then read ahead."""
+        if self.reads_ahead:
+            self._follow_trace(unit)
+        self.active.add(unit)
+        if unit in self.in_flight:                       # prefetched: just wait for it
+            for pending in self.in_flight.pop(unit):
+                pending.wait()
+        elif unit.is_sharded():
+            self._make_room(unit.partitioned_numel())
+            unit.gather(why)
+        if self.mode is TraceMode.COMPLETE:
+            self._prefetch(why)
+        self.next += 1
+
+    def _follow_trace(self, unit) -> None:
+        if self.mode is TraceMode.RECORD:
+            self.order.append(unit)
+        elif self.mode is TraceMode.COMPLETE and (self.next >= len(self.order) or self.order[self.next] is not unit):
+            self.invalidate()
+
+    def _prefetch(self, why: str) -> None:
+        """Issue all-gathers for the units after this one in the trace, up to the prefetch
+        bucket and the live limit (DeepSpeed's loop, with the limit never crossed)."""
+        budget = min(self.max_live_numel - self.live_numel(), self.prefetch_numel)
+        issued, seen = 0, set()
+        for i in range(self.next + 1, len(self.order)):
+            u = self.order[i]
+            self.covered_to[u] = max(self.covered_to.get(u, -1), i)
+            if u in seen or u in self.in_flight or not u.is_sharded():
+                continue
+            numel = u.partitioned_numel()
+            if issued + numel > budget:
+                break
+            self.in_flight[u] = u.gather(f"{why}.prefetch", async_op=True)
+            seen.add(u)
+            issued += numel
+            if issued >= budget:
+                break
+
+    # ------------------------------------------------------------------ release
+    def release(self, unit) -> None:
+        """The unit is done (its post_forward / post_backward): free it, unless reuse keeps it."""
+        self.active.discard(unit)
+        if self.mode is TraceMode.COMPLETE and self._used_again_soon(unit) \
+                and self.live_numel() <= self.max_live_numel:
+            return
+        unit.reshard()
+
+    def _used_again_soon(self, unit) -> bool:
+        """Within stage3_max_reuse_distance elements of upcoming fetches (DeepSpeed's
+        __params_to_release), or a prefetch walk already went past its next use."""
+        if self.covered_to.get(unit, -1) >= self.next:
+            return True
+        traversed = 0
+        for u in self.order[self.next:]:
+            if traversed >= self.reuse_numel:
+                return False
+            if u is unit:
+                return True
+            traversed += u.partitioned_numel()
+        return False
+
+    def _make_room(self, numel: int) -> None:
+        """Free kept (gathered, idle, not in flight) units until `numel` more fit under the limit."""
+        for u in self.units:
+            if self.live_numel() + numel <= self.max_live_numel:
+                return
+            if u not in self.active and u not in self.in_flight and not u.is_sharded():
+                u.reshard()
+
+    # ------------------------------------------------------------------ resets
+    def invalidate(self) -> None:
+        """Execution left the trace: finish what is in flight, free what was prefetched,
+        read nothing ahead until the next micro-step has recorded a new trace."""
+        self._drain()
+        self.mode, self.order = TraceMode.INVALID, []
+
+    def end_of_backward(self) -> None:
+        """A micro-step's forward and backward are over: nothing may stay gathered (the
+        optimizer may write the shards next); the trace starts over (RECORD -> COMPLETE,
+        INVALID -> RECORD)."""
+        self._drain()
+        for u in self.units:
+            if not u.is_sharded():
+                u.reshard()
+        self.active.clear()
+        if self.mode is TraceMode.RECORD and self.reads_ahead:
+            self.mode = TraceMode.COMPLETE
+        elif self.mode is TraceMode.INVALID:
+            self.mode, self.order = TraceMode.RECORD, []
+        self.next, self.covered_to = 0, {}
+
+    def _drain(self) -> None:
+        for u, pendings in list(self.in_flight.items()):
+            for pending in pendings:
+                pending.wait()          # a buffer may not be freed while a gather writes it
+            if u not in self.active:
+                u.reshard()
+        self.in_flight.clear()
+
+    def live_numel(self) -> int:
+        return sum(u.partitioned_numel() for u in self.units if not u.is_sharded())
