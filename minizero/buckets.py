@@ -1,0 +1,141 @@
+"""Gradient buckets: reduce each bucket as soon as backward has produced all its gradients.
+
+Backward produces gradients last layer first. Waiting for all of them before reducing any
+leaves the network idle during backward and the compute idle during the reduction. PyTorch
+DDP (Li et al., VLDB'20, "PyTorch Distributed", section 3.2.3) and DeepSpeed's ZeRO-2
+(`overlap_comm`) cut the parameters into buckets in backward order and start a bucket's
+reduction when its last gradient arrives, so communication of bucket k runs while backward
+computes bucket k+1.
+
+Each bucket is its own FlatParam (flat_param.py): padded to a multiple of N, so every rank
+owns slice r of every bucket. A post-accumulate-grad hook on every parameter counts arrivals;
+the bucket's last one *issues* its reduction (`issue`). With `overlap_comm` the collective is
+asynchronous: `issue` returns at once and backward goes on; `wait` (at the end of backward)
+completes every reduction in flight, in issue order. Without it the reduction runs inside the
+hook and is done when the hook returns. Both reduce the same buffers with the same
+collectives, so the numbers are bit-identical with overlap on and off; only *when* differs.
+
+Which micro-steps reduce: stage 0 (all-reduce) and ZeRO-1 (reduce-scatter) let gradients
+accumulate in p.grad and reduce once, in the backward of the last micro-step of the step
+(DDP's no_sync); ZeRO-2/3 reduce-scatter in every micro-step's backward and accumulate the
+shard. Without overlap, stage 0 and ZeRO-1 reduce at the step instead, after backward (as
+the ZeRO paper describes them): the hooks are off.
+
+A bucket some of whose parameters got no gradient this backward (an unused branch) is
+reduced after backward, zeros for the missing ones, in bucket order so every rank issues the
+same collectives. Every rank must use the same parameters in a step (a parameter unused on
+*all* ranks is fine); a branch taken on one rank only reorders the buckets (docs/debugging.md).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .flat_param import FlatParam, build_flat
+from .partition import FlatPlan, bucketize
+
+
+class Bucket:
+    """Parameters whose gradients are reduced together, once all have arrived."""
+
+    def __init__(self, name: str, flats: list[FlatParam]):
+        self.name, self.flats = name, flats
+        self.params = [p for f in flats for p in f.params]
+        self.arrived = 0        # gradients landed in this backward
+        self.reduced = False    # reduction issued in this backward
+
+
+class GradBuckets:
+    """The hooks and the issue/wait bookkeeping of bucketed gradient reduction.
+
+    reduce(flat, async_op) -> an in-flight reduction (with .wait()) or None: the stage's
+    collective on one FlatParam (all-reduce or reduce-scatter, flat_param.py). on_reduced(bucket):
+    what the stage does right after issuing a bucket (ZeRO-3: reshard its unit)."""
+
+    def __init__(self, buckets: list[Bucket], reduce, *, every_micro_step: bool, overlap: bool, on_reduced=None):
+        self.buckets, self.reduce, self.on_reduced = buckets, reduce, on_reduced
+        self.every_micro_step, self.overlap = every_micro_step, overlap
+        self.bucket_of = {id(p): b for b in buckets for p in b.params}
+        self.in_flight: list = []
+        self.active = False     # reducing from hooks in this backward
+        for b in buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def prepare_backward(self, boundary: bool) -> None:
+        """Before a micro-step's backward: reduce in it? (every micro-step, or the last with overlap)"""
+        self.active = self.every_micro_step or (self.overlap and boundary)
+        for b in self.buckets:
+            b.arrived, b.reduced = 0, False
+
+    def grad_ready(self, p) -> None:
+        """post_accumulate_grad hook: the bucket's last gradient issues its reduction."""
+        if not self.active:
+            return
+        b = self.bucket_of[id(p)]
+        b.arrived += 1
+        if b.arrived == len(b.params):
+            self.issue(b)
+
+    def issue(self, bucket: Bucket) -> None:
+        for f in bucket.flats:
+            in_flight = self.reduce(f, async_op=self.overlap)
+            if in_flight is not None:
+                self.in_flight.append(in_flight)
+        bucket.reduced = True
+        if self.on_reduced is not None:
+            self.on_reduced(bucket)
+
+    def finish_backward(self) -> None:
+        """After backward: reduce the buckets that never completed, then wait for all."""
+        if not self.active:
+            return
+        for b in self.buckets:
+            if not b.reduced:
+                self.issue(b)
+        self.wait()
+
+    def reduce_all(self) -> None:
+        """At the step, when the hooks were off (stage 0 / ZeRO-1 without overlap)."""
+        if self.active:
+            return   # done in the last micro-step's backward
+        for b in self.buckets:
+            self.issue(b)
+        self.wait()
+
+    def wait(self) -> None:
+        """Complete every reduction in flight, in issue order (the order adds into grad_shard)."""
+        for r in self.in_flight:
+            r.wait()
+        self.in_flight.clear()
+
+
+def size_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
+    """One Bucket (holding one FlatParam, padded and sharded on its own, so every rank owns
+    slice r of every bucket) per entry of bucket_plan."""
+    by_name = dict(module.named_parameters())
+    return [Bucket(plan.label, [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank())])
+            for plan in bucket_plan(module, param_groups, bucket_numel)]
+
+
+def replicated_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
+    """Stage 0's buckets: the same plan, not sharded (num_shards 1: a rank's shard is the whole)."""
+    by_name = dict(module.named_parameters())
+    return [Bucket(plan.label, [build_flat(plan, by_name, num_shards=1, shard_index=0)])
+            for plan in bucket_plan(module, param_groups, bucket_numel)]
+
+
+def bucket_plan(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[FlatPlan]:
+    """Stages 0-2's layout: per param group, buckets of at most `bucket_numel` elements
+    (reduce_bucket_size), formed in reverse parameter order (the order backward produces
+    gradients); within a bucket the parameters keep their forward order. With DeepSpeed's
+    default (5e8) a model of this size is one bucket per param group."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    plans = []
+    for gi, g in enumerate(param_groups):
+        params = list(g["params"])[::-1]  # backward order
+        for bi, idx in enumerate(bucketize([p.numel() for p in params], bucket_numel)):
+            members = [params[i] for i in idx][::-1]
+            plans.append(FlatPlan(f"group{gi}.bucket{bi}", gi, tuple(names[id(p)] for p in members),
+                                  tuple(p.numel() for p in members)))
+    return plans
