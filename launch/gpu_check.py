@@ -190,6 +190,24 @@ def plan(n_gpus: int, quick: bool = False) -> list:
                     min_gpus=min_gpus, steps=resume_steps(launcher(nproc), flags, size, env, name, t_train),
                     judge=judge_resume("{dir}/straight", "{dir}/resumed", size.save_every)))
 
+    # Overlap and prefetch change when data moves, never the numbers: the same run with
+    # overlap_comm + ZeRO-3 prefetch/reuse on (DeepSpeed's defaults) and all off, bit for bit.
+    # On NCCL the asynchronous collectives run on NCCL's own stream: a buffer freed, resized or
+    # reused too early would show here as different losses (CPU tests cannot see it).
+    for stage in STAGES:
+        for dtype in ("bf16", "fp32"):
+            name = f"overlap-z{stage}-{dtype}"
+            runs = {}
+            for knobs in ("on", "off"):
+                runs[knobs] = Proc([*launcher(max(n_gpus, 2)), *TRAIN, *data_flags(size), "--config",
+                                    f"docs/lesson/overlap_{knobs}.json", "--stage", str(stage), "--dtype", dtype,
+                                    "--max-steps", str(size.steps), "--save-dir", f"{{dir}}/{knobs}"],
+                                   f"{name}-{knobs}.log", {**DETERMINISTIC_ENV, **DEBUG_ENV}, timeout=t_train)
+            checks.append(Check(
+                name, f"ZeRO-{stage} {dtype} on all GPUs, docs/lesson/overlap_on.json vs overlap_off.json (same "
+                      "buckets): losses bit for bit", min_gpus=2, steps=[[runs["on"]], [runs["off"]]],
+                judge=judge_same_losses("{dir}/on", "{dir}/off")))
+
     # fp16 overflow on one rank only: the vote makes every rank skip (tests/test_overflow.py's run).
     world = max([w for w in (2, 4, 8) if w <= n_gpus] or [2])   # its global batch of 8 rows must split evenly
     for stage in STAGES:
@@ -487,6 +505,14 @@ class Ctx:
 def read_json(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def judge_same_losses(a: str, b: str):
+    """Two runs of the same training that differ only in when data moves: equal losses."""
+    def judge(ctx: Ctx) -> Result:
+        return resume_verdict(read_json(ctx.path(a) / "summary.json"), read_json(ctx.path(b) / "summary.json"), 0,
+                              any(DETERMINISTIC_MARK in t for t in ctx.logs()))
+    return judge
 
 
 def judge_resume(straight: str, resumed: str, k: int):

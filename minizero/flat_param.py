@@ -101,6 +101,10 @@ class FlatParam:
         return self.full.untyped_storage().nbytes() > 0
 
     def free_full(self) -> None:
+        """Drop the full buffer's storage. Never while an all-gather into it may still run:
+        on NCCL the asynchronous gather writes from its own stream, and the allocator would
+        hand the memory to the next tensor under it. Every caller guarantees the wait first
+        (prefetch.py: a prefetched unit is waited for before use and drained before free)."""
         if self._live:
             FlatParam.live_numel -= self.padded_numel
             self._live = False

@@ -24,7 +24,8 @@ _spec.loader.exec_module(gc)
 
 RESUME_1 = [f"resume-1gpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
 RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
-MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overflow-z{s}" for s in range(4)), *(f"memory-z{s}" for s in range(4)), "memory-falls",
+MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overlap-z{s}-{d}" for s in range(4) for d in ("bf16", "fp32")),
+         *(f"overflow-z{s}" for s in range(4)), *(f"memory-z{s}" for s in range(4)), "memory-falls",
          "2node-straight", "2node-resume-shared", "2node-resume-separate", "2node-save-separate"]
 SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "offload-step5-1gpu", *RESUME_1, "compare", *(f"compare-z{s}" for s in range(4))]
 

@@ -187,3 +187,15 @@ def test_zero3_moves_what_deepspeed_moves(knobs):
     assert per_lib["minizero"] == per_lib["deepspeed"], per_lib
     gathered, reduced = per_lib["minizero"]["all_gather"], per_lib["minizero"]["reduce_scatter"]
     assert gathered == (1 if not knobs else 2) * reduced    # reduce_scatter: Ψ per step, in both libraries
+
+
+def test_the_gpu_checks_overlap_configs_differ_only_in_when_data_moves():
+    """launch/gpu_check.py's overlap-z* checks compare these two configs bit for bit on NCCL."""
+    import json
+    on, off = (json.load(open(f"docs/lesson/overlap_{k}.json")) for k in ("on", "off"))
+    moves = {"overlap_comm", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance"}
+    assert {k: v for k, v in on["zero_optimization"].items() if k not in moves} == \
+        {k: v for k, v in off["zero_optimization"].items() if k not in moves}
+    assert {k: v for k, v in on.items() if k != "zero_optimization"} == \
+        {k: v for k, v in off.items() if k != "zero_optimization"}
+    assert on["zero_optimization"]["overlap_comm"] and not off["zero_optimization"]["overlap_comm"]
