@@ -51,7 +51,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def consolidate(checkpoint_dir, tag=None):
-    """Full fp32 state dict from a sharded minizero checkpoint (DeepSpeed's zero_to_fp32)."""
+def consolidate(checkpoint_dir, tag=None, kind="master"):
+    """Full fp32 state dict from a sharded minizero checkpoint (DeepSpeed's zero_to_fp32);
+    kind "exp_avg" / "exp_avg_sq": Adam's moments, laid out the same way."""
     from .zero_to_fp32 import consolidate as _consolidate
-    return _consolidate(checkpoint_dir, tag)
+    return _consolidate(checkpoint_dir, tag, kind=kind)

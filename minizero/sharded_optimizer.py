@@ -76,7 +76,7 @@ class ShardedOptimizer:
             g = f.grad_shard
             if g is not None:
                 for i in range(0, g.numel(), GRAD_SQ_CHUNK):
-                    total += g[i:i + GRAD_SQ_CHUNK].double().pow(2).sum()
+                    total += g[i:i + GRAD_SQ_CHUNK].double().pow_(2).sum()   # in place on the fp64 copy: one temporary, not two
         if self.grads_sharded():
             comm.all_reduce(total, label="grad_norm")
         return total
