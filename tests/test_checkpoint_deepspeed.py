@@ -433,3 +433,24 @@ def test_export_command_line(runs, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("python -m minizero.export_deepspeed: error:"), err
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def test_train_resumes_a_deepspeed_run_with_deepspeeds_losses(tmp_path):
+    """reference/train.py (DeepSpeed) saves at step 2 of 4; `python -m minizero.train --resume`
+    continues that folder; its summary's losses are DeepSpeed's uninterrupted ones."""
+    import json
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    common = ["--stage", "1", "--dtype", "bf16", "--max-steps", "4"]
+    subprocess.run([sys.executable, "reference/train.py", *common, "--save-every", "2", "--save-dir",
+                    str(tmp_path / "ds")], cwd=repo, env=env, check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "minizero.train", *common, "--resume", str(tmp_path / "ds"),
+                           "--tag", "global_step2", "--save-dir", str(tmp_path / "mz")],
+                          cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "DeepSpeed checkpoint of 1 rank at ZeRO stage 1" in done.stdout + done.stderr
+    ds, mz = (json.loads((tmp_path / d / "summary.json").read_text())["losses"] for d in ("ds", "mz"))
+    assert len(ds) == 4 and mz == ds
