@@ -209,11 +209,6 @@ def _int(v) -> int:
     return int(v.item()) if torch.is_tensor(v) else int(v)
 
 
-def looks_like_deepspeed(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, MODEL_FILE)) or \
-        os.path.isfile(os.path.join(folder, ZERO3_MODEL_FILE.format(r=0)))
-
-
 def open_source(folder: str) -> "DeepSpeedSource":
     """The CheckpointSource of a tag folder DeepSpeed's save_checkpoint wrote; CheckpointError
     (one line) for a folder minizero cannot continue from."""

@@ -3,7 +3,10 @@
 Write a minizero checkpoint as a folder DeepSpeed's `engine.load_checkpoint(DST)` loads
 (and its `zero_to_fp32.py` / `get_fp32_state_dict_from_zero_checkpoint` consolidates, to
 the same fp32 tensors `minizero.consolidate` gives), at the saved ZeRO stage and world size
-or at the ones given.
+or at the ones given. SRC may be a DeepSpeed folder too: then this rewrites a DeepSpeed
+checkpoint for another world size or stage, what DeepSpeed itself cannot load ("Automatic
+adjustment of ZeRO's optimizer state partitioning with a new world size is not currently
+supported") and answers with its offline universal-checkpoint conversion.
 
 The training state is read parameter slice by parameter slice from the minizero checkpoint
 (a CheckpointSource, checkpoint_state.py) and laid out DeepSpeed's way: the arithmetic is
@@ -29,9 +32,9 @@ from collections import OrderedDict
 
 import torch
 
-from .checkpoint_folder import CheckpointError, describe_tags, resolve_tag
+from .checkpoint_folder import CheckpointError, describe_tags, load_file, resolve_tag
 from .checkpoint_state import MinizeroSource, build_shard
-from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object,
+from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object, open_source,
                                    torch_save, zero3_partition_numel, zero12_partition_numel, zero12_tail_padding)
 
 PROG = "python -m minizero.export_deepspeed"
@@ -278,8 +281,9 @@ def export(source, dst_dir: str, tag: str | None = None, stage: int | None = Non
     return final
 
 
-def open_minizero(checkpoint_dir: str, tag: str | None = None):
-    """The CheckpointSource of a minizero checkpoint folder (its `latest`, or `tag`)."""
+def open_checkpoint(checkpoint_dir: str, tag: str | None = None):
+    """The CheckpointSource of a checkpoint folder (its `latest`, or `tag`): minizero's, or
+    DeepSpeed's (so a DeepSpeed checkpoint can be rewritten for another world size or stage)."""
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir}: no such directory")
     tag = resolve_tag(checkpoint_dir, tag)
@@ -288,12 +292,17 @@ def open_minizero(checkpoint_dir: str, tag: str | None = None):
     path = os.path.join(checkpoint_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")
-    return MinizeroSource(path)
+    if os.path.isfile(os.path.join(path, MODEL_FILE)):
+        meta = load_file(checkpoint_dir, tag, MODEL_FILE, mmap=True)
+        if isinstance(meta, dict) and "layout" in meta:
+            return MinizeroSource(path, meta)
+    return open_source(path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
-    ap.add_argument("src", help="minizero checkpoint folder (with a 'latest' file and <tag>/ sub-folders)")
+    ap.add_argument("src", help="checkpoint folder (with a 'latest' file and <tag>/ sub-folders): minizero's, or "
+                                "DeepSpeed's, to rewrite it for another --stage or --world-size")
     ap.add_argument("dst", help="folder to write DeepSpeed's checkpoint into (its 'latest' and <tag>/)")
     ap.add_argument("--tag", default=None, help="the minizero tag to export (default: the one 'latest' names); "
                                                 "the DeepSpeed folder gets the same name")
@@ -304,7 +313,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return 2
     try:
-        source = open_minizero(args.src, args.tag)
+        source = open_checkpoint(args.src, args.tag)
         out = export(source, args.dst, os.path.basename(source.folder), args.stage, args.world_size)
     except CheckpointError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

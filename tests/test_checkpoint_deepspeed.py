@@ -141,7 +141,7 @@ def _ds_moments(engine) -> dict:
 def _both_ways(stage: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from minizero.export_deepspeed import export, open_minizero
+    from minizero.export_deepspeed import export, open_checkpoint
 
     cfg = make_config(stage)
     batches = SyntheticBatches(62, 63, 2, seed=5)
@@ -174,7 +174,7 @@ def _both_ways(stage: int, root: str) -> dict:
     engine.save_checkpoint(mz_dir)
     del engine
     if rank == 0:
-        export(open_minizero(mz_dir), export_dir)
+        export(open_checkpoint(mz_dir), export_dir)
     dist.barrier()
     engine = _ds_engine(cfg)
     path, client = engine.load_checkpoint(export_dir)
@@ -454,3 +454,38 @@ def test_train_resumes_a_deepspeed_run_with_deepspeeds_losses(tmp_path):
     assert "DeepSpeed checkpoint of 1 rank at ZeRO stage 1" in done.stdout + done.stderr
     ds, mz = (json.loads((tmp_path / d / "summary.json").read_text())["losses"] for d in ("ds", "mz"))
     assert len(ds) == 4 and mz == ds
+
+
+# ----------------------------------------------------------------------------- DeepSpeed at another world size
+
+def _continue_at_one_rank(converted: str, original: str) -> dict:
+    """One rank, ZeRO-1: DeepSpeed continues the rewritten folder, minizero the original
+    2-rank ZeRO-3 one (resharded as it loads)."""
+    cfg = make_config(1)
+    batches = SyntheticBatches(62, 63, 2, seed=5)
+    engine = _ds_engine(cfg)
+    engine.load_checkpoint(converted)
+    ds = _loop(engine, batches, STEPS, STEPS)
+    del engine
+    engine = _mz_engine(cfg)
+    engine.load_checkpoint(original)
+    return {"ds": ds, "mz": _loop(engine, batches, STEPS, STEPS)}
+
+
+def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs, tmp_path):
+    """DeepSpeed cannot load its checkpoint at another world size ("Automatic adjustment of
+    ZeRO's optimizer state partitioning with a new world size is not currently supported");
+    export_deepspeed rewrites it: 2 ranks at ZeRO-3 -> 1 rank at ZeRO-1, state bit for bit,
+    and DeepSpeed continues it as minizero continues the original."""
+    from minizero.export_deepspeed import main
+
+    original = runs[3][0] / "ds"
+    assert main([str(original), str(tmp_path / "one"), "--stage", "1", "--world-size", "1"]) == 0
+    src, out = open_source(str(original / _tag(original))), open_source(str(tmp_path / "one" / _tag(original)))
+    assert (out.zero_stage, out.world_size) == (1, 1)
+    for n in src.names:
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(src.read(kind, n), out.read(kind, n)), (n, kind)
+    res = run_ranks(_continue_at_one_rank, world_size=1, args=(str(tmp_path / "one"), str(original)),
+                    env={**ENV, "MINIZERO_FORCE_PG": "1"})[0]
+    assert res["ds"] == res["mz"]
