@@ -28,6 +28,7 @@ same way.
 """
 from __future__ import annotations
 
+import copyreg
 import math
 import os
 import pickle
@@ -73,8 +74,12 @@ class Foreign:
     def __int__(self):   # ZeroStageEnum(1) -> 1
         return int(self.args[0])
 
+    def __reduce_ex__(self, protocol):
+        # object.__new__(cls) and then its attributes: how DeepSpeed's own objects are pickled
+        return copyreg._reconstructor, (type(self), object, None), dict(self.__dict__)
+
     def __repr__(self):
-        return f"Foreign({self.module}.{self.name}, {self.args or self.__dict__})"
+        return f"Foreign({self.module}.{self.name}, {getattr(self, 'args', None) or self.__dict__})"
 
 
 _FOREIGN: dict = {}
@@ -106,18 +111,12 @@ class _Pickler(pickle._Pickler):
 
 
 def foreign_object(module: str, name: str, attrs: dict) -> Foreign:
-    obj = foreign_class(module, name).__new__(foreign_class(module, name))
+    """An object that pickles as DeepSpeed's `module.name` with these attributes."""
+    cls = foreign_class(module, name)
+    obj = cls.__new__(cls)
     obj.__dict__.update(attrs)
     return obj
 
-
-def _reduce_foreign(self):
-    import copyreg
-    return copyreg._reconstructor, (type(self), object, None), dict(self.__dict__)
-
-
-Foreign.__reduce__ = _reduce_foreign
-Foreign.__reduce_ex__ = lambda self, protocol: _reduce_foreign(self)
 
 PICKLE = types.ModuleType("minizero_deepspeed_pickle")
 PICKLE.Unpickler, PICKLE.Pickler = _Unpickler, _Pickler
@@ -293,37 +292,31 @@ class DeepSpeedSource(CheckpointSource):
         self.shapes = {n: tuple(module[n].shape) for n in module_names}
         if opt is None:
             raise CheckpointError(f"{self._path(MODEL_FILE)} holds no optimizer state (saved without an optimizer?)")
-        if "optimizer_state_dict" in opt:      # FP16_UnfusedOptimizer / FP16_Optimizer (bf16, fp16)
+        if "fp32_groups_flat" in opt:
+            raise CheckpointError(f"{self._path(MODEL_FILE)} was saved by FP16_Optimizer (FusedAdam at stage 0): "
+                                  f"minizero reads stage 0 with torch_adam (FP16_UnfusedOptimizer) or ZeRO-1..3")
+        if "optimizer_state_dict" in opt:      # FP16_UnfusedOptimizer (bf16, fp16): a master per parameter
             torch_sd = opt["optimizer_state_dict"]
+            group_shapes = [[tuple(t.shape) for t in g] for g in opt["fp32_groups"]]
         elif "state" in opt and "param_groups" in opt:   # fp32: the torch optimizer itself
             torch_sd = opt
+            group_shapes = [[tuple(torch_sd["state"][i]["exp_avg"].shape) if i in torch_sd["state"] else None
+                             for i in g["params"]] for g in torch_sd["param_groups"]]
+            if any(s is None for g in group_shapes for s in g):
+                raise CheckpointError(f"{self._path(MODEL_FILE)}: stage 0 without Adam state: cannot tell which "
+                                      f"parameter is which")
         else:
             raise CheckpointError(f"{self._path(MODEL_FILE)}: an optimizer DeepSpeed saved in a form minizero does "
                                   f"not know (keys {sorted(opt)[:6]})")
         pgs, state = torch_sd["param_groups"], torch_sd["state"]
-        if "fp32_groups" in opt:
-            group_shapes = [[tuple(t.shape) for t in g] for g in opt["fp32_groups"]]
-        else:   # shapes from Adam's moments (fp32), or, fused fp16, the flat masters can't say: module order
-            group_shapes = [[tuple(state[i]["exp_avg"].shape) if i in state else None for i in g["params"]] for g in pgs]
-            if any(s is None for g in group_shapes for s in g):
-                raise CheckpointError(f"{self._path(MODEL_FILE)}: stage 0 without Adam state: cannot tell which "
-                                      f"parameter is which")
         names = assign_groups(module_names, self.shapes, group_shapes)
         if names is None:
             raise CheckpointError(f"{self._path(MODEL_FILE)}: cannot tell which saved optimizer entry is which "
                                   f"parameter (stage 0 saves no names; the param groups are not in module order)")
-        self._stage0 = {}   # name -> (master tensor or (flat, offset), state id)
+        self._stage0 = {}   # name -> (fp32 master, Adam state id)
         for g, (pg, gnames) in enumerate(zip(pgs, names)):
-            off = 0
             for j, (sid, n) in enumerate(zip(pg["params"], gnames)):
-                if "fp32_groups" in opt:
-                    master = opt["fp32_groups"][g][j]
-                elif "fp32_groups_flat" in opt:
-                    numel = math.prod(self.shapes[n])
-                    master = opt["fp32_groups_flat"][g][off:off + numel]
-                    off += numel
-                else:
-                    master = module[n]
+                master = opt["fp32_groups"][g][j] if "fp32_groups" in opt else module[n]   # fp32: the module
                 self._stage0[n] = (master, sid)
         order = {n: k for k, n in enumerate(module_names)}
         self._state = state
@@ -331,10 +324,10 @@ class DeepSpeedSource(CheckpointSource):
         self.has_optimizer_state = bool(state)
 
     @staticmethod
-    def _group(pg: dict, state: dict, names: list, step=None) -> dict:
+    def _group(pg: dict, state: dict, names: list) -> dict:
+        """A param group as CheckpointSource has it; Adam's step is in each of its state entries."""
         first = state.get(pg["params"][0]) if pg["params"] else None
-        if step is None:
-            step = first["step"] if first and "step" in first else 0
+        step = first["step"] if first and "step" in first else 0
         return {"names": names, "hparams": {k: v for k, v in pg.items() if k != "params"}, "step": _int(step)}
 
     # -- ZeRO-1/2/3: one optimizer file per rank ------------------------------------------
