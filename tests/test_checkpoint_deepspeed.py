@@ -463,13 +463,20 @@ def _continue_at_one_rank(converted: str, original: str) -> dict:
     2-rank ZeRO-3 one (resharded as it loads)."""
     cfg = make_config(1)
     batches = SyntheticBatches(62, 63, 2, seed=5)
+    engine = _ds_engine(make_config(3))
+    try:                        # DeepSpeed's own answer to its 2-rank folder on 1 rank
+        engine.load_checkpoint(original)
+        refused = None
+    except Exception as e:
+        refused = f"{type(e).__name__}: {e}"
+    del engine
     engine = _ds_engine(cfg)
     engine.load_checkpoint(converted)
     ds = _loop(engine, batches, STEPS, STEPS)
     del engine
     engine = _mz_engine(cfg)
     engine.load_checkpoint(original)
-    return {"ds": ds, "mz": _loop(engine, batches, STEPS, STEPS)}
+    return {"ds": ds, "mz": _loop(engine, batches, STEPS, STEPS), "ds_refused": refused}
 
 
 def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs, tmp_path):
@@ -489,3 +496,6 @@ def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs,
     res = run_ranks(_continue_at_one_rank, world_size=1, args=(str(tmp_path / "one"), str(original)),
                     env={**ENV, "MINIZERO_FORCE_PG": "1"})[0]
     assert res["ds"] == res["mz"]
+    # DeepSpeed fact: engine.load_checkpoint refuses a ZeRO folder saved at another world size
+    assert res["ds_refused"].startswith("ZeRORuntimeException") and \
+        "Automatic adjustment of ZeRO's optimizer state partitioning" in res["ds_refused"]
