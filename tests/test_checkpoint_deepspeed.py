@@ -218,6 +218,14 @@ def test_open_source_gives_deepspeeds_masters_and_moments_bitwise(runs, stage):
                             "micro_steps": STEPS}
     assert [g["step"] for g in src.groups] == [STEPS, STEPS]    # Adam's step: in each state entry
     assert src.lr_scheduler == {"last_batch_iteration": STEPS - 1} and src.loss_scaler is None
+    # DeepSpeed fact: its optimizer files pickle DeepSpeed classes (the loss scaler, ZeroStageEnum,
+    # fragment_address), so torch's safe loader refuses them and a plain torch.load imports deepspeed
+    import pickle
+    optim = os.path.join(src.folder, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(optim, weights_only=True)
+    scaler = torch.load(optim, weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+    assert type(scaler).__module__ == "deepspeed.runtime.fp16.loss_scaler"
 
 
 @pytest.mark.parametrize("stage", [1, 3])
