@@ -157,6 +157,20 @@ class Prefetcher:
             self.mode, self.order = TraceMode.RECORD, []
         self.next, self.covered_to = 0, {}
 
+    def reset(self) -> None:
+        """A pass ended without backward (an evaluation forward), or the optimizer has written
+        new shards: finish what is in flight and free every gathered unit, so nothing
+        stale or in flight outlives the pass; the next fetch is the trace's first again (a
+        forward-only pass never completes a recording)."""
+        self._drain()
+        for u in self.units:
+            if not u.is_sharded():
+                u.reshard()
+        self.active.clear()
+        if self.mode is TraceMode.RECORD:
+            self.order = []
+        self.next, self.covered_to = 0, {}
+
     def _drain(self) -> None:
         for u, pendings in list(self.in_flight.items()):
             for pending in pendings:

@@ -122,9 +122,12 @@ class Zero3(Zero2):
         return pre_forward
 
     def post_forward_hook(self, unit: Unit):
+        root = self.buckets[-1]   # find_units puts the root last: its forward ends the model's
         def post_forward(module, args, output):
             self.prefetcher.release(unit)
             if not torch.is_grad_enabled():
+                if unit is root:          # an evaluation forward: no backward will follow
+                    self.prefetcher.reset()
                 return output
             return _register_pre_backward(lambda: self.prefetcher.fetch(unit, "bwd"), output)
         return post_forward
@@ -143,8 +146,10 @@ class Zero3(Zero2):
 
     # ------------------------------------------------------------------ 4. step
     def after_step(self) -> None:
-        """Partitioned parameters were updated in their shards and are gathered on next use;
-        only the persistent (small, always-gathered) ones need an all-gather now."""
+        """Partitioned parameters were updated in their shards and are gathered on next use
+        (none is still gathered: end_of_backward freed them, and reset() makes sure); only the
+        persistent (small, always-gathered) ones need an all-gather now."""
+        self.prefetcher.reset()
         for f in self.flat_params:
             if f.keep_full:
                 f.all_gather()

@@ -24,7 +24,7 @@ ON = {"overlap_comm": True, "stage3_prefetch_bucket_size": 50_000_000, "stage3_m
 
 
 def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False, steps: int = 4,
-           zero_extra=None, branch_step=None):
+           zero_extra=None, branch_step=None, evaluate: bool = False):
     """Train the micro GPT with unused parameters (GPTWithUnused: `side` used on even steps
     only) for `steps` steps. Returns losses, norms, a hash of the final fp32 state, the
     ledger by label of the last step, and FlatParam's peak of live gathered elements."""
@@ -50,6 +50,11 @@ def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False
             engine.step()
             losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
+        if evaluate:   # a forward without backward between steps, as the trainer's test loss
+            with torch.no_grad():
+                _, eval_loss = engine(x, y)
+            losses.append(eval_loss.item())
+            assert FlatParam.live_numel == 0, "an evaluation forward left units gathered"
     last = {k: v["calls"] - before.get(k, {"calls": 0})["calls"] for k, v in comm.ledger.by_label.items()}
     state = engine.full_fp32_state_dict()
     digest = torch.cat([state[k].reshape(-1) for k in sorted(state)])
@@ -109,6 +114,13 @@ def test_a_changed_execution_order_falls_back_and_stays_exact():
     invalidates it, gathers on demand, and the numbers equal the on-demand run's."""
     off = run_ranks(_train, 2, args=(3, "bf16", OFF), kwargs=dict(gas=1, steps=5, branch_step=3))
     on = run_ranks(_train, 2, args=(3, "bf16", ON), kwargs=dict(gas=1, steps=5, branch_step=3))
+    assert [r["losses"] for r in off] == [r["losses"] for r in on]
+    assert all(torch.equal(a["state"], b["state"]) for a, b in zip(off, on))
+
+
+def test_an_evaluation_forward_between_steps_stays_exact_and_frees_everything():
+    off = run_ranks(_train, 2, args=(3, "fp32", OFF), kwargs=dict(gas=1, steps=4, evaluate=True))
+    on = run_ranks(_train, 2, args=(3, "fp32", ON), kwargs=dict(gas=1, steps=4, evaluate=True))
     assert [r["losses"] for r in off] == [r["losses"] for r in on]
     assert all(torch.equal(a["state"], b["state"]) for a, b in zip(off, on))
 
