@@ -125,7 +125,10 @@ def held_bytes(engine) -> dict:
     Place is logical, as in memory_breakdown: a shard or master in host memory (offload.py)
     counts on the host even when the training device is the CPU too.
 
-    Returns memory_breakdown's shape: the four categories, then "device" and "host".
+    Returns memory_breakdown's shape: the four categories, then "device" and "host"; and
+    "elements", the layout they come from: {"full": padded elements of the FlatParams kept
+    gathered, "shard": elements of this rank's shards, padding included} (at stage 0 both
+    are the whole model), so a comparison can tell padding from anything else.
     """
     zero, opt = engine.zero, engine.sharded_optimizer
     where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
@@ -149,4 +152,6 @@ def held_bytes(engine) -> dict:
                                if torch.is_tensor(v) and v.dim() > 0], opt.on_host)   # not Adam's scalar step
     for f in zero.flat_params:
         claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
-    return placed(where["device"], where["host"])
+    elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.keep_full),
+                "shard": sum(f.shard_numel for f in zero.flat_params)}
+    return {**placed(where["device"], where["host"]), "elements": elements}

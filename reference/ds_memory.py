@@ -371,6 +371,34 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
     return out
 
 
+def layout_elements(engine) -> Dict[str, int]:
+    """The layout this rank's bytes come from, in elements, padding included (the shape of
+    minizero.memory.held_bytes' "elements"): "full", the parameters kept whole on every rank
+    (ZeRO-1/2: the 2N-padded flat buffers; ZeRO-3: the persistent parameters' padded
+    all-gather buffers; stage 0: the module), and "shard", this rank's partition (ZeRO-1/2:
+    the fp32 master slices; ZeRO-3: every parameter's ds_tensor, ceil(n/N) each; stage 0:
+    the module)."""
+    opt = engine.optimizer
+    kind = type(opt).__name__
+    params = _module_params(engine)
+    if kind == "DeepSpeedZeroOptimizer":
+        return {"full": sum(t.numel() for t in opt.bit16_groups_flat),
+                "shard": sum(t.numel() for t in opt.single_partition_of_fp32_groups)}
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        world = engine.dp_world_size
+        return {"full": sum(p.ds_tensor.numel() * world for p in params if getattr(p, "ds_persist", False)),
+                "shard": sum(p.ds_tensor.numel() for p in params)}
+    whole = sum(p.numel() for p in params)
+    return {"full": whole, "shard": whole}
+
+
+def held_bytes(engine) -> Dict[str, Any]:
+    """deepspeed_model_state_bytes plus layout_elements (as "elements"): what reference/train.py
+    reads at the memory moments (minizero.runlog.MemoryMoments), shaped like minizero's
+    memory.held_bytes."""
+    return {**deepspeed_model_state_bytes(engine), "elements": layout_elements(engine)}
+
+
 def track_transient_buckets(engine) -> Dict[str, int]:
     """ZeRO-1/2 allocate their gradient bucket buffers at the start of every backward
     (stage_1_and_2.py: DeepSpeedZeroOptimizer.setup_buckets: `reduce_bucket_size`

@@ -20,7 +20,8 @@ adds for DeepSpeed (docs/deepspeed.md has each fact and the test that pins it):
   deepspeed.checkpointing.configure and hook GPT.checkpoint_fn ourselves.
 - comm bytes: DeepSpeed has no byte ledger, so the collectives of torch.distributed are
   wrapped with counters (CommCounter below) *before* deepspeed is imported.
-- model_state_bytes: reference.ds_memory.deepspeed_model_state_bytes walks the live engine.
+- model_state_bytes: reference.ds_memory.deepspeed_model_state_bytes walks the live engine
+  (at the end of the run, and at the last step's two memory moments: runlog.MemoryMoments).
 
 Config keys are validated by DeepSpeed itself here (it ignores unknown top-level keys,
 docs/deepspeed.md, "Unknown top-level config keys are ignored"; minizero refuses them).
@@ -159,6 +160,11 @@ def _model_state_bytes(engine) -> dict:
     return deepspeed_model_state_bytes(engine)
 
 
+def _held_bytes(engine) -> dict:
+    from reference.ds_memory import held_bytes
+    return held_bytes(engine)
+
+
 def _initialize(model, param_groups, cfg, args):
     if (cfg.get("fp16") or {}).get("enabled") and not torch.cuda.is_available():
         patch_cpu_fp16()
@@ -190,7 +196,7 @@ DEEPSPEED = mtrain.Library(
     model_state_bytes=_model_state_bytes,
     comm_snapshot=lambda engine: COUNTER.snapshot(),
     check_config=_check_config,
-    held_bytes=_model_state_bytes,   # the same walk, at the moments runlog.MemoryMoments picks
+    held_bytes=_held_bytes,   # the same walk (+ layout), at the moments runlog.MemoryMoments picks
 )
 
 
