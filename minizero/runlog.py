@@ -14,6 +14,8 @@ Files a run writes (rank 0, into its save dir):
                   is MemoryMoments.result(): each rank's model states at the end of the
                   last step's backward and after that step, measured alike in both libraries
     samples.png   a grid of images sampled from the model
+    comms_summary.json, comms_summary.txt   with a comms_logger section: DeepSpeed's
+                  log_summary numbers and table (write_comms_summary)
 """
 from __future__ import annotations
 
@@ -315,6 +317,12 @@ def finish(run, status: str) -> None:
     without collectives, which could hang if another rank is gone). `run` is train.py's Run."""
     engine, state, device = run.engine, run.state, comm.get_device()
     together = status in ("completed", "diverged")
+    comms_summary = getattr(run.lib, "comms_summary", None)   # reference/train.py: DeepSpeed's log_summary
+    if together and comms_summary is not None:
+        # before the final evaluation and sampling, as minizero's table (train.finish_observers)
+        report = comms_summary(run)
+        if report is not None and comm.get_rank() == 0:
+            write_comms_summary(run.save_dir, *report)
     # Model-state bytes first: evaluation and sampling call the module outside a training
     # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
     mine = run.lib.model_state_bytes(engine)
@@ -333,6 +341,17 @@ def finish(run, status: str) -> None:
         # The run stops with an error on every rank; the first rank to exit makes torchrun
         # kill the others, so nobody leaves before rank 0 has written the files.
         comm.barrier()
+
+
+def write_comms_summary(save_dir: str, summary: dict, table: str) -> None:
+    """Rank 0: the comms logger's numbers (comms_summary.json: {op name: {message bytes:
+    {count, total_latency_ms, avg_latency_ms, tput_avg_gbps, busbw_avg_gbps, msg_size_bytes,
+    msg_size_str}}}, the "summary" of DeepSpeed's log_summary(return_dict=True)) and the
+    table it prints (comms_summary.txt)."""
+    with open(os.path.join(save_dir, "comms_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(save_dir, "comms_summary.txt"), "w") as f:
+        f.write(table.rstrip("\n") + "\n")
 
 
 def write_results(run, status: str, test_loss, model_state: list, peaks: list, moments: dict | None = None) -> None:

@@ -22,16 +22,23 @@ adds for DeepSpeed (docs/deepspeed.md has each fact and the test that pins it):
   wrapped with counters (CommCounter below) *before* deepspeed is imported.
 - model_state_bytes: reference.ds_memory.deepspeed_model_state_bytes walks the live engine
   (at the end of the run, and at the last step's two memory moments: runlog.MemoryMoments).
+- comms_logger: with the section in the config, deepspeed.comm.log_summary(return_dict=True)
+  at the end (every rank; rank 0 prints), written to comms_summary.json / comms_summary.txt
+  as minizero.train writes minizero's own.
 
 Config keys are validated by DeepSpeed itself here (it ignores unknown top-level keys,
 docs/deepspeed.md, "Unknown top-level config keys are ignored"; minizero refuses them).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import io
 import os
 import sys
 import threading
+from typing import Callable
 
 # `python reference/train.py` puts reference/ on sys.path, not the repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,7 +196,32 @@ def _check_config(cfg, world_size):
         raise mtrain.UserError(str(e)) from None
 
 
-DEEPSPEED = mtrain.Library(
+def _comms_summary(run):
+    """DeepSpeed's own comms summary, when the config has a comms_logger section (DeepSpeed
+    logs whenever the section is present, even with "enabled": false: docs/deepspeed.md,
+    "comms_logger is on whenever the section is present"). log_summary is collective (two
+    barriers): every rank calls it, rank 0 prints the table. Returns (summary, the printed
+    table) for runlog.write_comms_summary, or None without the section."""
+    if "comms_logger" not in run.cfg:
+        return None
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = deepspeed.comm.log_summary(return_dict=True)
+    table = printed.getvalue()
+    if comm.get_rank() == 0:
+        print(f"deepspeed: comms logger, rank 0 (deepspeed.comm.log_summary; also in "
+              f"{os.path.join(run.save_dir, 'comms_summary.txt')}):\n{table}", end="")
+    return (result or {}).get("summary") or {}, table
+
+
+@dataclasses.dataclass
+class DeepSpeedLibrary(mtrain.Library):
+    """minizero.train's Library, plus the comms summary DeepSpeed prints itself
+    (minizero.train writes minizero's own from its engine)."""
+    comms_summary: Callable | None = None   # run -> (summary dict, printed table) or None; collective
+
+
+DEEPSPEED = DeepSpeedLibrary(
     name="deepspeed",
     initialize=_initialize,
     loss_scale=_loss_scale,
@@ -197,6 +229,7 @@ DEEPSPEED = mtrain.Library(
     comm_snapshot=lambda engine: COUNTER.snapshot(),
     check_config=_check_config,
     held_bytes=_held_bytes,   # the same walk (+ layout), at the moments runlog.MemoryMoments picks
+    comms_summary=_comms_summary,
 )
 
 
