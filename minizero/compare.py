@@ -5,10 +5,13 @@
 
 Per stage: `torchrun ... -m minizero.train`, then `... reference/train.py` (real DeepSpeed)
 with identical flags; unknown flags go to both. Writes into --out (default reports/compare-<dtype>):
-report.md (command, machine, versions, one table row per stage), loss_curves.png, memory.png
-(rank 0's model states stacked by category; with ZeRO-Offload in the config, one panel for
-the device and one for the host, and the table gains device and host columns), results.json
-(every number, both summaries),
+report.md (command, machine, versions, one table row per stage; the model states of both
+libraries at the same two moments of the last step, end of backward and after the step,
+category by category, every byte of difference named as one of DeepSpeed's documented
+overheads; both comms summaries side by side per stage, each differing row explained),
+loss_curves.png, memory.png (rank 0's model states stacked by category, a row of panels per
+moment; with ZeRO-Offload in the config, one panel for the device and one for the host, and
+the table gains device and host columns), results.json (every number, both summaries),
 config.json (the config both got), and <lib>-stage<N>/ (each run's save dir and run.log).
 """
 from __future__ import annotations
@@ -58,6 +61,11 @@ def parse_args(argv):
     p.add_argument("--max-steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report folder (default reports/compare-<dtype>)")
+    p.add_argument("--comms-logger", action=argparse.BooleanOptionalAction, default=None,
+                   help="time every collective in both libraries (DeepSpeed's comms_logger section) and put both "
+                        "comms summaries in the report. Default: on without a GPU (DeepSpeed's logger then costs "
+                        "0.3-1 ms per collective on a CPU), off on a GPU, where it synchronizes the device after "
+                        "every collective; --no-comms-logger drops the section")
     return p.parse_known_args(argv)
 
 
@@ -73,6 +81,9 @@ def check_args(args) -> None:
     for mod in ("deepspeed", "matplotlib"):
         if importlib.util.find_spec(mod) is None:
             raise CompareError(f"{mod} is not installed: pip install -e .[dev]")
+    if args.comms_logger is None:
+        import torch
+        args.comms_logger = not torch.cuda.is_available()
     args.out = os.path.abspath(args.out or os.path.join("reports", f"compare-{args.dtype}"))
     # Never overwrite an earlier comparison (its training runs would refuse their folders anyway).
     if os.path.isdir(args.out):
@@ -92,6 +103,12 @@ def base_config(args) -> dict:
         raise CompareError(str(e)) from None
     zero = cfg.get("zero_optimization")   # (--stage replaces DeepSpeed's deprecated `true` form)
     cfg["zero_optimization"] = {**COMPARE_DEFAULTS, **(zero if isinstance(zero, dict) else {})}
+    # DeepSpeed logs whenever the section is present, whatever its "enabled" says
+    # (docs/deepspeed.md, "comms_logger is on whenever the section is present"): off means no section.
+    if getattr(args, "comms_logger", False):
+        cfg["comms_logger"] = {**(cfg.get("comms_logger") or {}), "enabled": True}
+    else:
+        cfg.pop("comms_logger", None)
     return cfg
 
 
@@ -121,12 +138,30 @@ def run_one(cmd, save_dir, label) -> dict:
             tail = "".join(f.readlines()[-15:])
         raise CompareError(f"{label} run failed (exit {rc}), log {log_path}; its last lines:\n{tail}")
     with open(summary_path) as f:
-        return json.load(f)
+        summary = json.load(f)
+    comms_path = os.path.join(save_dir, "comms_summary.json")
+    if os.path.isfile(comms_path):   # written with a comms_logger section (runlog.write_comms_summary)
+        with open(comms_path) as f:
+            summary["comms_summary"] = json.load(f)
+    return summary
+
+
+def moment_entries(summary, moment) -> list | None:
+    """Per-rank model states at `moment` of the run's last step (runlog.MemoryMoments), or None."""
+    moments = summary.get("memory_moments")
+    return moments[moment] if moments else None
+
+
+def state_entries(summary) -> list:
+    """Per-rank entries the table's state columns read: the end of the last step's backward,
+    measured alike in both libraries (runlog.MemoryMoments); summary.json's model_state_bytes
+    for a summary without moments (one from before them)."""
+    return moment_entries(summary, "after_backward") or summary["model_state_bytes"]
 
 
 def state_bytes(summary) -> list:
     """Per-rank model-state bytes: the sum of the four categories."""
-    return [sum(int(r.get(c) or 0) for c in CATEGORIES) for r in summary["model_state_bytes"]]
+    return [sum(int(r.get(c) or 0) for c in CATEGORIES) for r in state_entries(summary)]
 
 
 def category_bytes(entry, category, place=None) -> int:
@@ -146,7 +181,7 @@ def placed_bytes(entry) -> dict:
 def offloaded(results) -> bool:
     """Whether any run of either library holds model states in host memory (ZeRO-Offload)."""
     return any(placed_bytes(e)["host"] for runs in results.values() for s in runs.values()
-               for e in s["model_state_bytes"])
+               for e in state_entries(s))
 
 
 def stage_row(stage, mz, ds) -> dict:
@@ -155,7 +190,7 @@ def stage_row(stage, mz, ds) -> dict:
     row = {"stage": stage, "steps": n, "max_abs_dloss": max(diffs) if diffs else None}
     for lib, s in zip(LIBS, (mz, ds)):
         sb = state_bytes(s)
-        where = placed_bytes(s["model_state_bytes"][0])
+        where = placed_bytes(state_entries(s)[0])
         row[lib] = {"final_loss": s["final_loss"], "test_loss": s["test_loss"], "state_bytes_rank0": sb[0],
                     "device_bytes_rank0": where["device"], "host_bytes_rank0": where["host"],
                     "state_bytes_max": max(sb), "peak_mem_mb": max(s["peak_mem_mb"]),
@@ -165,6 +200,252 @@ def stage_row(stage, mz, ds) -> dict:
     a, b = row["minizero"]["samples_per_s"], row["deepspeed"]["samples_per_s"]
     row["speed_ratio"] = a / b if a and b else None
     return row
+
+
+# ----------------------------------------------------------------------------- memory at the same moments
+
+MOMENTS = ("after_backward", "after_step")
+MOMENT_TITLES = {"after_backward": "end of backward", "after_step": "after the step"}
+DOCS = "docs/deepspeed.md"
+HOLDS = f'{DOCS}, "Memory DeepSpeed holds per rank"'
+OFFLOAD = f"{DOCS}, \"ZeRO-Offload's extra host buffers\""
+FP32_MASTER = f'{DOCS}, "fp32 ZeRO keeps a second fp32 master copy"'
+# DeepSpeed buffers that have no minizero counterpart at a moment: (details source, when) -> why.
+# "after_step": only after the step (minizero has dropped its gradients by then); "host": only
+# in host memory (offload); "always".
+DS_OVERHEADS = {
+    "grads:grad_partitions_flat_buffer": {
+        "after_step": f"ZeRO-3 keeps its gradient partition `grad_partitions_flat_buffer` from init to the end ({HOLDS})",
+        "host": f"offload: the reduced gradient partition `grad_partitions_flat_buffer` lives on the host ({OFFLOAD})"},
+    "grads:single_partition_of_fp32_groups[i].grad": {
+        "always": f"offload: the fp32 master's `.grad` on the host, filled in backward, kept ({OFFLOAD})"},
+    "grads:fp32_partitioned_groups_flat[i].grad": {
+        "always": f"offload: each sub-group's fp32 `.grad` on the host, kept ({OFFLOAD})"},
+    "grads:temp_grad_buffer_for_cpu_offload": {
+        "always": f"offload: a host staging buffer of the largest parameter's size ({OFFLOAD})"},
+    "grads:temp_grad_buffer_for_gpu_offload": {
+        "always": f"offload: a device staging buffer of the largest parameter's size ({OFFLOAD})"},
+    "grads:accumulated_grads_in_cpu": {
+        "always": f"offload: gradients accumulated on the host across micro-steps ({OFFLOAD})"},
+    "params:param_buffer_of_bit16_for_cpu_offload_groups": {
+        "always": f"offload: a low-precision copy of the updated slice on the host ({OFFLOAD})"},
+}
+# bytes per element of each category; "lp": the training dtype's
+ELEMENT_BYTES = {"params": "lp", "grads": "lp", "master_params": 4, "optimizer_states": 8}
+
+
+def _details(entry, place) -> dict:
+    """DeepSpeed's {"category:source": bytes} at `place` (None: everywhere)."""
+    if place is None:
+        return entry.get("details") or {}
+    return (entry.get("details_by_place") or {}).get(place) or {}
+
+
+def padding_bytes(stage, dtype, category, mz, ds) -> int:
+    """DeepSpeed minus minizero in `category` that layout padding alone makes, from the
+    two layouts' element counts ("elements": full = kept whole, shard = this rank's
+    partition). DeepSpeed pads each param group to 2N elements (ZeRO-1/2) or each parameter
+    to N (ZeRO-3), minizero each FlatParam to N (docs/deepspeed.md, "Memory DeepSpeed holds
+    per rank"). None without the counts."""
+    a, b = mz.get("elements"), ds.get("elements")
+    if not a or not b:
+        return None
+    per = ELEMENT_BYTES[category]
+    per = (4 if dtype == "fp32" else 2) if per == "lp" else per
+    if category == "params":
+        which = "shard" if stage == 3 else "full"
+    else:
+        which = "shard" if stage >= 1 else "full"
+    return per * (b[which] - a[which])
+
+
+def memory_differences(stage, dtype, moment, category, place, mz, ds) -> list:
+    """DeepSpeed's bytes minus minizero's for one rank, category and place (None: both places
+    together) at one moment, cut into named parts: [(bytes, why)], summing exactly to the
+    difference. Every why names the docs/deepspeed.md section of that DeepSpeed overhead; a
+    part no rule explains is returned as "unexplained" (the tests assert there is none)."""
+    mz_b, ds_b = category_bytes(mz, category, place), category_bytes(ds, category, place)
+    parts, left = [], ds_b - mz_b
+    if not left:
+        return parts
+    host = place == "host"
+    for source, b in sorted(_details(ds, place).items()):
+        rule = DS_OVERHEADS.get(source)
+        if not b or not source.startswith(category + ":") or rule is None:
+            continue
+        why = rule.get("always") or (rule.get("after_step") if moment == "after_step" else None) \
+            or (rule.get("host") if host else None)
+        if place is None and rule.get("host") and not rule.get("always") and moment != "after_step":
+            b = _details(ds, "host").get(source, 0)   # both places together: only its host part
+            why = rule["host"] if b else None
+        if why:
+            parts.append((b, why))
+            left -= b
+    if category == "master_params" and dtype == "fp32" and stage >= 1 and mz_b == 0 and ds_b > 0:
+        parts.append((left, f"fp32: DeepSpeed's ZeRO keeps an fp32 master beside the fp32 parameters, minizero's "
+                            f"shard is its master ({FP32_MASTER})"))
+        return parts
+    if category == "grads" and moment == "after_backward" and left:
+        ds_offloads = category_bytes(ds, "grads", "host") > 0
+        if place == "device" and ds_offloads and left == -mz_b:
+            parts.append((left, "offload: DeepSpeed keeps no gradient partition on the device after backward (each "
+                                f"piece went to the host), minizero its reduced shard until the step ({OFFLOAD})"))
+            return parts
+        if stage in (1, 2) and not ds_offloads:
+            parts.append((left, "ZeRO-1/2's gradient partition holds the whole parameters that straddle its slice "
+                                "(and, at ZeRO-1 with gradient_accumulation_steps 1, it reduces in backward hooks "
+                                f"like ZeRO-2 where minizero's ZeRO-1 holds the full gradient until the step) ({HOLDS})"))
+            return parts
+    pad = padding_bytes(stage, dtype, category, mz, ds)
+    if left and pad and left == pad:
+        parts.append((left, f"padding: DeepSpeed pads each param group to 2N elements (ZeRO-1/2) or each "
+                            f"parameter to N (ZeRO-3), minizero each FlatParam to N ({HOLDS})"))
+        left = 0
+    if left:
+        parts.append((left, "unexplained"))
+    return parts
+
+
+def moments_table(results, dtype) -> str:
+    """Rank 0's model states at both moments of the last step, category by category (and
+    place by place with offload): minizero, DeepSpeed, and every byte of the difference named."""
+    places = PLACES if offloaded(results) else (None,)
+    lines = ["| stage | moment | category" + (" | place" if places != (None,) else "")
+             + " | minizero B | DeepSpeed B | DS - mz | named difference (DeepSpeed's overhead) |"]
+    lines.append("|" + "---|" * (8 if places != (None,) else 7))
+    for stage in sorted(results):
+        mz_run, ds_run = results[stage]["minizero"], results[stage]["deepspeed"]
+        for moment in MOMENTS:
+            mz, ds = moment_entries(mz_run, moment), moment_entries(ds_run, moment)
+            if not mz or not ds:
+                continue
+            for c in CATEGORIES:
+                for place in places:
+                    a, b = category_bytes(mz[0], c, place), category_bytes(ds[0], c, place)
+                    parts = memory_differences(stage, dtype, moment, c, place, mz[0], ds[0])
+                    why = "; ".join(f"{n:+,} B {w}" for n, w in parts) if parts else "same"
+                    cells = [str(stage), MOMENT_TITLES[moment], c] + ([place] if place else []) + \
+                        [f"{a:,}", f"{b:,}", f"{b - a:+,}", why]
+                    lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def moments_step(results):
+    steps = {r[lib]["memory_moments"]["step"] for r in results.values() for lib in LIBS
+             if r[lib].get("memory_moments")}
+    return min(steps) if steps else None
+
+
+# ----------------------------------------------------------------------------- the comms summaries
+
+OP_ORDER = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+SCALAR_BYTES = 64   # an all-reduce this small carries a few scalars (a norm, a flag), not a tensor
+RS_COUNT = f'{DOCS}, "comms_logger counts reduce_scatter\'s input N times"'
+RS_IS_AR = f'{DOCS}, "ZeRO-1/2 reduce-scatter is an all-reduce"'
+
+
+def comms_rows(mz: dict | None, ds: dict | None) -> list:
+    """The two summaries ({op: {msg bytes: record}}, the "summary" of log_summary) merged by
+    (op, message size): [(op, size, minizero record or None, DeepSpeed record or None)]."""
+    mz, ds = mz or {}, ds or {}
+    ops = sorted(set(mz) | set(ds), key=lambda o: (OP_ORDER.index(o) if o in OP_ORDER else len(OP_ORDER), o))
+    rows = []
+    for op in ops:
+        a, b = mz.get(op) or {}, ds.get(op) or {}
+        for size in sorted({int(k) for k in a} | {int(k) for k in b}):
+            rows.append((op, size, a.get(str(size), a.get(size)), b.get(str(size), b.get(size))))
+    return rows
+
+
+def comms_reason(stage: int, op: str, size: int, mz, ds) -> str | None:
+    """Why a row differs between the libraries (None when op, size and count agree)."""
+    if mz is not None and ds is not None and mz["count"] == ds["count"]:
+        return None
+    if op == "broadcast":
+        return ("the initial weights from rank 0: DeepSpeed broadcasts each parameter tensor (`_broadcast_model`"
+                + ("; ZeRO-3's zero.Init broadcasts each once more, plus a few small broadcasts of its init checks"
+                   if stage == 3 else "") + "), minizero each FlatParam's flat buffer once")
+    if op == "all_gather_into_tensor":
+        if stage == 3:
+            return ("ZeRO-3's parameter all-gathers: DeepSpeed one per parameter (message = its partition; a "
+                    "module's parameters are issued together; every parameter once more at init), minizero one "
+                    "per (unit, param group) FlatParam, in forward and again in backward")
+        return ("the parameter all-gather after the step, one per flat buffer: DeepSpeed's per param group "
+                "(2N-padded), minizero's per reduce bucket (N-padded)")
+    if op == "reduce_scatter_tensor":
+        if stage in (1, 2):
+            return (f"gradient reduction: minizero reduce-scatters each bucket where DeepSpeed all-reduces it "
+                    f"({RS_IS_AR}); the message size is the whole N-shard input, and algbw/busbw N times what "
+                    f"moved ({RS_COUNT})")
+        return ("ZeRO-3's gradient reduce-scatter: DeepSpeed one per reduce bucket (up to reduce_bucket_size "
+                "elements), minizero one per (unit, param group) FlatParam as each unit's backward ends; the "
+                f"message size is the whole N-shard input in both, algbw/busbw N times what moved ({RS_COUNT})")
+    if op == "all_reduce":
+        if size <= SCALAR_BYTES:
+            return scalar_reason(stage, size, mz, ds)
+        if stage == 0:
+            return ("the stage-0 gradient average: DeepSpeed all-reduces one bucket of all gradients (up to "
+                    "reduce_bucket_size elements), minizero one per FlatParam (a bucket per param group)")
+        if stage in (1, 2):
+            return f"gradient reduction: DeepSpeed all-reduces the whole bucket where minizero reduce-scatters ({RS_IS_AR})"
+    if mz is None and "barrier" in op:
+        return ("DeepSpeed times its barriers too (its checkpoint save, ZeRO-3's init, log_summary's own); "
+                "minizero's logger times the four collectives that move data")
+    return "unexplained"
+
+
+def scalar_reason(stage: int, size: int, mz, ds) -> str:
+    """A few-byte all-reduce: which scalars each library reduces at this size."""
+    norm = f'{DOCS}, "The gradient norm is fp32 at ZeRO-1/2 and fp64 at ZeRO-3"'
+    said = []
+    if ds is not None:
+        said.append({1: "DeepSpeed's overflow vote (`has_overflow`: one uint8 per step, bf16/fp16)",
+                     4: f"DeepSpeed's fp32 gradient norm (`get_grad_norm_direct`, ZeRO-1/2, twice per step; {norm})",
+                     8: f"DeepSpeed's fp64 gradient norm (`get_grad_norm_direct`, ZeRO-3, twice per step; {norm})",
+                     20: "DeepSpeed's checkpoint tag check (`_checkpoint_tag_validation`, one per save)"}.get(
+                         size, "DeepSpeed's scalar all-reduces"))
+    if mz is not None:
+        said.append("minizero's fp64 squared gradient norm (once per step at ZeRO-1-3) and two checks per "
+                    "checkpoint save (finite, shared)" if size == 8 else "minizero's scalar all-reduces")
+    return "; ".join(said)
+
+
+def _comms_cell(rec, key, kind="g"):
+    if rec is None:
+        return "-"
+    v = rec[key]
+    return f"{v:,}" if kind == "d" else f"{v:.2f}"
+
+
+def comms_table(stage: int, mz: dict | None, ds: dict | None) -> str:
+    """One stage's comms summaries side by side, rank 0, DeepSpeed's columns for each library."""
+    lines = ["| op | message size | count mz | count DS | avg latency ms mz | avg latency ms DS | busbw Gbps mz | "
+             "busbw Gbps DS | why it differs |", "|" + "---|" * 9]
+    from minizero.comms_logger import convert_size
+    for op, size, a, b in comms_rows(mz, ds):
+        why = comms_reason(stage, op, size, a, b)
+        lines.append("| " + " | ".join([op, convert_size(size), _comms_cell(a, "count", "d"), _comms_cell(b, "count", "d"),
+                                        _comms_cell(a, "avg_latency_ms"), _comms_cell(b, "avg_latency_ms"),
+                                        _comms_cell(a, "busbw_avg_gbps"), _comms_cell(b, "busbw_avg_gbps"),
+                                        why or "same op, size and count"]) + " |")
+    return "\n".join(lines)
+
+
+def comms_section(results) -> list:
+    """report.md's collectives section: per stage, both comms summaries side by side."""
+    if not any(r[lib].get("comms_summary") is not None for r in results.values() for lib in LIBS):
+        return []
+    out = ["## Collectives: DeepSpeed's comms summary beside minizero's", "",
+           "Each library's comms logger (the `comms_logger` config section; DeepSpeed's `deepspeed.comm."
+           "log_summary()`, minizero's own table from its timings, with DeepSpeed's formulas), rank 0, the whole run "
+           "(init and evaluation included, sampling not). Latencies and bandwidths are timings and never agree "
+           "between two runs; a row differs when its op, message size or count does, and each such row says why. "
+           "Message size is the logged tensor's: all_gather's input shard, reduce_scatter's whole input. Each "
+           "run's own table is in its folder (comms_summary.txt).", ""]
+    for stage in sorted(results):
+        out += [f"### ZeRO-{stage}", "", comms_table(stage, results[stage]["minizero"].get("comms_summary"),
+                                                   results[stage]["deepspeed"].get("comms_summary")), ""]
+    return out
 
 
 def machine() -> str:
@@ -224,16 +505,19 @@ def note(args, offload: bool = False) -> str:
         "parameter all-gather, 1.5x the paper's 2Ψ that minizero moves. At ZeRO-3 minizero all-gathers in "
         "forward and again in backward (the paper's 3Ψ); so does DeepSpeed with the settings below (with its "
         "defaults it keeps a small model gathered from forward into backward and gathers once).",
-        "- Memory: minizero's grads are what a rank holds at the end of backward (the paper's accounting); "
-        "DeepSpeed's numbers are read after the last step, when its stages 0-2 have freed their gradients "
-        "(ZeRO-3 keeps a persistent gradient partition). In fp32, DeepSpeed's ZeRO keeps a duplicate fp32 "
-        "master copy; ZeRO-1/2 pad the flat buffer to a multiple of 2N elements. On CPU, peak MB is the "
-        "process RSS.",
+        "- Memory: both libraries are measured at the same two moments of the last step, from the buffers they "
+        "really hold (minizero's `memory.held_bytes`, DeepSpeed's `reference/ds_memory.py` walker): the state "
+        "columns above are the end of backward; the section below has both moments, and names every byte "
+        "that differs. On CPU, peak MB is the process RSS.",
         f"- This comparison adds {json.dumps(COMPARE_DEFAULTS)} to `zero_optimization` unless the config sets "
         "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
         "in bf16/fp16), keep parameters under 1e5 elements unpartitioned (a small model would show no ZeRO-3 "
         "saving) and allocate a 5e8-element reduce bucket at init.",
-        "- samples/s: median over logged intervals after the first; noisy (+-30%) on a shared CPU."]
+        "- samples/s: median over logged intervals after the first; noisy (+-30%) on a shared CPU."
+        + (" With the comms logger on, both libraries time every collective; DeepSpeed's wrapper costs 0.3-1 ms "
+           "per collective on a CPU (measured on 2 gloo ranks: an 8 B all-reduce 0.4 -> 0.7-1.4 ms, a 200 KB one "
+           "1.0-1.7 -> 1.9-2.2 ms), so its samples/s drop most at ZeRO-3, which issues the most collectives "
+           "(`--no-comms-logger` for speed)." if getattr(args, "comms_logger", False) else "")]
     if offload:
         lines.append("- Offload (host B > 0): minizero moves exactly the optimizer shard (fp32 master + Adam "
                      "moments, 12 bytes per element of the rank's shard in mixed precision) to the host and, with "
@@ -255,19 +539,33 @@ def note(args, offload: bool = False) -> str:
     return "\n".join(lines)
 
 
-def report_md(info, args, rows, offload: bool = False) -> str:
+def moments_section(results, dtype) -> list:
+    """report.md's memory section: both moments, category by category, differences named."""
+    step = moments_step(results)
+    if step is None:
+        return []
+    return [f"## Model states at the same moments (rank 0, step {step})", "",
+            "Both libraries read at the end of the step's backward (after `engine.backward` of its last "
+            "micro-batch, before `engine.step`) and after the step (after `engine.step`), the bytes each really "
+            "holds. Every difference is cut into DeepSpeed's documented overheads, to the byte.", "",
+            moments_table(results, dtype), ""]
+
+
+def report_md(info, args, rows, offload: bool = False, results=None) -> str:
     placed = (" device B / host B = the same split by where it lives: host memory with ZeRO-Offload."
               if offload else "")
+    results = results or {}
     return "\n".join([
         f"# minizero vs DeepSpeed: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
         f"{args.nproc} rank(s)", "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
         f"- date: {info['date']}", "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
         f"- config: [config.json](config.json), each run with `--stage N --dtype {args.dtype}`", "",
         table(rows), "",
-        "mz = minizero, DS = DeepSpeed. state B = model-state bytes per rank after training (params + grads + "
-        "master params + optimizer states); max abs dloss/step = max over optimizer steps of |loss_mz - loss_DS|; "
+        "mz = minizero, DS = DeepSpeed. state B = model-state bytes per rank at the end of the last step's "
+        "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of |loss_mz - loss_DS|; "
         "wire B/step = ring-algorithm bytes per rank per optimizer step." + placed, "",
-        note(args, offload), "", "![loss curves](loss_curves.png)", "", "![memory](memory.png)", ""])
+        note(args, offload), "", "![loss curves](loss_curves.png)", "", *moments_section(results, args.dtype),
+        "![memory](memory.png)", "", *comms_section(results)])
 
 
 def pyplot():
@@ -293,30 +591,41 @@ def plot_losses(path, results) -> None:
 
 
 def plot_memory(path, results) -> None:
-    """Rank 0's model states per stage, minizero | DeepSpeed, stacked by category; with
-    offload two panels on one scale, the device's and the host's."""
+    """Rank 0's model states per stage, minizero | DeepSpeed, stacked by category: one row of
+    panels per moment (end of backward, after the step) when the summaries have them, else
+    summary.json's model_state_bytes; with offload two panels per row on one scale, the
+    device's and the host's."""
     plt = pyplot()
     stages = sorted(results)
     places = PLACES if offloaded(results) else (None,)
-    fig, axes = plt.subplots(1, len(places), figsize=(len(places) * max(5, 2 * len(stages)), 4),
+    timed = all(moment_entries(results[s][lib], m) for s in stages for lib in LIBS for m in MOMENTS)
+    moments = MOMENTS if timed else (None,)
+    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, 2 * len(stages)),
+                                                                 4 * len(moments)),
                              squeeze=False, sharey=True)
     colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
-    for ax, place in zip(axes[0], places):
-        for j, (lib, hatch) in enumerate(zip(LIBS, ("", "//"))):
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(stages))]
-            bottom = [0.0] * len(stages)
-            for c in CATEGORIES:
-                h = [category_bytes(results[s][lib]["model_state_bytes"][0], c, place) / 2**20 for s in stages]
-                ax.bar(xs, h, 0.36, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
-                       label=None if j else c)
-                bottom = [b + x for b, x in zip(bottom, h)]
-        ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\nmz | DS" for s in stages])
-        where = f" on the {place}" if place else ""
-        ax.set(ylabel=f"model-state MiB{where} (rank 0)",
-               title=f"on the {place}" if place else "Model states, rank 0: minizero | DeepSpeed (hatched)")
-        ax.legend(fontsize=8)
-    if places != (None,):
-        fig.suptitle("Model states, rank 0: minizero | DeepSpeed (hatched)")
+    for row, moment in zip(axes, moments):
+        for ax, place in zip(row, places):
+            for j, (lib, hatch) in enumerate(zip(LIBS, ("", "//"))):
+                xs = [i + (j - 0.5) * 0.38 for i in range(len(stages))]
+                bottom = [0.0] * len(stages)
+                for c in CATEGORIES:
+                    entries = [(moment_entries(results[s][lib], moment) if moment else
+                                results[s][lib]["model_state_bytes"])[0] for s in stages]
+                    h = [category_bytes(e, c, place) / 2**20 for e in entries]
+                    ax.bar(xs, h, 0.36, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
+                           label=None if j else c)
+                    bottom = [b + x for b, x in zip(bottom, h)]
+            ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\nmz | DS" for s in stages])
+            where = f" on the {place}" if place else ""
+            when = f"{MOMENT_TITLES[moment]}" if moment else ""
+            ax.set(ylabel=f"model-state MiB{where} (rank 0)",
+                   title=", ".join(filter(None, [when, f"on the {place}" if place else ""])) or
+                   "Model states, rank 0: minizero | DeepSpeed (hatched)")
+            ax.legend(fontsize=8)
+    if places != (None,) or moments != (None,):
+        step = moments_step(results) if moments != (None,) else None
+        fig.suptitle("Model states, rank 0: minizero | DeepSpeed (hatched)" + (f", step {step}" if step else ""))
     savefig(fig, path)
 
 
@@ -345,7 +654,7 @@ def main(argv=None) -> None:
     info = {"command": command, "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": versions(), "nproc": args.nproc, "dtype": args.dtype, "extra_flags": extra}
     with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(report_md(info, args, rows, offloaded(results)))
+        f.write(report_md(info, args, rows, offloaded(results), results))
     plot_losses(os.path.join(args.out, "loss_curves.png"), results)
     plot_memory(os.path.join(args.out, "memory.png"), results)
     with open(os.path.join(args.out, "results.json"), "w") as f:

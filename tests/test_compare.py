@@ -1,6 +1,9 @@
 """python -m minizero.compare end to end: minizero and DeepSpeed on the same tiny run,
 stages 0 and 3, fp32, 2 ranks (4 launches, ~1-2 minutes on 2 CPU cores); and stage 3 with
-both ZeRO-Offloads (2 launches), whose report shows device and host bytes.
+both ZeRO-Offloads (2 launches), whose report shows device and host bytes. Both runs have the
+comms logger on (compare's default on a CPU), so they also check the memory moments section
+(both libraries at the end of the last step's backward and after it, every byte of
+difference named) and the side-by-side comms summaries (every differing row explained).
 
 The config is train.py's default with gradient_clipping 0 (off). minizero and DeepSpeed
 differ in one piece of arithmetic, the gradient norm, which reaches the weights only
@@ -8,6 +11,7 @@ through clipping (tests/test_agreement_loss.py: test_clipping_active_*); with it
 libraries run the same ops in the same order, so the losses must agree BITWISE, on any CPU.
 (With clipping on, as by default, this run measured 1-2 fp32 ulps of the loss.)"""
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -27,8 +31,9 @@ def compare(*args, timeout=300):
 
 
 def table_rows(md: str) -> dict:
-    """{stage: {column title: cell}} from report.md's markdown table."""
-    lines = [line for line in md.splitlines() if line.startswith("|")]
+    """{stage: {column title: cell}} from report.md's first markdown table (the per-stage one)."""
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"),
+                                     itertools.dropwhile(lambda line: not line.startswith("|"), md.splitlines())))
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
     return {int(r["stage"]): r for r in rows}
@@ -84,6 +89,13 @@ def test_report_files(report):
         for stage in (0, 3):
             assert (out / f"{lib}-stage{stage}" / "run.log").is_file()
             assert (out / f"{lib}-stage{stage}" / "summary.json").is_file()
+            for name in ("comms_summary.json", "comms_summary.txt"):
+                assert (out / f"{lib}-stage{stage}" / name).is_file()
+    # both moments, both comms tables, and nothing left unexplained in either
+    assert "## Model states at the same moments (rank 0, step 10)" in md
+    assert "## Collectives: DeepSpeed's comms summary beside minizero's" in md
+    assert "### ZeRO-0" in md and "### ZeRO-3" in md and "unexplained" not in md
+    assert json.loads((out / "config.json").read_text())["comms_logger"] == {"enabled": True}
 
 
 def test_losses_agree_fp32(report):
@@ -123,6 +135,122 @@ def test_memory_columns(report):
     # its summary may count parameters left gathered by the end-of-run sampling.)
     assert rows[3]["minizero"]["state_bytes_max"] <= 16 * params / N + 16 * pad
     assert rows[3]["minizero"]["state_bytes_max"] < rows[0]["minizero"]["state_bytes_max"]
+
+
+def test_memory_at_the_same_moments(report):
+    """Both libraries read at the end of step 10's backward and after step 10. fp32 stage 0:
+    the same bytes in every category at both moments. fp32 ZeRO-3: padding, DeepSpeed's
+    second fp32 master (4S) and, after the step, its kept gradient partition (4S fp32), each
+    named in the report to the byte; minizero holds no gradient after the step."""
+    from minizero import compare
+    from minizero.model import GPT, get_preset
+
+    out, _ = report
+    results = json.loads((out / "results.json").read_text())
+    runs = {int(k): v for k, v in results["summaries"].items()}
+    model = GPT(get_preset("tiny"))
+    S = sum(-(-p.numel() // N) for p in model.parameters())   # DeepSpeed's ZeRO-3 partition: ceil(n/N) each
+    cats = compare.CATEGORIES
+    for stage in (0, 3):
+        for moment in compare.MOMENTS:
+            mz, ds = (runs[stage][lib]["memory_moments"] for lib in compare.LIBS)
+            assert mz["step"] == ds["step"] == 10 and len(mz[moment]) == len(ds[moment]) == N
+            for r in range(N):
+                a, b = mz[moment][r], ds[moment][r]
+                if stage == 0:
+                    assert {c: a[c] for c in cats} == {c: b[c] for c in cats}
+                for c in cats:
+                    parts = compare.memory_differences(stage, "fp32", moment, c, None, a, b)
+                    assert sum(n for n, _ in parts) == b[c] - a[c] and all(w != "unexplained" for _, w in parts)
+            if stage == 3:
+                a, b = mz[moment][0], ds[moment][0]
+                assert a["master_params"] == 0 and b["master_params"] == 4 * S
+                assert (a["grads"], b["grads"]) == ((0, 4 * S) if moment == "after_step" else (4 * a["elements"]["shard"],
+                                                                                              4 * S))
+    md = (out / "report.md").read_text()
+    kept = [line for line in md.splitlines() if line.startswith("| 3 | after the step | grads |")]
+    assert len(kept) == 1 and f"+{4 * S:,} B ZeRO-3 keeps its gradient partition" in kept[0]
+    assert "fp32 ZeRO keeps a second fp32 master copy" in md
+    # the table's state columns are the end of backward, the same moment for both libraries
+    rows = table_rows(md)
+    for lib, col in (("minizero", "mz"), ("deepspeed", "DS")):
+        entry = runs[3][lib]["memory_moments"]["after_backward"][0]
+        assert rows[3][f"state B r0 {col}"] == f"{sum(entry[c] for c in cats):,}"
+
+
+def test_comms_summaries_side_by_side(report):
+    """Both libraries' comms logger tables, rank 0, per stage. The message sizes follow
+    DeepSpeed's definitions in both: minizero's reduce_scatter rows carry the whole input,
+    so their bytes per step are the ledger's wire bytes x N/(N-1); DeepSpeed's ZeRO-3
+    reduce-scatters one bucket (the whole model here: reduce_bucket_size 5e5 > Ψ) of its
+    per-parameter padded partitions, N x S fp32 elements, once per step."""
+    from minizero import compare
+    from minizero.model import GPT, get_preset
+
+    out, _ = report
+    results = json.loads((out / "results.json").read_text())
+    runs = {int(k): v for k, v in results["summaries"].items()}
+    model = GPT(get_preset("tiny"))
+    S = sum(-(-p.numel() // N) for p in model.parameters())
+    steps = 10
+    mz, ds = runs[3]["minizero"]["comms_summary"], runs[3]["deepspeed"]["comms_summary"]
+    assert ds["reduce_scatter_tensor"] == {str(N * S * 4): ds["reduce_scatter_tensor"][str(N * S * 4)]}
+    assert ds["reduce_scatter_tensor"][str(N * S * 4)]["count"] == steps
+    rs_bytes = sum(int(size) * r["count"] for size, r in mz["reduce_scatter_tensor"].items())
+    wire = runs[3]["minizero"]["comm_wire_bytes_per_step"]["reduce_scatter"]
+    assert rs_bytes == steps * wire * N / (N - 1)
+    # stage 0: DeepSpeed all-reduces one bucket of all gradients (4 Ψ bytes) per step
+    psi = model.num_params()
+    assert runs[0]["deepspeed"]["comms_summary"]["all_reduce"][str(4 * psi)]["count"] == steps
+    md = (out / "report.md").read_text()
+    section = md[md.index("### ZeRO-3"):]
+    assert "| reduce_scatter_tensor | " in section and "comms_logger counts reduce_scatter's input N times" in section
+    for stage in (0, 3):
+        for op, size, a, b in compare.comms_rows(runs[stage]["minizero"]["comms_summary"],
+                                                 runs[stage]["deepspeed"]["comms_summary"]):
+            why = compare.comms_reason(stage, op, size, a, b)
+            assert why != "unexplained", (stage, op, size)
+            assert (why is None) == (a is not None and b is not None and a["count"] == b["count"])
+
+
+def comms_record(size, count, latency=1.0):
+    return {"count": count, "total_latency_ms": latency * count, "avg_latency_ms": latency, "tput_avg_gbps": 1.0,
+            "busbw_avg_gbps": 0.5, "msg_size_bytes": size, "msg_size_str": f"{size} B"}
+
+
+def test_comms_table_explains_zero12_all_reduce_from_a_hand_written_summary():
+    """ZeRO-1 (not in the end-to-end run): DeepSpeed all-reduces the gradient bucket where
+    minizero reduce-scatters it; equal rows say so; scalars are named by size."""
+    from minizero import compare
+    mz = {"reduce_scatter_tensor": {"396648": comms_record(396648, 3)},
+          "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
+          "all_reduce": {"8": comms_record(8, 3)}}
+    ds = {"all_reduce": {"435216": comms_record(435216, 3), "4": comms_record(4, 6)},
+          "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
+          "barrier": {"0": comms_record(0, 2)}}
+    md = compare.comms_table(1, mz, ds)
+    rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")]
+                                      for line in md.splitlines()[2:])}
+    assert rows[("all_gather_into_tensor", "193.68 KB")][-1] == "same op, size and count"
+    assert '"ZeRO-1/2 reduce-scatter is an all-reduce"' in rows[("all_reduce", "425.02 KB")][-1]
+    assert rows[("all_reduce", "425.02 KB")][2:4] == ["-", "3"]
+    rs = rows[("reduce_scatter_tensor", "387.35 KB")][-1]
+    assert "ZeRO-1/2 reduce-scatter is an all-reduce" in rs and "counts reduce_scatter's input N times" in rs
+    assert "fp32 gradient norm" in rows[("all_reduce", "4.0 B")][-1]
+    assert "fp64 squared gradient norm" in rows[("all_reduce", "8.0 B")][-1]
+    assert "barriers" in rows[("barrier", "0B")][-1]
+    assert "unexplained" not in md
+
+
+def test_comms_logger_switch_in_the_shared_config():
+    """On: the section with enabled true goes to both libraries. Off: no section at all
+    (DeepSpeed logs whenever the section is present, even with "enabled": false)."""
+    from minizero import compare
+    args, _ = compare.parse_args(["--stages", "0"])
+    args.comms_logger = True
+    assert compare.base_config(args)["comms_logger"] == {"enabled": True}
+    args.comms_logger = False
+    assert "comms_logger" not in compare.base_config(args)
 
 
 def fake_summary(lib, loss, entry):
@@ -188,7 +316,9 @@ def test_offload_report_shows_device_and_host(offload_report):
     md = (out / "report.md").read_text()
     row = table_rows(md)[3]
     results = json.loads((out / "results.json").read_text())
-    mz, ds = (results["summaries"]["3"][lib]["model_state_bytes"][0] for lib in ("minizero", "deepspeed"))
+    # the table reads both libraries at the end of the last step's backward
+    mz, ds = (results["summaries"]["3"][lib]["memory_moments"]["after_backward"][0]
+              for lib in ("minizero", "deepspeed"))
     cats = ("params", "grads", "master_params", "optimizer_states")
     for lib, e in (("mz", mz), ("DS", ds)):
         assert row[f"device B r0 {lib}"] == f"{sum(e['device'][c] for c in cats):,}"
@@ -200,6 +330,7 @@ def test_offload_report_shows_device_and_host(offload_report):
     assert ds["host"]["grads"] == ds["details_by_place"]["host"]["grads:grad_partitions_flat_buffer"] \
         + ds["details_by_place"]["host"]["grads:fp32_partitioned_groups_flat[i].grad"] > 0
     assert "Offload (host B > 0)" in md and "ZeRO-Offload's extra host buffers" in md
+    assert "unexplained" not in md and "| 3 | end of backward | grads | device |" in md
     assert float(row["max abs dloss/step"]) == 0.0
     from PIL import Image
     with Image.open(out / "memory.png") as im:
