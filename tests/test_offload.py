@@ -57,7 +57,9 @@ def _run_all(specs):
     from tests.harness import run_minizero
     out = {}
     for stage, dtype, persist, offload in specs:
-        zero = {**offload, "stage3_param_persistence_threshold": PERSIST[persist]}
+        # ZeRO-3 on demand (prefetch and reuse off): the copy counts below are per gather
+        zero = {**offload, "stage3_param_persistence_threshold": PERSIST[persist],
+                "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
         # clip 0.05: the clip factor fires on every step; fp16 starts at 2^30 so the first
         # steps overflow and are skipped (the vote must see the same overflow either way)
         cfg = make_config(stage, dtype, micro_batch=GLOBAL_BATCH // GAS // N, lr=3e-3, gas=GAS, zero=zero,

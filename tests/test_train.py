@@ -27,7 +27,7 @@ COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens
            "peak_mem_mb", "elapsed_s"]
 KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses", "final_loss",
         "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s", "comm_wire_bytes_per_step",
-        "skipped_steps", "config"]
+        "skipped_steps", "memory_moments", "config"]
 
 
 def _env():
