@@ -20,7 +20,7 @@ Tracks, per rank:
   copies       ZeRO-Offload's device<->host copies (offload.py)
 
 How a unit's backward is found: in forward, the unit's outputs pass through an identity
-autograd function (`_Mark`) whose backward runs when the first gradient reaches them (the
+autograd function (zero3.on_backward, the one ZeRO-3's pre_backward uses) whose backward runs when the first gradient reaches them (the
 unit's backward starts), and so do its inputs (their gradient is the unit's last act). The
 root's inputs are token ids, which get no gradient: its backward ends with the engine's.
 
@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import checkpointing, comm
+from .zero3 import on_backward
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
 _active: "Tracer | None" = None                         # the tracer recording the current step
@@ -102,37 +103,6 @@ class _Clock:
     def settle(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-
-
-class _Mark(torch.autograd.Function):
-    """Identity on some tensors; its backward calls `callback` (once), then passes the
-    gradients on unchanged (so numbers are bit-identical with tracing on or off)."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-def _through_mark(value, callback):
-    """`value` (a tensor, or a tuple/list holding some) with its grad-requiring tensors routed
-    through one _Mark; the same structure back. Nothing to mark: None (keep the value)."""
-    if torch.is_tensor(value):
-        return _Mark.apply(callback, value)[0] if value.requires_grad else None
-    if isinstance(value, (tuple, list)):
-        idx = [i for i, t in enumerate(value) if torch.is_tensor(t) and t.requires_grad]
-        if not idx:
-            return None
-        out = list(value)
-        for i, t in zip(idx, _Mark.apply(callback, *[value[i] for i in idx])):
-            out[i] = t
-        return type(value)(out) if isinstance(value, tuple) else out
-    return None
 
 
 class Tracer:
@@ -218,7 +188,7 @@ class Tracer:
             kind = "recompute" if checkpointing.in_recompute() else "forward"
             self._open[(unit, "forward")] = (kind, self.clock.mark())
             if torch.is_grad_enabled():   # gradients reaching the inputs: the unit's backward is done
-                return _through_mark(args, lambda: self._close_backward(unit))
+                return on_backward(args, lambda: self._close_backward(unit))
             return None
         return pre_forward
 
@@ -229,7 +199,7 @@ class Tracer:
             kind, begin = self._open.pop((unit, "forward"))
             self._marks.append(("units", f"{unit}.{kind}", begin, self.clock.mark(), {"unit": unit, "phase": kind}))
             if torch.is_grad_enabled():   # the first gradient reaching the outputs: the unit's backward starts
-                return _through_mark(output, lambda: self._open_backward(unit))
+                return on_backward(output, lambda: self._open_backward(unit))
             return None
         return post_forward
 

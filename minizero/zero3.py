@@ -12,7 +12,7 @@ the whole model at once. Vocabulary follows PyTorch FSDP2:
 
     pre_forward    unshard: all-gather the unit's parameters
     post_forward   reshard: free them; hook the outputs so backward can find the unit
-    pre_backward   unshard again (backward needs the weights): `_PreBackward`, an autograd
+    pre_backward   unshard again (backward needs the weights): `on_backward`, an autograd
                    Function placed on the unit's outputs in post_forward
     post_backward  when every parameter of the unit has its gradient: reduce-scatter the
                    gradients into this rank's grad shard (ZeRO-2's bucket path), reshard
@@ -21,7 +21,7 @@ What this file adds to ZeRO-2 (zero2.py), and all it adds:
   1. layout: `module_units` makes one bucket per module (a `Unit`) instead of one per
      reduce_bucket_size elements, and its FlatParams keep only their shard (keep_full=False);
   2. forward: pre_forward / post_forward hooks gather and free each unit;
-  3. backward: `_PreBackward` gathers it again; `post_backward` is ZeRO-2's plus a reshard;
+  3. backward: `on_backward` gathers it again; `post_backward` is ZeRO-2's plus a reshard;
   4. step: `after_step` gathers only the persistent parameters (the rest on next use).
 
 Per optimizer step every parameter is all-gathered twice (forward, backward) and its
@@ -129,11 +129,11 @@ class Zero3(Zero2):
                 if unit is root:          # an evaluation forward: no backward will follow
                     self.prefetcher.reset()
                 return output
-            return _register_pre_backward(lambda: self.prefetcher.fetch(unit, "bwd"), output)
+            return on_backward(output, lambda: self.prefetcher.fetch(unit, "bwd"))   # pre_backward
         return post_forward
 
     # ------------------------------------------------------------------ 3. backward
-    # pre_backward: _PreBackward below, on the unit's outputs.
+    # pre_backward: on_backward below, on the unit's outputs.
     def post_backward(self, unit: Unit) -> None:
         """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
         free its parameters. Safe while the reduce-scatter may still run: it reads the flat
@@ -154,36 +154,37 @@ class Zero3(Zero2):
             if f.keep_full:
                 f.all_gather()
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward re-gathers the unit's parameters:
-    the gradient arriving at a module's outputs is the signal that its backward is next."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward first calls `callback` (once), then passes the
+    gradients on unchanged: the gradient arriving at a module's outputs is the signal that its
+    backward is next. ZeRO-3's pre_backward (re-gather the unit) and the trace's unit marks
+    (trace.py) are both this."""
 
     @staticmethod
-    def forward(ctx, fetch, *tensors):
-        ctx.fetch = fetch
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.fetch()
+        ctx.callback()
         return (None, *grads)
 
 
-def _register_pre_backward(fetch, output):
-    """Route the tensors in `output` (a tensor, or a tuple/list of tensors and others)
-    through _PreBackward, returning the same structure."""
-    if torch.is_tensor(output):
-        return _PreBackward.apply(fetch, output)[0] if output.requires_grad else output
-    if isinstance(output, (tuple, list)):
-        idx = [i for i, t in enumerate(output) if torch.is_tensor(t) and t.requires_grad]
+def on_backward(value, callback):
+    """`value` (a tensor, or a tuple/list holding tensors and others) with its grad-requiring
+    tensors routed together through one _OnBackward, the same structure back."""
+    if torch.is_tensor(value):
+        return _OnBackward.apply(callback, value)[0] if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        idx = [i for i, t in enumerate(value) if torch.is_tensor(t) and t.requires_grad]
         if not idx:
-            return output
-        wrapped = _PreBackward.apply(fetch, *[output[i] for i in idx])
-        out = list(output)
-        for i, t in zip(idx, wrapped):
+            return value
+        out = list(value)
+        for i, t in zip(idx, _OnBackward.apply(callback, *[value[i] for i in idx])):
             out[i] = t
-        return type(output)(out) if isinstance(output, tuple) else out
-    return output
+        return type(value)(out) if isinstance(value, tuple) else out
+    return value
 
 
 def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int) -> list[Unit]:
