@@ -199,6 +199,8 @@ def test_comms_summaries_side_by_side(report):
     rs_bytes = sum(int(size) * r["count"] for size, r in mz["reduce_scatter_tensor"].items())
     wire = runs[3]["minizero"]["comm_wire_bytes_per_step"]["reduce_scatter"]
     assert rs_bytes == steps * wire * N / (N - 1)
+    # DeepSpeed's logger times barriers too, log_summary's own among them (once, at the end)
+    assert ds["log_summary_barrier"]["0"]["count"] == 1 and "barrier" in ds and "barrier" not in mz
     # stage 0: DeepSpeed all-reduces one bucket of all gradients (4 Ψ bytes) per step
     psi = model.num_params()
     assert runs[0]["deepspeed"]["comms_summary"]["all_reduce"][str(4 * psi)]["count"] == steps
