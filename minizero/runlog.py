@@ -317,9 +317,9 @@ def finish(run, status: str) -> None:
     without collectives, which could hang if another rank is gone). `run` is train.py's Run."""
     engine, state, device = run.engine, run.state, comm.get_device()
     together = status in ("completed", "diverged")
-    comms_summary = getattr(run.lib, "comms_summary", None)   # reference/train.py: DeepSpeed's log_summary
+    comms_summary = run.lib.comms_summary   # Library.comms_summary: either library's comms logger table
     if together and comms_summary is not None:
-        # before the final evaluation and sampling, as minizero's table (train.finish_observers)
+        # before the final evaluation and sampling: their collectives are not training's
         report = comms_summary(run)
         if report is not None and comm.get_rank() == 0:
             write_comms_summary(run.save_dir, *report)
@@ -327,7 +327,7 @@ def finish(run, status: str) -> None:
     # step, after which DeepSpeed's ZeRO-3 leaves parameters gathered and would over-report.
     mine = run.lib.model_state_bytes(engine)
     model_state = comm.all_gather_object(mine) if together else [mine]
-    moments = run.moments.result(together) if getattr(run, "moments", None) is not None else None
+    moments = run.moments.result(together) if run.moments is not None else None
     test_loss = state["test_loss"]
     if status == "completed":
         if test_loss is None or state.get("eval_step") != state["step"]:   # e.g. resumed at the very end

@@ -49,6 +49,7 @@ class Run:
     window: object = None
     probs: torch.Tensor | None = None
     pending: list = field(default_factory=list)   # (step, loss on the device, grad norm) not yet read
+    moments: object = None          # runlog.MemoryMoments: model states at the last step's two moments
 
 
 def setup(args, lib) -> Run:

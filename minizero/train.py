@@ -22,7 +22,11 @@ A run writes into --save-dir (default runs/minizero-<stage>-<dtype>), on rank 0:
                   averaged loss of every optimizer step), final_loss, test_loss,
                   model_state_bytes (per rank), peak_mem_mb (per rank), samples_per_s
                   (median over logged intervals after the first), comm_wire_bytes_per_step
-                  (per op, steady-state training steps only), skipped_steps, config
+                  (per op, steady-state training steps only), skipped_steps,
+                  memory_moments (per rank: the model states held at the end of the last
+                  step's backward and after that step, runlog.MemoryMoments), config
+    comms_summary.json / .txt   with a comms_logger section (--comms-logger): DeepSpeed's
+                  log_summary numbers and table (Library.comms_summary)
     samples.png   images sampled from the model, minGPT play_image style
     latest, global_step<N>/   the checkpoint (engine.save_checkpoint), for --resume
 
@@ -39,7 +43,6 @@ import argparse
 import contextlib
 import io
 import itertools
-import json
 import logging
 import os
 import sys
@@ -76,6 +79,9 @@ class Library:
     check_config: Callable          # (cfg, world_size) -> cfg as the engine will use it
     user_errors: tuple = field(default_factory=tuple)   # exception types that mean bad input
     held_bytes: Callable | None = None   # engine -> dict: what it holds right now (runlog.MemoryMoments)
+    # run -> (summary dict, printed table) of the comms logger, or None when it is off; called
+    # by runlog.finish on every rank when all are there (DeepSpeed's log_summary is collective)
+    comms_summary: Callable | None = None
 
 
 def _minizero_initialize(model, param_groups, cfg, args):
@@ -90,6 +96,19 @@ def _minizero_check_config(cfg, world_size):
     return cfg
 
 
+def _minizero_comms_summary(run):
+    """minizero's comms logger (the config's comms_logger section): DeepSpeed's log_summary
+    numbers and table, this rank's (comms_logger.py); rank 0 prints the table."""
+    if comm.comms_logger is None:
+        return None
+    from minizero.comms_logger import format_table
+    summary = comm.comms_logger.summary()
+    table = format_table(summary) + "\n"
+    runlog.log0(f"minizero: comms logger, rank 0 (DeepSpeed's log_summary table; also in "
+                f"{os.path.join(run.save_dir, 'comms_summary.txt')}):\n{table}", end="")
+    return summary, table
+
+
 MINIZERO = Library(
     name="minizero",
     initialize=_minizero_initialize,
@@ -98,6 +117,7 @@ MINIZERO = Library(
     comm_snapshot=lambda engine: engine.comm_stats(),
     check_config=_minizero_check_config,
     held_bytes=memory.held_bytes,
+    comms_summary=_minizero_comms_summary,
 )
 
 USER_ERRORS = (UserError, ConfigError, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
@@ -155,23 +175,13 @@ def aim_trace(run: Run) -> None:
 
 def finish_observers(run: Run, status: str) -> None:
     """However the run ended: close the trace (a run that stopped before its traced steps
-    writes what it has and says so), and write the comms logger's table (rank 0)."""
+    writes what it has and says so). (The comms logger's table: Library.comms_summary.)"""
     tracer = getattr(run.engine, "tracer", None)
     if tracer is not None and not tracer.closed:
         missed = [s for s in tracer.steps if s not in tracer.traced_steps]
         tracer.close(failed=status != "completed")
         if missed:
             runlog.log0(f"minizero: trace: step{'s' * (len(missed) > 1)} {' '.join(map(str, missed))} never ran")
-    if comm.comms_logger is not None and run.lib.name == "minizero":
-        summary = comm.comms_logger.summary()
-        if comm.get_rank() == 0:
-            from minizero.comms_logger import format_table
-            with open(os.path.join(run.save_dir, "comms_summary.txt"), "w") as f:
-                f.write(format_table(summary) + "\n")
-            with open(os.path.join(run.save_dir, "comms_summary.json"), "w") as f:
-                json.dump(summary, f, indent=1)
-            runlog.log0(f"minizero: comms logger, rank 0 (DeepSpeed's log_summary table; also in "
-                        f"{os.path.join(run.save_dir, 'comms_summary.txt')}):\n{format_table(summary)}")
 
 
 def train_loop(run: Run, guard: NonFiniteGuard) -> None:

@@ -32,13 +32,11 @@ docs/deepspeed.md, "Unknown top-level config keys are ignored"; minizero refuses
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import io
 import os
 import sys
 import threading
-from typing import Callable
 
 # `python reference/train.py` puts reference/ on sys.path, not the repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,14 +212,7 @@ def _comms_summary(run):
     return (result or {}).get("summary") or {}, table
 
 
-@dataclasses.dataclass
-class DeepSpeedLibrary(mtrain.Library):
-    """minizero.train's Library, plus the comms summary DeepSpeed prints itself
-    (minizero.train writes minizero's own from its engine)."""
-    comms_summary: Callable | None = None   # run -> (summary dict, printed table) or None; collective
-
-
-DEEPSPEED = DeepSpeedLibrary(
+DEEPSPEED = mtrain.Library(
     name="deepspeed",
     initialize=_initialize,
     loss_scale=_loss_scale,
