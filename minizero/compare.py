@@ -42,6 +42,9 @@ PLACES = ("device", "host")
 COMPARE_DEFAULTS = {"memory_efficient_linear": False, "stage3_param_persistence_threshold": 0,
                     "reduce_bucket_size": 500_000, "stage3_max_live_parameters": 0,
                     "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+# The knobs of *when* data moves: with --own-knobs the config's own values (or DeepSpeed's
+# defaults, which minizero follows: docs/zero.md, "Hiding communication") run in both libraries.
+WHEN_KNOBS = ("stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size")
 
 
 class CompareError(Exception):
@@ -61,6 +64,10 @@ def parse_args(argv):
     p.add_argument("--max-steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report folder (default reports/compare-<dtype>)")
+    p.add_argument("--own-knobs", action="store_true",
+                   help="run both libraries with the config's own prefetch / reuse / live-parameter knobs (DeepSpeed's "
+                        "defaults unless the config sets them) instead of pinning them to 0: overlap and prefetch "
+                        "in both, each moving what DeepSpeed moves")
     p.add_argument("--comms-logger", action=argparse.BooleanOptionalAction, default=None,
                    help="time every collective in both libraries (DeepSpeed's comms_logger section) and put both "
                         "comms summaries in the report. Default: on without a GPU (DeepSpeed's logger then costs "
@@ -94,6 +101,12 @@ def check_args(args) -> None:
                                f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
 
 
+def pinned_knobs(args) -> dict:
+    """COMPARE_DEFAULTS, less the knobs of when data moves with --own-knobs."""
+    own = getattr(args, "own_knobs", False)
+    return {k: v for k, v in COMPARE_DEFAULTS.items() if not (own and k in WHEN_KNOBS)}
+
+
 def base_config(args) -> dict:
     """The config both libraries get: --config or train.py's default, plus COMPARE_DEFAULTS."""
     from minizero.train_args import DEFAULT_CONFIG, UserError, read_config_file
@@ -102,7 +115,7 @@ def base_config(args) -> dict:
     except UserError as e:   # no such file / not JSON / not an object
         raise CompareError(str(e)) from None
     zero = cfg.get("zero_optimization")   # (--stage replaces DeepSpeed's deprecated `true` form)
-    cfg["zero_optimization"] = {**COMPARE_DEFAULTS, **(zero if isinstance(zero, dict) else {})}
+    cfg["zero_optimization"] = {**pinned_knobs(args), **(zero if isinstance(zero, dict) else {})}
     # DeepSpeed logs whenever the section is present, whatever its "enabled" says
     # (docs/deepspeed.md, "comms_logger is on whenever the section is present"): off means no section.
     if getattr(args, "comms_logger", False):
@@ -502,14 +515,20 @@ def note(args, offload: bool = False) -> str:
         f"Known differences (details and sources: [docs/agreement.md]({agreement})):", "",
         "- Wire bytes: DeepSpeed's ZeRO-1/2 \"reduce-scatter\" is an all-reduce (`average_tensor` pre-divides "
         "the bucket and calls `all_reduce`; each rank keeps its slice): 2Ψ for gradients plus Ψ for the "
-        "parameter all-gather, 1.5x the paper's 2Ψ that minizero moves. At ZeRO-3 minizero all-gathers in "
-        "forward and again in backward (the paper's 3Ψ); so does DeepSpeed with the settings below (with its "
-        "defaults it keeps a small model gathered from forward into backward and gathers once).",
+        "parameter all-gather, 1.5x the paper's 2Ψ that minizero moves. "
+        + ("At ZeRO-3 both libraries run the config's own prefetch and reuse knobs (--own-knobs): with "
+           "DeepSpeed's defaults each keeps every unit gathered from forward into backward and gathers once "
+           "per step (2Ψ), and minizero moves DeepSpeed's bytes (docs/zero.md, \"Hiding communication\")."
+           if getattr(args, "own_knobs", False) else
+           "At ZeRO-3 minizero all-gathers in forward and again in backward (the paper's 3Ψ); so does "
+           "DeepSpeed with the settings below (with its defaults both keep a small model gathered from forward "
+           "into backward and gather once: --own-knobs)."),
         "- Memory: both libraries are measured at the same two moments of the last step, from the buffers they "
         "really hold (minizero's `memory.held_bytes`, DeepSpeed's `reference/ds_memory.py` walker): the state "
         "columns above are the end of backward; the section below has both moments, and names every byte "
         "that differs. On CPU, peak MB is the process RSS.",
-        f"- This comparison adds {json.dumps(COMPARE_DEFAULTS)} to `zero_optimization` unless the config sets "
+        f"- This comparison adds {json.dumps(pinned_knobs(args))} "
+        "to `zero_optimization` unless the config sets "
         "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
         "in bf16/fp16), keep parameters under 1e5 elements unpartitioned (a small model would show no ZeRO-3 "
         "saving) and allocate a 5e8-element reduce bucket at init.",

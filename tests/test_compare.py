@@ -255,6 +255,20 @@ def test_comms_logger_switch_in_the_shared_config():
     assert "comms_logger" not in compare.base_config(args)
 
 
+def test_own_knobs_leaves_the_when_knobs_to_the_config():
+    """By default compare pins ZeRO-3's prefetch / reuse / live knobs to 0 (the paper's
+    algorithm in both libraries); --own-knobs leaves them to the config (DeepSpeed's defaults),
+    and a config's own value is kept either way."""
+    from minizero import compare
+    args, _ = compare.parse_args(["--stages", "3"])
+    zero = compare.base_config(args)["zero_optimization"]
+    assert all(zero[k] == 0 for k in compare.WHEN_KNOBS)
+    args, _ = compare.parse_args(["--stages", "3", "--own-knobs"])
+    zero = compare.base_config(args)["zero_optimization"]
+    assert not any(k in zero for k in compare.WHEN_KNOBS)
+    assert zero["memory_efficient_linear"] is False and zero["stage3_param_persistence_threshold"] == 0
+
+
 def fake_summary(lib, loss, entry):
     return {"library": lib, "losses": [loss], "final_loss": loss, "test_loss": loss, "model_state_bytes": [entry],
             "peak_mem_mb": [100.0], "samples_per_s": 10.0, "comm_wire_bytes_per_step": {"total": 0},
