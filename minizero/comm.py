@@ -243,7 +243,8 @@ def _label(op: str, label: str | None):
 
 # Who else watches each collective and copy: the timeline trace (trace.py) and DeepSpeed's
 # comms logger (comms_logger.py), each only while switched on. A watcher has
-# begin(op, label) -> token and end(token, op, label, nbytes, wire_bytes, msg_bytes).
+# begin(op, label) -> token, end(token, op, label, nbytes, wire_bytes, msg_bytes), and
+# blocking(token): an asynchronous collective's wait() is about to block on it.
 watchers: list = []
 comms_logger = None   # a comms_logger.CommsLogger while an engine's config enables it
 
@@ -287,10 +288,14 @@ def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_b
     def finish() -> None:
         for w, token in zip(watching, tokens):
             w.end(token, op, label, nbytes, wire_bytes, msg)
+
+    def blocking() -> None:
+        for w, token in zip(watching, tokens):
+            w.blocking(token)
     if not async_op:
         finish()
         return None
-    return Pending(op, label, work, finish, nbytes, *check)
+    return Pending(op, label, work, finish, nbytes, *check, blocking=blocking)
 
 
 class Pending:
@@ -304,8 +309,9 @@ class Pending:
     buffer's storage before wait: see each call site (flat_param.py, zero2.py, zero3.py).
     """
 
-    def __init__(self, op: str, label: str | None, work, finish, nbytes: int, tensor: torch.Tensor, keep: tuple):
-        self.op, self.label, self.work, self._finish = op, label, work, finish
+    def __init__(self, op: str, label: str | None, work, finish, nbytes: int, tensor: torch.Tensor, keep: tuple,
+                 blocking=None):
+        self.op, self.label, self.work, self._finish, self._blocking = op, label, work, finish, blocking
         self.nbytes, self.tensor, self.keep = nbytes, tensor, keep
         self.done = False
 
@@ -313,6 +319,8 @@ class Pending:
         if self.done:
             return
         with record_function(f"minizero::wait::{self.op}" + (f"::{self.label}" if self.label else "")):
+            if self._blocking is not None:
+                self._blocking()   # the watchers note when this rank starts to wait on it
             if self.work is not None:
                 desync.wait_checked(self.work, self.op, self.label, self.tensor, self.nbytes)
             self._finish()

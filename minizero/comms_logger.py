@@ -111,6 +111,9 @@ class CommsLogger:
             torch.cuda.synchronize(self.device)   # time this op, not the work queued before it
         return time.perf_counter()
 
+    def blocking(self, token) -> None:
+        """An asynchronous op's wait begins: its latency still runs from the call to its end."""
+
     def end(self, token, op: str, label: str | None, nbytes: int, wire_bytes: int, msg_bytes: int) -> None:
         if token is None:
             return

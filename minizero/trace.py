@@ -35,6 +35,8 @@ Waiting: a collective cannot finish before every rank has started it. At the end
 traced step the ranks exchange when each of their collectives began (control traffic, not
 in the ledger); the i-th collective's wait on rank r is (latest start among ranks) minus
 (r's start), at most its duration. A rank with a large wait was idle, its peer was late.
+An asynchronous collective (overlap_comm, prefetch) runs from its issue to the end of its
+wait(), while the rank computes; its wait is the time the rank spent blocked in wait().
 
 Switch it on with `python -m minizero.train --trace DIR [--trace-steps 2 3]`, the config
 section `"minizero_trace": {"enabled": true, "output_path": DIR, "steps": [2]}`, or around
@@ -171,15 +173,22 @@ class Tracer:
             self._close_open_backward(end)
 
     def begin(self, op: str, label: str | None):
-        """comm.py watcher: a collective or copy starts."""
-        return self.clock.mark() if self.recording else None
+        """comm.py watcher: a collective or copy starts. The token: [its start, when this rank
+        began to block on it (an asynchronous one's wait), or None]."""
+        return [self.clock.mark(), None] if self.recording else None
+
+    def blocking(self, token) -> None:
+        if token is not None:
+            token[1] = self.clock.mark()
 
     def end(self, token, op, label, nbytes, wire_bytes, msg_bytes) -> None:
         if token is None:
             return
         track = "copies" if op in comm.COPIES else "collectives"
         args = {"op": op, "label": label or "", "bytes": int(nbytes), "wire_bytes": int(wire_bytes)}
-        self._marks.append((track, f"{op} {label}" if label else op, token, self.clock.mark(), args))
+        if token[1] is not None:
+            args["blocked_from"] = token[1]   # a mark until _settle makes it microseconds
+        self._marks.append((track, f"{op} {label}" if label else op, token[0], self.clock.mark(), args))
 
     def _pre_forward(self, unit: str):
         def pre_forward(module, args):
@@ -224,8 +233,11 @@ class Tracer:
         events = []
         for track, name, begin, end, args in self._marks:
             ts = self.clock.us(begin)
+            args = dict(args, step=step)
+            if "blocked_from" in args:   # asynchronous: issued at ts, this rank blocked on it from here
+                args["blocked_from"] = self.clock.us(args["blocked_from"])
             events.append({"name": name, "cat": track, "ph": "X", "ts": ts, "dur": max(self.clock.us(end) - ts, 0.0),
-                           "pid": self.rank, "tid": TRACKS.index(track), "args": dict(args, step=step)})
+                           "pid": self.rank, "tid": TRACKS.index(track), "args": args})
         colls = sorted((e for e in events if e["cat"] == "collectives"), key=lambda e: e["ts"])
         starts = [e["ts"] for e in colls]
         everyone = [starts]
@@ -234,10 +246,15 @@ class Tracer:
             dist.all_gather_object(everyone, starts)
         if all(len(s) == len(starts) for s in everyone):
             for i, e in enumerate(colls):
-                wait = min(max(max(s[i] for s in everyone) - e["ts"], 0.0), e["dur"])
+                if "blocked_from" in e["args"]:
+                    # asynchronous: the rank computed while it ran; it waited only inside wait()
+                    since = min(max(e["args"].pop("blocked_from"), e["ts"]), e["ts"] + e["dur"])
+                    wait, at = e["ts"] + e["dur"] - since, since
+                else:
+                    wait, at = min(max(max(s[i] for s in everyone) - e["ts"], 0.0), e["dur"]), e["ts"]
                 e["args"]["wait_us"] = wait
                 if wait > 0:
-                    events.append({"name": "wait", "cat": "wait", "ph": "X", "ts": e["ts"], "dur": wait,
+                    events.append({"name": "wait", "cat": "wait", "ph": "X", "ts": at, "dur": wait,
                                    "pid": self.rank, "tid": e["tid"], "args": {"step": step, "op": e["args"]["op"]}})
         elif self.rank == 0:   # ranks issued different collectives: no i-th pairing to compare
             print(f"minizero trace: step {step}: ranks issued {sorted({len(s) for s in everyone})} collectives; "

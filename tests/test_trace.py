@@ -26,7 +26,7 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 def _run(stage: int, out_dir: str | None, dtype: str = "fp32", gas: int = 2, ckpt: bool = False,
-         comms_logger: bool = False, offload: bool = False):
+         comms_logger: bool = False, offload: bool = False, overlap: bool = False):
     """Train STEPS steps; trace TRACED into out_dir (None: no trace). Returns the losses, the
     ledger's counts over each step as engine.comm_stats() gives them, and the comms summary."""
     import minizero
@@ -37,6 +37,9 @@ def _run(stage: int, out_dir: str | None, dtype: str = "fp32", gas: int = 2, ckp
             "stage3_max_reuse_distance": 0} if stage == 3 else {}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if overlap:   # asynchronous reductions, and at ZeRO-3 DeepSpeed's prefetch and reuse
+        zero.update(overlap_comm=True, reduce_bucket_size=3000, stage3_prefetch_bucket_size=50_000_000,
+                    stage3_max_reuse_distance=1_000_000_000)
     cfg = make_config(stage, dtype, micro_batch=2, lr=1e-2, gas=gas, ckpt=ckpt, zero=zero)
     if comms_logger:
         cfg["comms_logger"] = {"enabled": True}
@@ -118,6 +121,29 @@ def test_trace_does_not_change_numbers_and_sees_recompute(tmp_path):
     labels = {e["args"]["label"].rsplit(".", 1)[1] for e in _events(doc, "collectives", 2)
               if e["args"]["op"] == "all_gather"}
     assert "recompute" in labels
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_asynchronous_collectives_wait_only_where_the_rank_blocked(stage, tmp_path):
+    """With overlap (and prefetch) a collective runs from its issue to the end of its wait();
+    its wait_us is the time the rank blocked in wait(), inside the event; bytes still sum to
+    the ledger's."""
+    out = str(tmp_path / "trace")
+    r = run_ranks(_run, 2, args=(stage, out), kwargs=dict(overlap=True))[0]
+    with open(os.path.join(out, "rank0.json")) as f:
+        doc = json.load(f)
+    events = _events(doc, "collectives", 2)
+    for op in OPS:
+        assert sum(e["args"]["bytes"] for e in events if e["args"]["op"] == op) == r["per_step"][2][op]["bytes"]
+    waits = {(e["ts"], e["args"]["op"]): e for e in _events(doc, "wait", 2)}
+    for e in events:
+        assert 0.0 <= e["args"]["wait_us"] <= e["dur"] + 1e-6
+        assert "blocked_from" not in e["args"]
+    for w in waits.values():
+        assert any(c["ts"] - 1e-6 <= w["ts"] and w["ts"] + w["dur"] <= c["ts"] + c["dur"] + 1e-6 for c in events)
+    labels = [e["args"]["label"] for e in events]
+    if stage == 3:
+        assert any(label.endswith(".prefetch") for label in labels)
 
 
 def test_trace_shows_offload_copies(tmp_path):
