@@ -179,6 +179,20 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     return tag if tag is not None else read_latest(load_dir)
 
 
+def tag_folder(checkpoint_dir: str, tag: str | None) -> tuple[str, str]:
+    """(tag, its folder) of a checkpoint dir: `tag`, or the one `latest` names; a missing dir,
+    `latest` or tag folder is one CheckpointError line listing the complete tags there."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir}: no such directory")
+    tag = resolve_tag(checkpoint_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir} ('latest' is missing); {describe_tags(checkpoint_dir)}")
+    path = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")
+    return tag, path
+
+
 # ----------------------------------------------------------------------------- publishing
 
 def _write_latest(save_dir: str, tag: str) -> None:

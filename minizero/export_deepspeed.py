@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from .checkpoint_folder import CheckpointError, describe_tags, load_file, resolve_tag
+from .checkpoint_folder import CheckpointError, load_file, tag_folder
 from .checkpoint_state import MinizeroSource, build_shard
 from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object, open_source,
                                    torch_save, zero3_partition_numel, zero12_partition_numel, zero12_tail_padding)
@@ -284,14 +284,7 @@ def export(source, dst_dir: str, tag: str | None = None, stage: int | None = Non
 def open_checkpoint(checkpoint_dir: str, tag: str | None = None):
     """The CheckpointSource of a checkpoint folder (its `latest`, or `tag`): minizero's, or
     DeepSpeed's (so a DeepSpeed checkpoint can be rewritten for another world size or stage)."""
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointError(f"{checkpoint_dir}: no such directory")
-    tag = resolve_tag(checkpoint_dir, tag)
-    if tag is None:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir} ('latest' is missing); {describe_tags(checkpoint_dir)}")
-    path = os.path.join(checkpoint_dir, tag)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")
+    tag, path = tag_folder(checkpoint_dir, tag)
     if os.path.isfile(os.path.join(path, MODEL_FILE)):
         meta = load_file(checkpoint_dir, tag, MODEL_FILE, mmap=True)
         if isinstance(meta, dict) and "layout" in meta:

@@ -24,7 +24,7 @@ import sys
 import torch
 from torch import nn
 
-from .checkpoint_folder import MODEL_FILE, CheckpointError, describe_tags, optim_file, publish, resolve_tag, rng_file
+from .checkpoint_folder import MODEL_FILE, CheckpointError, optim_file, publish, rng_file, tag_folder
 from .checkpoint_io import open_checkpoint, rank_span
 from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
 from .config import ZeroConfig
@@ -75,14 +75,7 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = Non
         raise CheckpointError(f"--world-size must be a whole number >= 1, got {world_size}")
     if stage is not None and stage not in (0, 1, 2, 3):
         raise CheckpointError(f"--stage must be 0, 1, 2 or 3, got {stage}")
-    if not os.path.isdir(src_dir):
-        raise CheckpointError(f"{src_dir}: no such directory")
-    tag = resolve_tag(src_dir, tag)
-    if tag is None:
-        raise CheckpointError(f"no checkpoint in {src_dir} ('latest' is missing); {describe_tags(src_dir)}")
-    folder = os.path.join(src_dir, tag)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"{folder}: no such checkpoint; {describe_tags(src_dir)}")
+    tag, folder = tag_folder(src_dir, tag)
     if os.path.realpath(dst_dir) == os.path.realpath(src_dir):
         raise CheckpointError(f"{dst_dir} is the folder being read: write the resharded checkpoint to another one")
     if os.path.exists(os.path.join(dst_dir, tag)):

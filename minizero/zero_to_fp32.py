@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .checkpoint_folder import MODEL_FILE, CheckpointError, describe_tags, load_file, resolve_tag
+from .checkpoint_folder import MODEL_FILE, CheckpointError, load_file, tag_folder
 from .checkpoint_state import MinizeroSource
 
 PROG = "python -m minizero.zero_to_fp32"
@@ -26,14 +26,7 @@ def consolidate(checkpoint_dir: str, tag: str | None = None, kind: str = "master
     `model.load_state_dict(sd)`. (DeepSpeed's equivalent is zero_to_fp32.py.)
     kind "exp_avg" / "exp_avg_sq": Adam's moments instead, laid out the same way.
     """
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointError(f"{checkpoint_dir}: no such directory")
-    tag = resolve_tag(checkpoint_dir, tag)
-    if tag is None:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir} ('latest' is missing); {describe_tags(checkpoint_dir)}")
-    path = os.path.join(checkpoint_dir, tag)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")
+    tag, path = tag_folder(checkpoint_dir, tag)
     meta = load_file(checkpoint_dir, tag, MODEL_FILE)
     if "layout" not in meta:
         raise CheckpointError(f"{path} is not a minizero checkpoint (saved by DeepSpeed? use the zero_to_fp32.py "
