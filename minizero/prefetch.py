@@ -89,17 +89,16 @@ class Prefetcher:
         """Issue all-gathers for the units after this one in the trace, up to the prefetch
         bucket and the live limit (DeepSpeed's loop, with the limit never crossed)."""
         budget = min(self.max_live_numel - self.live_numel(), self.prefetch_numel)
-        issued, seen = 0, set()
+        issued = 0
         for i in range(self.next + 1, len(self.order)):
             u = self.order[i]
             self.covered_to[u] = max(self.covered_to.get(u, -1), i)
-            if u in seen or u in self.in_flight or not u.is_sharded():
+            if u in self.in_flight or not u.is_sharded():   # issued already, or gathered
                 continue
             numel = u.partitioned_numel()
             if issued + numel > budget:
                 break
             self.in_flight[u] = u.gather(f"{why}.prefetch", async_op=True)
-            seen.add(u)
             issued += numel
             if issued >= budget:
                 break
@@ -129,10 +128,12 @@ class Prefetcher:
 
     def _make_room(self, numel: int) -> None:
         """Free kept (gathered, idle, not in flight) units until `numel` more fit under the limit."""
+        live = self.live_numel()
         for u in self.units:
-            if self.live_numel() + numel <= self.max_live_numel:
+            if live + numel <= self.max_live_numel:
                 return
             if u not in self.active and u not in self.in_flight and not u.is_sharded():
+                live -= u.partitioned_numel()
                 u.reshard()
 
     # ------------------------------------------------------------------ resets
