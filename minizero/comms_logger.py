@@ -168,27 +168,28 @@ class CommsLogger:
         return out
 
 
+def _table(head: tuple, data: dict, columns: tuple) -> list[str]:
+    """DeepSpeed's layout: 20-character columns, one line per op name, then one line per
+    message size under it (size, count, then `columns` of each record, two decimals)."""
+    lines = ["".join(f"{h: <20}" for h in head)]
+    for name, sizes in data.items():
+        lines.append(name)
+        for size, r in sorted(sizes.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"{' ': <20}{convert_size(int(size)): <20}{r['count']: <20}"
+                         + "".join(f"{r[c]: <20.2f}" for c in columns))
+    return lines
+
+
 def format_straggler_table(straggler: dict) -> str:
     """DeepSpeed's "Breakdown with straggler effect" table."""
     head = ("Comm. Op", "Message Size", "Count", "Total comm lat(ms)", "Total straggler(ms)", "Avg comm lat(ms)",
             "Avg straggler(ms)")
-    lines = ["_______________________________", "Breakdown with straggler effect", "-------------------------------",
-             "".join(f"{h: <20}" for h in head)]
-    for name, sizes in straggler.items():
-        lines.append(name)
-        for size, r in sorted(sizes.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"{' ': <20}{convert_size(int(size)): <20}{r['count']: <20}{r['total_comm_lat_ms']: <20.2f}"
-                         f"{r['total_straggler_ms']: <20.2f}{r['avg_comm_lat_ms']: <20.2f}{r['avg_straggler_ms']: <20.2f}")
-    return "\n".join(lines)
+    return "\n".join(["_______________________________", "Breakdown with straggler effect",
+                      "-------------------------------"]
+                     + _table(head, straggler, ("total_comm_lat_ms", "total_straggler_ms", "avg_comm_lat_ms",
+                                                "avg_straggler_ms")))
 
 
 def format_table(summary: dict) -> str:
-    """The table DeepSpeed's log_summary prints: 20-character columns, one line per op name,
-    then one line per message size under it."""
-    lines = ["".join(f"{h: <20}" for h in HEADER)]
-    for name, sizes in summary.items():
-        lines.append(name)
-        for size, r in sorted(sizes.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"{' ': <20}{convert_size(int(size)): <20}{r['count']: <20}{r['total_latency_ms']: <20.2f}"
-                         f"{r['avg_latency_ms']: <20.2f}{r['tput_avg_gbps']: <20.2f}{r['busbw_avg_gbps']: <20.2f}")
-    return "\n".join(lines)
+    """The table DeepSpeed's log_summary prints."""
+    return "\n".join(_table(HEADER, summary, ("total_latency_ms", "avg_latency_ms", "tput_avg_gbps", "busbw_avg_gbps")))
