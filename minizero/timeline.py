@@ -23,6 +23,12 @@ PHASE_COLOURS = {"forward": "#cfe3f5", "backward": "#fbe0c8", "step": "#d8f0d2"}
 UNIT_COLOURS = {"forward": "#6baed6", "backward": "#fd8d3c", "recompute": "#74c476"}
 
 
+def has_matplotlib() -> bool:
+    """The picture needs matplotlib (installed with .[dev]); the trace files do not."""
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plot(doc: dict, path: str) -> str:
     """Draw the first traced step of a (merged) Chrome-trace document to `path` (PNG)."""
     import matplotlib
@@ -109,6 +115,10 @@ def main(argv=None) -> int:
         return 2
     with open(os.path.join(args.folder, "trace.json"), "w") as f:
         json.dump(doc, f)
+    if not has_matplotlib():
+        print(f"python -m minizero.timeline: wrote {os.path.join(args.folder, 'trace.json')}; timeline.png needs "
+              f"matplotlib: pip install -e .[dev]", file=sys.stderr)
+        return 2
     print(plot(doc, os.path.join(args.folder, "timeline.png")))
     return 0
 

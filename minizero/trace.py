@@ -305,9 +305,12 @@ class Tracer:
         if self.rank == 0:
             merged = [ev for evs in everyone for ev in evs]
             paths.append(self._write("trace.json", self.document(merged)))
-            if merged:
-                from .timeline import plot
+            from .timeline import has_matplotlib, plot
+            if merged and has_matplotlib():
                 paths.append(plot(self.document(merged), os.path.join(self.out_dir, "timeline.png")))
+            elif merged:   # the picture is optional (matplotlib comes with .[dev]); the trace is not
+                print(f"minizero trace: no timeline.png (needs matplotlib: pip install -e .[dev], then "
+                      f"python -m minizero.timeline {self.out_dir})")
         return paths
 
     def _write(self, name: str, doc: dict) -> str:

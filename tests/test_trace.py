@@ -221,3 +221,22 @@ def test_comms_logger_config_errors():
         load_config(dict(base, comms_logger={"enable": True}), 1)
     with pytest.raises(ConfigError, match="minizero_trace.steps"):
         load_config(dict(base, minizero_trace={"steps": [0]}), 1)
+
+
+def test_without_matplotlib_the_trace_is_written_and_the_picture_is_skipped(tmp_path, monkeypatch, capsys):
+    """A base install (`pip install -e .`) has no matplotlib: the trace files are written, the
+    run goes on, and one line says how to draw timeline.png later."""
+    import minizero
+    from minizero import timeline
+
+    monkeypatch.setattr(timeline, "has_matplotlib", lambda: False)
+    engine, *_ = minizero.initialize(model=make_model("micro"), config=make_config(0, micro_batch=2, lr=1e-2))
+    out = str(tmp_path / "t")
+    with engine.trace(out):
+        x, y = PatternBatches(62, 8, global_batch=2)(1, 0, 0, 1)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    assert sorted(os.listdir(out)) == ["rank0.json", "trace.json"]
+    assert "no timeline.png (needs matplotlib" in capsys.readouterr().out
+    assert timeline.main([out]) == 2
