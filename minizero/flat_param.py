@@ -149,10 +149,13 @@ class FlatParam:
         in bf16/fp16 it keeps the sum from overflowing and rounds the same way, so the
         reduced gradient is lp(g0/N) + lp(g1/N) + ... exactly as in DeepSpeed.
         """
-        buf = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        buf = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         for piece, p in zip(buf[:self.numel].split(self.numels), self.params):   # views, no copy
             if p.grad is not None:
                 piece.copy_(p.grad.reshape(-1))
+            else:
+                piece.zero_()
+        buf[self.numel:].zero_()   # the padding; written once, not the whole buffer twice
         if divide_by != 1:
             buf.div_(divide_by)
         return buf
