@@ -77,9 +77,9 @@ class GradBuckets:
         if b.arrived == len(b.params):
             self.issue(b)
 
-    def issue(self, bucket: Bucket) -> None:
+    def issue(self, bucket: Bucket, async_op: bool | None = None) -> None:
         for f in bucket.flats:
-            in_flight = self.reduce(f, async_op=self.overlap)
+            in_flight = self.reduce(f, async_op=self.overlap if async_op is None else async_op)
             if in_flight is not None:
                 self.in_flight.append(in_flight)
         bucket.reduced = True
@@ -96,11 +96,17 @@ class GradBuckets:
         self.wait()
 
     def reduce_all(self) -> None:
-        """At the step, when the hooks were off (stage 0 / ZeRO-1 without overlap)."""
+        """At the step, when the hooks were off (stage 0 / ZeRO-1 without overlap): every
+        bucket's reduction issued back to back, then all waited for. Nothing computes in
+        between, so this hides nothing behind compute (that is overlap_comm); it only stops
+        each collective from waiting for the previous one to return before it starts. NCCL
+        queues them on its stream that way anyway; gloo's worker threads pipeline them
+        (launch/bench_overlap.py --collectives measures it). Same buffers, same sums: the
+        numbers cannot change."""
         if self.active:
             return   # done in the last micro-step's backward
         for b in self.buckets:
-            self.issue(b)
+            self.issue(b, async_op=True)
         self.wait()
 
     def wait(self) -> None:

@@ -221,6 +221,16 @@ class GradReduction:
             f.grad_shard = self.result
 
 
+def all_gather_params(flats: list[FlatParam]) -> None:
+    """ZeRO-1/2 after the step: every rank gets every updated slice. Each FlatParam's gather
+    is issued back to back and all are waited for before returning: the gathers overlap one
+    another, not compute (there is none between the step and the next forward), and the
+    parameters are whole again when the step returns, whatever user code reads them next."""
+    in_flight = [f.all_gather(async_op=True) for f in flats]
+    for pending in in_flight:
+        pending.wait()
+
+
 # ----------------------------------------------------------------------------- layout plans -> FlatParams
 
 def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:

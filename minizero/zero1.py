@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import GradBuckets, size_buckets
+from .flat_param import all_gather_params
 
 
 class Zero1:
@@ -59,8 +60,7 @@ class Zero1:
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters.
         The shard is a view of `full`, so the gather writes straight into the parameters."""
-        for f in self.flat_params:
-            f.all_gather()
+        all_gather_params(self.flat_params)
 
     def grad_bytes(self) -> int:
         return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import GradBuckets, bucket_plan, size_buckets  # noqa: F401  (bucket_plan: memory_table)
+from .flat_param import all_gather_params
 
 
 class Zero2:
@@ -69,8 +70,7 @@ class Zero2:
     # ------------------------------------------------------------------ step
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters."""
-        for f in self.flat_params:
-            f.all_gather()
+        all_gather_params(self.flat_params)
 
     def grad_bytes(self) -> int:
         return sum(f.shard_numel for f in self.flat_params) * self.flat_params[0].full.element_size()
