@@ -35,8 +35,11 @@ Waiting: a collective cannot finish before every rank has started it. At the end
 traced step the ranks exchange when each of their collectives began (control traffic, not
 in the ledger); the i-th collective's wait on rank r is (latest start among ranks) minus
 (r's start), at most its duration. A rank with a large wait was idle, its peer was late.
-An asynchronous collective (overlap_comm, prefetch) runs from its issue to the end of its
-wait(), while the rank computes; its wait is the time the rank spent blocked in wait().
+An asynchronous collective (overlap_comm, prefetch, and the buckets that stage 0-2 issue back
+to back at the step) runs from its issue to the end of its wait(), while the rank computes;
+its wait is the time the rank spent blocked in wait(), and its args say "async": true. So the
+time a rank could not compute for communication is a synchronous collective's whole event
+plus an asynchronous one's wait.
 
 Switch it on with `python -m minizero.train --trace DIR [--trace-steps 2 3]`, the config
 section `"minizero_trace": {"enabled": true, "output_path": DIR, "steps": [2]}`, or around
@@ -250,6 +253,7 @@ class Tracer:
                     # asynchronous: the rank computed while it ran; it waited only inside wait()
                     since = min(max(e["args"].pop("blocked_from"), e["ts"]), e["ts"] + e["dur"])
                     wait, at = e["ts"] + e["dur"] - since, since
+                    e["args"]["async"] = True
                 else:
                     wait, at = min(max(max(s[i] for s in everyone) - e["ts"], 0.0), e["dur"]), e["ts"]
                 e["args"]["wait_us"] = wait

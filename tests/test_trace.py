@@ -139,6 +139,8 @@ def test_asynchronous_collectives_wait_only_where_the_rank_blocked(stage, tmp_pa
     for e in events:
         assert 0.0 <= e["args"]["wait_us"] <= e["dur"] + 1e-6
         assert "blocked_from" not in e["args"]
+    # overlap's reductions (and the gathers after the step, issued back to back) say so
+    assert {e["args"]["op"] for e in events if e["args"].get("async")} >= {"reduce_scatter", "all_gather"}
     for w in waits.values():
         assert any(c["ts"] - 1e-6 <= w["ts"] and w["ts"] + w["dur"] <= c["ts"] + c["dur"] + 1e-6 for c in events)
     labels = [e["args"]["label"] for e in events]
