@@ -101,7 +101,7 @@ class GradBuckets:
         between, so this hides nothing behind compute (that is overlap_comm); it only stops
         each collective from waiting for the previous one to return before it starts. NCCL
         queues them on its stream that way anyway; gloo's worker threads pipeline them
-        (launch/bench_overlap.py --collectives measures it). Same buffers, same sums: the
+        (`python launch/bench_collectives.py` measures it). Same buffers, same sums: the
         numbers cannot change."""
         if self.active:
             return   # done in the last micro-step's backward

@@ -1,0 +1,156 @@
+"""How long do ZeRO's collectives take, issued one at a time and issued back to back?
+
+    python launch/bench_collectives.py                          # 2 ranks, the tutorial GPT's Ψ, fp32
+    python launch/bench_collectives.py --buckets 500000,0 --dtype bf16
+
+A step's gradient (Ψ elements) is cut into buckets of `reduce_bucket_size` elements and each
+bucket goes through one collective: all-reduce (stage 0), reduce-scatter (ZeRO-1/2) and,
+after the step, all-gather of the parameters (ZeRO-1/2). Issued one at a time (a blocking
+call per bucket), each collective starts only when the previous one has returned, so every
+bucket pays the backend's per-call latency in full. Issued back to back (`async_op=True`
+for every bucket, then one wait per handle, in order) the next one is queued while the
+previous runs: NCCL runs them in order on its stream, gloo on its worker threads. That is
+what minizero does at the step without overlap_comm (buckets.GradBuckets.reduce_all,
+flat_param.all_gather_params); the sums are the same, only the waiting differs.
+
+Per op and bucket size: milliseconds for the whole Ψ (median of --reps, the slowest rank),
+one at a time and back to back. `--buckets 0` means one bucket of all Ψ. On GPUs the ranks use
+NCCL, one GPU each. Raw torch.distributed: this measures the backend, not minizero.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TUTORIAL_PSI = 9_755_904   # the tutorial GPT at 8x8 images (launch/bench_overlap.py's model)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"bench_collectives: error: {message}\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = OneLineParser(prog="python launch/bench_collectives.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--numel", type=int, default=TUTORIAL_PSI, help=f"elements in all (default {TUTORIAL_PSI:,})")
+    p.add_argument("--buckets", default="500000,2000000,0",
+                   help="comma-separated bucket sizes in elements; 0: one bucket (default 500000,2000000,0)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
+    args = p.parse_args(argv)
+    try:
+        args.buckets = [int(b) for b in args.buckets.split(",")]
+    except ValueError:
+        p.error(f"--buckets {args.buckets!r}: comma-separated integers, e.g. 500000,0")
+    for name in ("world_size", "numel", "reps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(b < 0 for b in args.buckets):
+        p.error(f"--buckets {args.buckets}: sizes must be >= 0")
+    args.buckets = [b or args.numel for b in args.buckets]
+    if any(b % args.world_size for b in args.buckets):
+        p.error(f"--buckets {args.buckets}: every size must be a multiple of --world-size {args.world_size} "
+                f"(a bucket is cut into one slice per rank)")
+    return args
+
+
+def run_op(op: str, full: list, part: list, async_op: bool):
+    import torch.distributed as dist
+    call = {"all_reduce": lambda i: dist.all_reduce(full[i], async_op=async_op),
+            "reduce_scatter": lambda i: dist.reduce_scatter_tensor(part[i], full[i], async_op=async_op),
+            "all_gather": lambda i: dist.all_gather_into_tensor(full[i], part[i], async_op=async_op)}[op]
+    handles = [call(i) for i in range(len(full))]
+    for h in handles:
+        if h is not None:
+            h.wait()
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from minizero import comm
+    warnings.filterwarnings("ignore", category=FutureWarning)   # torch's rename of the *_tensor collectives
+    torch.set_num_threads(1)
+    comm.init_distributed()
+    device, dtype = comm.get_device(), getattr(torch, DTYPES[args.dtype])
+    rows = []
+    for bucket in args.buckets:
+        n = -(-args.numel // bucket)
+        full = [torch.randn(bucket, device=device).to(dtype) for _ in range(n)]
+        part = [torch.empty(bucket // world, dtype=dtype, device=device) for _ in range(n)]
+        for op in OPS:
+            took = {}
+            for async_op in (False, True):
+                times = []
+                for _ in range(args.reps + 1):    # the first is a warm-up
+                    dist.barrier()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    run_op(op, full, part, async_op)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                slowest = torch.tensor(times[1:], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)   # a collective ends when its slowest rank does
+                took[async_op] = 1e3 * statistics.median(slowest.tolist())
+            rows.append({"op": op, "bucket": bucket, "buckets": n, "one_at_a_time_ms": took[False],
+                         "back_to_back_ms": took[True]})
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def table(rows: list[dict]) -> str:
+    head = ["op", "bucket elements", "buckets", "one at a time, ms", "back to back, ms", "speed-up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['bucket']:,} | {r['buckets']} | {r['one_at_a_time_ms']:.1f} | "
+                     f"{r['back_to_back_ms']:.1f} | {r['one_at_a_time_ms'] / r['back_to_back_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.multiprocessing as mp
+
+    from minizero.comm import free_port
+    if torch.cuda.is_available() and torch.cuda.device_count() < args.world_size:
+        print(f"bench_collectives: error: --world-size {args.world_size} but {torch.cuda.device_count()} GPU(s): "
+              f"one rank per GPU", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    try:
+        mp.start_processes(rank_main, args=(args.world_size, free_port(), args, queue), nprocs=args.world_size,
+                           start_method="spawn")
+    except mp.ProcessException as e:   # a rank failed: its last line, not the whole traceback
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        print(f"bench_collectives: error: rank {e.error_index}: {last}", file=sys.stderr)
+        return 1
+    rows = queue.get(timeout=60)
+    backend = "NCCL" if torch.cuda.is_available() else "gloo"
+    print(f"# Collectives on {args.world_size} ranks ({backend}), {args.numel:,} {args.dtype} elements in all\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
