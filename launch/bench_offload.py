@@ -265,13 +265,23 @@ def bench_job(job: dict, args_d: dict) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
 
+    # per timed step, summed over micro-steps: host time (on a GPU, when Python got through each
+    # phase, not when the GPU ran it: a device sync here would change what the step overlaps)
+    phase_s = {"forward": [], "backward": [], "step": []}
+
     def one_step(step):
+        took = dict.fromkeys(phase_s, 0.0)
         for micro in range(gas):
             x, y = batches[step * gas + micro]
+            t0 = time.perf_counter()
             loss = engine(x, y)[1]
+            t1 = time.perf_counter()
             engine.backward(loss)
+            t2 = time.perf_counter()
             engine.step()
-        return loss
+            for name, dt in zip(phase_s, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                took[name] += dt
+        return loss, took
 
     engine.train()
     step_s, comm0 = [], None
@@ -280,11 +290,15 @@ def bench_job(job: dict, args_d: dict) -> dict:
             comm0 = copy_counts(engine, lib)
         sync()
         t0 = time.perf_counter()
-        loss = one_step(step)
+        loss, took = one_step(step)
         sync()
         step_s.append(time.perf_counter() - t0)
+        if step >= n_warm:
+            for name, dt in took.items():
+                phase_s[name].append(dt)
     comm1 = copy_counts(engine, lib)
-    out = {"rank": rank, "world_size": world, "step_s": step_s[n_warm:], "final_loss": float(loss.detach().float()),
+    out = {"rank": rank, "world_size": world, "step_s": step_s[n_warm:], "phase_s": phase_s,
+           "final_loss": float(loss.detach().float()),
            "copies_per_step": {k: (comm1[k] - comm0[k]) / n_time for k in comm1} if comm1 else None}
     if n_prof:
         from torch.profiler import ProfilerActivity, profile

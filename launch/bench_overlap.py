@@ -16,6 +16,9 @@ stage, dtype and knob setting:
            stage3_param_persistence_threshold 1e5 (minizero's parser has the same defaults)
   off      overlap_comm false, prefetch 0, max live 0, reuse distance 0, persistence 0: the
            paper's algorithm, one gather per use (what minizero.compare pins)
+  on       overlap_comm true at every stage (not DeepSpeed's default below stage 3), the
+           ZeRO-3 knobs at their defaults: what overlap buys where the defaults leave it off.
+           DeepSpeed's stage 0 has no overlap_comm (it reduces after backward either way)
 
 Both settings also pin what is not about overlap, as minizero.compare does: memory_efficient_linear
 false (the same F.linear in both) and reduce_bucket_size 500,000 (DeepSpeed's 5e8 allocates a
@@ -29,14 +32,17 @@ machine hits both. A cell shows the median over repetitions and the spread (min-
 
 minizero's runs of the first repetition also trace one step (its timeline, minizero/trace.py,
 written under --trace-dir): the last warm-up step but one (step 2 by default). From the
-trace, per stage and knob setting: the share of the step spent inside collectives and the
-share spent waiting in them for the other rank (sum of durations, sum of wait_us, over the
-step's duration; mean over ranks). Collectives that run asynchronously can overlap each
-other, so the first share can exceed 100%.
+trace, per stage and knob setting: the share of the step the rank spent blocked in
+communication (a synchronous collective's whole span, an asynchronous one's wait) and, of
+that, the share spent waiting for the other rank to arrive (trace_shares).
 
-It prints one markdown table (stdout; progress on stderr): samples/s per library, minizero /
-DeepSpeed, each stage's samples/s over the same library's stage 0 (the stage-3 row holds the
-stage-3/stage-0 ratio), and the trace's two shares. A benchmark that prints numbers, not a
+It prints two markdown tables (stdout; progress on stderr). The first: samples/s per library,
+minizero / DeepSpeed, each stage's samples/s over the same library's stage 0 (the stage-3 row
+holds the stage-3/stage-0 ratio), and the trace's two shares. The second: where each
+library's step goes, milliseconds of forward, backward (DeepSpeed's ZeRO-0-2 reduce their
+gradients in it) and step (host time between the calls; median over timed steps, mean over
+ranks, median over repetitions): a library cannot run faster than its forward and backward
+compute, which bounds what hiding communication can win. A benchmark that prints numbers, not a
 timed test: on a shared machine samples/s swings by tens of percent (the spread says how much).
 """
 from __future__ import annotations
@@ -64,8 +70,10 @@ from minizero.compare import machine  # noqa: E402
 LIBS = ("minizero", "deepspeed")
 DTYPES = ("fp32", "bf16")
 STAGES = (0, 1, 2, 3)
-KNOBS = ("default", "off")
-# the knobs that decide overlap and prefetch; "default" leaves them out, "off" sets these
+KNOBS = ("default", "off", "on")
+# the knobs that decide overlap and prefetch; "default" leaves them out, "off" sets these,
+# "on" turns overlap_comm on at every stage (ZeRO-3's prefetch knobs keep their defaults)
+OVERLAP_ON = {"overlap_comm": True}
 OVERLAP_OFF = {"overlap_comm": False, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
                "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
 # pinned in both settings: not about overlap (module docstring)
@@ -92,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--libs", default="minizero,deepspeed", help="comma-separated, of minizero, deepspeed")
     p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32, bf16 (default both)")
-    p.add_argument("--knobs", default="default,off", help="comma-separated, of default, off (default both)")
+    p.add_argument("--knobs", default="default,off", help="comma-separated, of default, off, on (default: default,off)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every cell, interleaved (default 3)")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2; on a GPU machine min(2, GPUs))")
     p.add_argument("--model", default="tutorial", help="GPT preset (default tutorial: 10M parameters)")
@@ -153,7 +161,7 @@ def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
 # ----------------------------------------------------------------------------- configs and jobs
 
 def zero_section(stage: int, knobs: str) -> dict:
-    return {"stage": stage, **PINNED, **(OVERLAP_OFF if knobs == "off" else {})}
+    return {"stage": stage, **PINNED, **{"default": {}, "off": OVERLAP_OFF, "on": OVERLAP_ON}[knobs]}
 
 
 def make_config(stage: int, dtype: str, knobs: str, args) -> dict:
@@ -203,8 +211,17 @@ def schedule(args) -> list[dict]:
 # ----------------------------------------------------------------------------- the trace
 
 def trace_shares(trace_dir: str) -> dict | None:
-    """From each rank<r>.json: the traced step's duration, and the sums of its collectives'
-    durations and wait_us; the two shares of the step, mean over ranks. None without files."""
+    """From each rank<r>.json, what the traced step lost to communication, as shares of the
+    step (mean over ranks):
+
+      blocked  time the rank could not compute because of a collective: a synchronous
+               collective's whole event, an asynchronous one's wait only ("async": true;
+               minizero/trace.py), as the union of those spans (a synchronous collective can
+               run while asynchronous ones are in flight; nothing is counted twice)
+      skew     of that, the synchronous collectives' wait for the last rank to arrive: time
+               lost to the ranks being out of step, not to the wire
+
+    None without files."""
     per_rank = []
     for path in sorted(glob.glob(os.path.join(trace_dir, "rank*.json"))):
         with open(path) as f:
@@ -213,14 +230,33 @@ def trace_shares(trace_dir: str) -> dict | None:
         if not step:
             continue
         colls = [e for e in events if e.get("cat") == "collectives"]
-        dur = sum(e["dur"] for e in step)
-        per_rank.append({"step_us": dur, "in_collectives_us": sum(e["dur"] for e in colls),
-                         "waiting_us": sum(e["args"].get("wait_us", 0.0) for e in colls), "collectives": len(colls)})
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in colls if not e["args"].get("async")]
+        spans += [(e["ts"] + e["dur"] - e["args"].get("wait_us", 0.0), e["ts"] + e["dur"])
+                  for e in colls if e["args"].get("async")]
+        per_rank.append({"step_us": sum(e["dur"] for e in step), "blocked_us": union_length(spans),
+                         "skew_us": sum(e["args"].get("wait_us", 0.0) for e in colls if not e["args"].get("async")),
+                         "collectives": len(colls), "asynchronous": sum(1 for e in colls if e["args"].get("async"))})
     if not per_rank:
         return None
     mean = {k: statistics.fmean(r[k] for r in per_rank) for k in per_rank[0]}
-    return {**mean, "in_collectives": statistics.fmean(r["in_collectives_us"] / r["step_us"] for r in per_rank),
-            "waiting": statistics.fmean(r["waiting_us"] / r["step_us"] for r in per_rank)}
+    return {**mean, "blocked": statistics.fmean(r["blocked_us"] / r["step_us"] for r in per_rank),
+            "skew": statistics.fmean(r["skew_us"] / r["step_us"] for r in per_rank)}
+
+
+def phases_ms(per_rank: list[dict]) -> dict:
+    """Per phase (forward, backward, step): median over timed steps, mean over ranks, in ms."""
+    return {name: 1e3 * statistics.fmean(statistics.median(r["phase_s"][name]) for r in per_rank)
+            for name in per_rank[0]["phase_s"]}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 # ----------------------------------------------------------------------------- the table
@@ -237,6 +273,10 @@ def summarize(results: list[dict], args) -> list[dict]:
         traced = [r["trace"] for r in results if r.get("trace") and (r["stage"], r["dtype"], r["knobs"]) ==
                   (stage, dtype, knobs)]
         row["trace"] = traced[0] if traced else None
+        for lib in args.libs:
+            ph = [r["phases_ms"] for r in results
+                  if (r["lib"], r["stage"], r["dtype"], r["knobs"]) == (lib, stage, dtype, knobs)]
+            row[f"{lib}_phases_ms"] = {k: statistics.median(p[k] for p in ph) for k in ph[0]} if ph else None
         rows.append(row)
     for row in rows:   # each stage over the same library's stage 0, same dtype and knobs
         base = next((r for r in rows if (r["stage"], r["dtype"], r["knobs"]) == (0, row["dtype"], row["knobs"])), None)
@@ -265,7 +305,7 @@ def table(rows: list[dict], args) -> str:
         head.append("minizero / DeepSpeed")
     head += [f"{lib} / its stage 0" for lib in args.libs]
     if "minizero" in args.libs:
-        head += ["mz in collectives, % of step", "mz waiting, % of step"]
+        head += ["mz blocked in comm, % of step", "of it waiting for the other rank"]
     out = []
     for r in rows:
         cells_ = [r["dtype"], r["knobs"], str(r["stage"])] + [spread(r[lib]) for lib in args.libs]
@@ -274,7 +314,20 @@ def table(rows: list[dict], args) -> str:
         cells_ += [bo.fmt(r[f"{lib}_over_stage0"], ".2f") for lib in args.libs]
         if "minizero" in args.libs:
             t = r["trace"]
-            cells_ += [pct(t and t["in_collectives"]), pct(t and t["waiting"])]
+            cells_ += [pct(t and t["blocked"]), pct(t and t["skew"])]
+        out.append(cells_)
+    return bo.md_table(head, out)
+
+
+def phase_table(rows: list[dict], args) -> str:
+    """Where each library's step goes: forward / backward / step, ms."""
+    head = ["dtype", "knobs", "stage"] + [f"{lib} forward / backward / step, ms" for lib in args.libs]
+    out = []
+    for r in rows:
+        cells_ = [r["dtype"], r["knobs"], str(r["stage"])]
+        for lib in args.libs:
+            ph = r[f"{lib}_phases_ms"]
+            cells_.append(" / ".join(f"{ph[k]:.0f}" for k in ("forward", "backward", "step")) if ph else "-")
         out.append(cells_)
     return bo.md_table(head, out)
 
@@ -286,13 +339,18 @@ def report(info: dict, rows: list[dict], args) -> str:
              f"- model: {args.model} with {m['config']} ({m['psi']:,} parameters); micro-batch {args.micro_batch} x "
              f"gas {args.gas} x {args.world_size} ranks of {args.seq} tokens; {args.warmup} warmup + {args.steps} "
              f"timed steps per run, {args.reps} repetition(s), interleaved",
-             f"- knobs default: DeepSpeed's defaults (keys left out); off: {json.dumps(OVERLAP_OFF)}; both: "
-             f"{json.dumps(PINNED)}", "",
+             f"- knobs default: DeepSpeed's defaults (keys left out); off: {json.dumps(OVERLAP_OFF)}; on: "
+             f"{json.dumps(OVERLAP_ON)}; all: {json.dumps(PINNED)}", "",
              table(rows, args), "",
              "samples/s: per run from the median step (the slowest rank's time); median over repetitions, "
              "min-max in brackets. `/ its stage 0`: the same library's samples/s at stage 0 (same dtype and knobs). "
-             "mz in collectives / waiting: minizero's traced step (first repetition): the sum of its collectives' "
-             "durations and of their wait_us over the step's duration, mean over ranks."]
+             "mz blocked in comm: minizero's traced step (first repetition): the time its rank could not compute for "
+             "communication (a synchronous collective's whole span, an asynchronous one's wait), and of it the wait "
+             "for the other rank to arrive, over the step's duration, mean over ranks.", "",
+             phase_table(rows, args), "",
+             "Host time between the calls `engine(x, y)`, `engine.backward(loss)`, `engine.step()`: median over timed "
+             "steps, mean over ranks, median over repetitions. DeepSpeed reduces ZeRO-0-2 gradients inside backward; "
+             "minizero at stage 0-1 without overlap_comm inside step."]
     return "\n".join(lines)
 
 
@@ -331,7 +389,7 @@ def main(argv=None) -> int:
             ms, _ = bo.step_ms([r["step_s"] for r in per_rank])
             res = {k: run[k] for k in ("lib", "stage", "dtype", "knobs", "rep")}
             res.update(ms=ms, samples_per_s=bo.samples_per_s(ms, args.micro_batch * args.gas * args.world_size),
-                       final_loss=per_rank[0]["final_loss"])
+                       final_loss=per_rank[0]["final_loss"], phases_ms=phases_ms(per_rank))
             if "trace_dir" in run:
                 res["trace"] = trace_shares(run["trace_dir"])
             results.append(res)

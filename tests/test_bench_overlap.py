@@ -36,24 +36,42 @@ def test_schedule_interleaves_repetitions_and_alternates_libraries(tmp_path):
 
 
 def test_trace_shares(tmp_path):
+    """blocked: a synchronous collective's whole span plus an asynchronous one's wait, as a
+    union (a synchronous one inside an asynchronous one's wait counts once); skew: the
+    synchronous ones' wait_us."""
     def rank_file(r, step_us, colls):
         events = [{"name": "step 2", "cat": "step", "ph": "X", "ts": 0, "dur": step_us, "args": {}},
                   {"name": "forward", "cat": "step", "ph": "X", "ts": 0, "dur": 10, "args": {}}]
-        events += [{"name": "all_reduce", "cat": "collectives", "ph": "X", "ts": 1, "dur": d, "args": {"wait_us": w}}
-                   for d, w in colls]
+        events += [{"name": "all_reduce", "cat": "collectives", "ph": "X", "ts": ts, "dur": d,
+                    "args": {"wait_us": w, **({"async": True} if a else {})}} for ts, d, w, a in colls]
         (tmp_path / f"rank{r}.json").write_text(json.dumps({"traceEvents": events}))
-    rank_file(0, 100.0, [(20.0, 5.0), (10.0, 0.0)])    # 30% in collectives, 5% waiting
-    rank_file(1, 200.0, [(40.0, 30.0)])                # 20%, 15%
+    # rank 0: sync [1, 21) waiting 5, sync [30, 40); blocked 30 of 100, skew 5
+    rank_file(0, 100.0, [(1, 20.0, 5.0, False), (30, 10.0, 0.0, False)])
+    # rank 1: async issued at 0, in flight to 100, blocked in wait() over [80, 100); a sync one
+    # [90, 110) overlaps that wait by 10: blocked = [80, 110) = 30 of 200, skew 4
+    rank_file(1, 200.0, [(0, 100.0, 20.0, True), (90, 20.0, 4.0, False)])
     s = bench.trace_shares(str(tmp_path))
-    assert s["in_collectives"] == pytest.approx(0.25) and s["waiting"] == pytest.approx(0.10)
+    assert s["blocked"] == pytest.approx((0.30 + 0.15) / 2) and s["skew"] == pytest.approx((0.05 + 0.02) / 2)
+    assert s["asynchronous"] == pytest.approx(0.5)
     assert bench.trace_shares(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("spans, length", [([], 0.0), ([(0, 1)], 1.0), ([(0, 2), (1, 3)], 3.0),
+                                           ([(5, 6), (0, 10)], 10.0), ([(0, 1), (2, 3)], 2.0)])
+def test_union_length(spans, length):
+    assert bench.union_length(spans) == length
+
+
+def test_knobs_on_turn_overlap_on_at_every_stage():
+    assert bench.zero_section(1, "on") == {"stage": 1, **bench.PINNED, "overlap_comm": True}
+    assert "overlap_comm" not in bench.zero_section(1, "default")
 
 
 @pytest.mark.parametrize("argv, says", [
     (["--libs", "minizero,torchzero"], "--libs"),
     (["--stages", "5"], "--stages"),
     (["--dtypes", "fp16"], "--dtypes"),
-    (["--knobs", "on"], "--knobs"),
+    (["--knobs", "of"], "--knobs"),
     (["--reps", "0"], "--reps must be >= 1"),
     (["--warmup", "2"], "--warmup 2"),
     (["--model", "huge"], "unknown model preset"),
@@ -72,7 +90,9 @@ def test_tiny_run_prints_the_table(tmp_path):
            "--trace-dir", str(tmp_path / "traces")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [x for x in r.stdout.splitlines() if x.startswith("|")]
+    tables = [t.splitlines() for t in r.stdout.split("\n\n") if t.startswith("|")]
+    assert len(tables) == 2, r.stdout      # samples/s, then where the step goes
+    lines = tables[0]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:3] == ["dtype", "knobs", "stage"] and "minizero / DeepSpeed" in head
     rows = [[c.strip() for c in x.strip("|").split("|")] for x in lines[2:]]
@@ -83,5 +103,11 @@ def test_tiny_run_prints_the_table(tmp_path):
     runs = json.loads(js.read_text())["runs"]
     assert len(runs) == 4 and all(x["samples_per_s"] > 0 for x in runs)
     traced = [x for x in runs if x.get("trace")]
-    assert len(traced) == 2 and all(0 < x["trace"]["in_collectives"] and 0 <= x["trace"]["waiting"]
-                                    <= x["trace"]["in_collectives"] for x in traced)
+    assert len(traced) == 2 and all(0 < x["trace"]["blocked"] <= 1 and 0 <= x["trace"]["skew"] <= x["trace"]["blocked"]
+                                    for x in traced)
+    assert all(set(x["phases_ms"]) == {"forward", "backward", "step"} and min(x["phases_ms"].values()) > 0
+               and sum(x["phases_ms"].values()) <= x["ms"] * 1.5 for x in runs)
+    phase_head = [c.strip() for c in tables[1][0].strip("|").split("|")]
+    assert phase_head == ["dtype", "knobs", "stage", "minizero forward / backward / step, ms",
+                          "deepspeed forward / backward / step, ms"]
+    assert len(tables[1]) == 2 + len(rows) and all("-" not in x for x in tables[1][2:])
