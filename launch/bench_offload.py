@@ -132,6 +132,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
     """Normalise args in place; BenchError with one line for anything that cannot run."""
+    args.libs = [x.strip() for x in args.libs.split(",") if x.strip()]
+    if not args.libs or any(x not in LIBS for x in args.libs):
+        raise BenchError(f"--libs {','.join(args.libs) or '(empty)'}: choose from {', '.join(LIBS)}")
+    try:
+        args.stages = sorted({int(s) for s in args.stages.split(",") if s.strip()})
+    except ValueError:
+        raise BenchError(f"--stages {args.stages!r}: give comma-separated numbers of 1, 2, 3") from None
+    if not args.stages or not set(args.stages) <= {1, 2, 3}:
+        raise BenchError(f"--stages {args.stages}: choose from 1, 2, 3 (offload needs ZeRO)")
+    if args.block_size is not None and args.block_size < args.seq:
+        raise BenchError(f"--block-size {args.block_size} < --seq {args.seq}: the model has no position for the later tokens")
+    check_launch(args, cuda, gpus, at_least_one=("world_size", "seq", "micro_batch", "gas", "steps", "threads",
+                                                 "adam_steps", "n_embd"), at_least_zero=("warmup", "profile_steps"))
+    if args.tutorial_zero and not STEP5_CONFIG.is_file():
+        raise BenchError(f"--tutorial-zero: {STEP5_CONFIG.relative_to(ROOT)} is missing")
+
+
+def check_launch(args, cuda: bool | None, gpus: int | None, at_least_one, at_least_zero) -> None:
+    """What every benchmark here checks before launching ranks (bench_overlap.py too): sets
+    args.cuda, args.world_size (default: 2, or min(2, GPUs)) and args.model_kw; BenchError
+    with one line for a missing DeepSpeed, a count below its minimum, more ranks than GPUs,
+    or a model the size flags cannot build."""
     import importlib.util
 
     from minizero.model import ModelConfigError, UnknownPresetError, get_preset
@@ -139,27 +161,14 @@ def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
         import torch
         cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
     args.cuda = cuda
-    args.libs = [x.strip() for x in args.libs.split(",") if x.strip()]
-    if not args.libs or any(x not in LIBS for x in args.libs):
-        raise BenchError(f"--libs {','.join(args.libs) or '(empty)'}: choose from {', '.join(LIBS)}")
     if "deepspeed" in args.libs and importlib.util.find_spec("deepspeed") is None:
         raise BenchError("--libs deepspeed: deepspeed is not installed (pip install -e .[dev]), or pass --libs minizero")
-    try:
-        args.stages = sorted({int(s) for s in args.stages.split(",") if s.strip()})
-    except ValueError:
-        raise BenchError(f"--stages {args.stages!r}: give comma-separated numbers of 1, 2, 3") from None
-    if not args.stages or not set(args.stages) <= {1, 2, 3}:
-        raise BenchError(f"--stages {args.stages}: choose from 1, 2, 3 (offload needs ZeRO)")
     if args.world_size is None:
         args.world_size = min(2, gpus) if cuda else 2
-    if args.block_size is not None and args.block_size < args.seq:
-        raise BenchError(f"--block-size {args.block_size} < --seq {args.seq}: the model has no position for the later tokens")
-    for name in ("world_size", "seq", "micro_batch", "gas", "steps", "threads", "adam_steps", "n_embd"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("warmup", "profile_steps"):
-        if getattr(args, name) < 0:
-            raise BenchError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for least, names in ((1, at_least_one), (0, at_least_zero)):
+        for name in names:
+            if getattr(args, name) < least:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
     if cuda and args.world_size > gpus:
         raise BenchError(f"--world-size {args.world_size} but {gpus} GPU(s) visible: one rank per GPU")
     try:
@@ -167,8 +176,6 @@ def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
         get_preset(args.model, **args.model_kw)
     except (UnknownPresetError, ModelConfigError) as e:
         raise BenchError(str(e)) from None
-    if args.tutorial_zero and not STEP5_CONFIG.is_file():
-        raise BenchError(f"--tutorial-zero: {STEP5_CONFIG.relative_to(ROOT)} is missing")
 
 
 def model_overrides(args, preset) -> dict:

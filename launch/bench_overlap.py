@@ -125,37 +125,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
     """Normalise args in place; BenchError with one line for anything that cannot run."""
-    import importlib.util
-
-    from minizero.model import ModelConfigError, UnknownPresetError, get_preset
-    if cuda is None:
-        import torch
-        cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
-    args.cuda = cuda
     args.libs = _list(args.libs, LIBS, "libs")
     args.stages = _list(args.stages, STAGES, "stages", int)
     args.dtypes = _list(args.dtypes, DTYPES, "dtypes")
     args.knobs = _list(args.knobs, KNOBS, "knobs")
-    if "deepspeed" in args.libs and importlib.util.find_spec("deepspeed") is None:
-        raise bo.BenchError("--libs deepspeed: deepspeed is not installed (pip install -e .[dev]), or pass --libs minizero")
-    if args.world_size is None:
-        args.world_size = min(2, gpus) if cuda else 2
-    for name in ("reps", "world_size", "seq", "micro_batch", "gas", "steps", "threads", "n_embd"):
-        if getattr(args, name) < 1:
-            raise bo.BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise bo.BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    args.block_size, args.profile_steps = None, 0    # what bench_offload's helpers read
+    bo.check_launch(args, cuda, gpus, at_least_one=("reps", "world_size", "seq", "micro_batch", "gas", "steps",
+                                                    "threads", "n_embd"), at_least_zero=("warmup",))
     if not args.no_trace and args.warmup < MIN_WARMUP_TRACED:
         raise bo.BenchError(f"--warmup {args.warmup}: the traced step needs --warmup >= {MIN_WARMUP_TRACED} (step 1 "
                             f"records, step 2 is traced, step 3 absorbs writing the trace), or pass --no-trace")
-    if cuda and args.world_size > gpus:
-        raise bo.BenchError(f"--world-size {args.world_size} but {gpus} GPU(s) visible: one rank per GPU")
-    args.block_size, args.profile_steps = None, 0    # what bench_offload's helpers read
-    try:
-        args.model_kw = bo.model_overrides(args, get_preset(args.model))
-        get_preset(args.model, **args.model_kw)
-    except (UnknownPresetError, ModelConfigError) as e:
-        raise bo.BenchError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- configs and jobs
