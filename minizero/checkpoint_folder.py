@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import zipfile
 
 import torch
@@ -54,6 +55,26 @@ DS_ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # DeepSpeed'
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def unreadable(path: str, e: Exception) -> str:
+    """The one line for a file that unpickles but is not what a checkpoint holds."""
+    return f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+
+
+def command_error(prog: str, e: Exception, src: str, dst: str) -> int:
+    """What a checkpoint-rewriting command (reshard, export_deepspeed) prints when it fails,
+    one line on stderr, and its exit status: a CheckpointError says what is wrong with SRC; an
+    OSError is DST (no permission, disk full, ...); anything else is a file in SRC that
+    unpickles but is not what a checkpoint holds."""
+    if isinstance(e, CheckpointError):
+        why = str(e)
+    elif isinstance(e, OSError):
+        why = f"cannot write {dst}: {(str(e).splitlines() or [''])[0]}"
+    else:
+        why = unreadable(src, e)
+    print(f"{prog}: error: {why}", file=sys.stderr)
+    return 2
 
 
 def optim_file(rank: int) -> str:

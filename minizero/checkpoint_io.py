@@ -55,7 +55,7 @@ import socket
 import torch
 
 from . import comm
-from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file,
+from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
                                 optim_file, publish, read_latest, resolve_tag, rng_file)
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
                                fill_missing_hparams, rank_state)
@@ -211,7 +211,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
         err = str(e)
     except Exception as e:   # a file that unpickles but is not what it should be: one line, on all ranks
         logger.debug("reading checkpoint %s", path, exc_info=True)
-        err = f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+        err = unreadable(path, e)
     _agree(engine, err)
     if source is not None:
         return _load_resharded(engine, source, shard_state, rng, path, load_lr_scheduler_states)

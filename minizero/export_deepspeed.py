@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from .checkpoint_folder import CheckpointError, load_file, tag_folder
+from .checkpoint_folder import CheckpointError, command_error, load_file, tag_folder
 from .checkpoint_state import MinizeroSource, build_shard
 from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object, open_source,
                                    torch_save, zero3_partition_numel, zero12_partition_numel, zero12_tail_padding)
@@ -308,12 +308,8 @@ def main(argv=None) -> int:
     try:
         source = open_checkpoint(args.src, args.tag)
         out = export(source, args.dst, os.path.basename(source.folder), args.stage, args.world_size)
-    except CheckpointError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:   # no permission, disk full, ...
-        print(f"{PROG}: error: cannot write {args.dst}: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        return command_error(PROG, e, args.src, args.dst)
     stage = source.zero_stage if args.stage is None else args.stage
     n = source.world_size if args.world_size is None else args.world_size
     print(f"wrote {out}: DeepSpeed ZeRO stage {stage}, {n} rank{'s' if n != 1 else ''}, {source.dtype}, "

@@ -24,7 +24,7 @@ import sys
 import torch
 from torch import nn
 
-from .checkpoint_folder import MODEL_FILE, CheckpointError, optim_file, publish, rng_file, tag_folder
+from .checkpoint_folder import MODEL_FILE, CheckpointError, command_error, optim_file, publish, rng_file, tag_folder
 from .checkpoint_io import open_checkpoint, rank_span
 from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
 from .config import ZeroConfig
@@ -171,16 +171,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         source, out = reshard(args.src, args.dst, args.world_size, args.stage, args.tag)
-    except CheckpointError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:   # no permission, disk full, ...
-        print(f"{PROG}: error: cannot write {args.dst}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
-        return 2
-    except Exception as e:   # a file that unpickles but is not what a checkpoint holds
-        print(f"{PROG}: error: {args.src}: cannot be read as a checkpoint ({type(e).__name__}: "
-              f"{(str(e).splitlines() or [''])[0]})", file=sys.stderr)
-        return 2
+    except Exception as e:
+        return command_error(PROG, e, args.src, args.dst)
     print(f"wrote {out}: {describe_move(source, args.world_size, args.stage)}")
     return 0
 

@@ -296,6 +296,21 @@ def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch)
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "o6"))
 
 
+@pytest.mark.parametrize("module", ["minizero.reshard", "minizero.export_deepspeed"])
+def test_a_pickle_that_is_no_checkpoint_is_one_line(module, tmp_path, capsys):
+    """Both commands that rewrite a checkpoint share one error path (checkpoint_folder.command_error):
+    a model file that unpickles but holds no usable checkpoint is one line naming SRC, not a traceback."""
+    import importlib
+    src = tmp_path / "junk"
+    (src / "t1").mkdir(parents=True)
+    (src / "latest").write_text("t1")
+    torch.save({"layout": 5, "world_size": 2}, str(src / "t1" / "mp_rank_00_model_states.pt"))
+    argv = [str(src), str(tmp_path / "out")] + (["--world-size", "1"] if module.endswith("reshard") else [])
+    assert importlib.import_module(module).main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src}: cannot be read as a checkpoint (KeyError" in err, err
+
+
 class _no_raise:
     def __enter__(self):
         return None
