@@ -122,6 +122,33 @@ def make_model(preset: str, kind: str = "gpt", **overrides) -> nn.Module:
     return GPT(cfg) if kind == "gpt" else GPTWithUnused(cfg)
 
 
+NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def micro_engine(cfg: Dict[str, Any], kind: str = "gpt", **overrides):
+    """(engine, model): the micro GPT (`make_model`'s kind and overrides), built after
+    torch.manual_seed(0), under minizero with `cfg` and minGPT's two param groups (weight
+    decay 0.1). Call it inside a rank."""
+    import minizero
+    torch.manual_seed(0)
+    model = make_model("micro", kind, **overrides)
+    engine, *_ = minizero.initialize(model=model, config=cfg, model_parameters=model.configure_param_groups(0.1))
+    return engine, model
+
+
+def train_step(engine, batches, step: int, gas: int) -> List[float]:
+    """One optimizer step: `gas` micro-steps of this rank's rows of `batches`; their losses."""
+    from minizero import comm
+    losses = []
+    for micro in range(gas):
+        x, y = batches(step, micro, comm.get_rank(), comm.get_world_size())
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 # ----------------------------------------------------------------------------- batches
 
 class PatternBatches:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import PatternBatches, make_config, make_model
+from tests.harness import NO_DROPOUT, PatternBatches, make_config, make_model, micro_engine, train_step
 from tests.launcher import run_ranks
 
 OFF = {"overlap_comm": False, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
@@ -28,29 +28,22 @@ def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False
     """Train the micro GPT with unused parameters (GPTWithUnused: `side` used on even steps
     only) for `steps` steps. Returns losses, norms, a hash of the final fp32 state, the
     ledger by label of the last step, and FlatParam's peak of live gathered elements."""
-    import minizero
     from minizero import comm
     from minizero.flat_param import FlatParam
 
     zero = {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0, **knobs, **(zero_extra or {})}
     cfg = make_config(stage, dtype, micro_batch=2, lr=1e-2, gas=gas, ckpt=ckpt, zero=zero)
-    torch.manual_seed(0)
-    model = make_model("micro", "unused", embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
-    engine, *_ = minizero.initialize(model=model, config=cfg, model_parameters=model.configure_param_groups(0.1))
+    engine, model = micro_engine(cfg, "unused", **NO_DROPOUT)
     batches = PatternBatches(62, 16, global_batch=2 * comm.get_world_size() * gas, gas=gas)
     losses, norms = [], []
     FlatParam.reset_live()
     for step in range(1, steps + 1):
         model.use_side = step % 2 == 0 if branch_step is None else step == branch_step
         before = {k: dict(v) for k, v in comm.ledger.by_label.items()}
-        for micro in range(gas):
-            x, y = batches(step, micro, comm.get_rank(), comm.get_world_size())
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses += train_step(engine, batches, step, gas)
         norms.append(engine.get_global_grad_norm())
-        if evaluate:   # a forward without backward between steps, as the trainer's test loss
+        if evaluate:   # a forward without backward (the step's last micro-batch), as the trainer's test loss
+            x, y = batches(step, gas - 1, comm.get_rank(), comm.get_world_size())
             with torch.no_grad():
                 _, eval_loss = engine(x, y)
             losses.append(eval_loss.item())
@@ -133,19 +126,16 @@ def test_overlap_reduces_from_the_hooks_asynchronously():
 
 
 def _overlap_probe(stage: int):
-    import minizero
     from minizero import comm
 
     cfg = make_config(stage, "fp32", micro_batch=2, lr=1e-2, zero={"reduce_bucket_size": 3000, "overlap_comm": True})
-    torch.manual_seed(0)
-    model = make_model("micro")
-    engine, *_ = minizero.initialize(model=model, config=cfg, model_parameters=model.configure_param_groups(0.1))
+    engine, _ = micro_engine(cfg)
     seen = {"issued": 0}
     real_issue = engine.zero.grads.issue
 
-    def issue(bucket):
+    def issue(bucket, *args, **kwargs):
         seen["issued"] += 1
-        real_issue(bucket)
+        real_issue(bucket, *args, **kwargs)
     engine.zero.grads.issue = issue
     x, y = PatternBatches(62, 16, global_batch=4)(1, 0, comm.get_rank(), 2)
     _, loss = engine(x, y)

@@ -11,14 +11,12 @@ Checked on 2 gloo ranks, a 2-block GPT, at every stage:
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import pytest
-import torch
 
-from tests.harness import PatternBatches, make_config, make_model
+from tests.harness import NO_DROPOUT, PatternBatches, make_config, make_model, micro_engine, train_step
 from tests.launcher import run_ranks
 
 STEPS, TRACED = 3, (2, 3)
@@ -29,7 +27,6 @@ def _run(stage: int, out_dir: str | None, dtype: str = "fp32", gas: int = 2, ckp
          comms_logger: bool = False, offload: bool = False, overlap: bool = False):
     """Train STEPS steps; trace TRACED into out_dir (None: no trace). Returns the losses, the
     ledger's counts over each step as engine.comm_stats() gives them, and the comms summary."""
-    import minizero
     from minizero import comm
 
     # ZeRO-3 on demand (prefetch and reuse off): every unit gathered before each use
@@ -43,20 +40,13 @@ def _run(stage: int, out_dir: str | None, dtype: str = "fp32", gas: int = 2, ckp
     cfg = make_config(stage, dtype, micro_batch=2, lr=1e-2, gas=gas, ckpt=ckpt, zero=zero)
     if comms_logger:
         cfg["comms_logger"] = {"enabled": True}
-    torch.manual_seed(0)
-    model = make_model("micro", embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
-    engine, *_ = minizero.initialize(model=model, config=cfg, model_parameters=model.configure_param_groups(0.1))
+    engine, _ = micro_engine(cfg, **NO_DROPOUT)
     tracer = engine.trace(out_dir, steps=TRACED) if out_dir else None
     batches = PatternBatches(62, 16, global_batch=2 * 2 * gas, gas=gas)
     losses, per_step = [], {}
     for step in range(1, STEPS + 1):
         before = engine.comm_stats()
-        for micro in range(gas):
-            x, y = batches(step, micro, comm.get_rank(), comm.get_world_size())
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses += train_step(engine, batches, step, gas)
         after = engine.comm_stats()
         per_step[step] = {op: {k: after[op][k] - before[op][k] for k in after[op]} for op in after}
     summary = comm.log_summary(return_dict=True)["summary"] if comms_logger else None
