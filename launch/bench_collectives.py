@@ -77,8 +77,8 @@ def run_op(op: str, full: list, part: list, async_op: bool):
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    from minizero.process_group import single_host_env
+    os.environ.update(single_host_env(rank, world, port))
     import warnings
 
     import torch

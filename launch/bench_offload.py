@@ -448,8 +448,8 @@ def mib(nbytes) -> str:
 
 def _rank_main(rank, world, port, launch, args_d, queue):
     """One rank of one launch: every job of the launch in turn, then the results to the parent."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    from minizero.process_group import single_host_env
+    os.environ.update(single_host_env(rank, world, port))
     os.dup2(2, 1)     # library chatter to stderr: stdout carries the report only
     import logging
 

@@ -1,4 +1,4 @@
-"""Communication: process-group setup and the four collectives ZeRO is built from.
+"""Communication: the four collectives ZeRO is built from (process-group setup: process_group.py).
 
 Every collective minizero issues goes through a wrapper in this file, for two reasons:
 
@@ -35,9 +35,6 @@ the collective that waited (desync.py, docs/debugging.md).
 """
 from __future__ import annotations
 
-import datetime
-import os
-import sys
 import warnings
 from collections import defaultdict
 
@@ -46,6 +43,10 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import desync
+# The setup lives in process_group.py; its names are re-exported so every caller (and a
+# test's monkeypatch) says comm.get_rank(), comm.init_distributed(), ...
+from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
+                            get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
 
 # torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
 # every call. We keep the names the ZeRO literature (and DeepSpeed) use.
@@ -53,154 +54,6 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 COPIES = ("d2h", "h2d")   # offload's copies between this rank's device and host memory (offload.py)
-
-
-# ----------------------------------------------------------------------------- setup
-
-class LaunchError(RuntimeError):
-    """The launcher's environment cannot start a correct job; the message says what to do."""
-
-
-def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
-    """Start the default process group from the launcher's environment, if not already up.
-
-    torchrun (and DeepSpeed's launcher) export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
-    and MASTER_PORT. `srun python ...` without torchrun exports only SLURM_* variables:
-    those are mapped (see _from_slurm), or N processes would silently train N separate
-    models into one folder. Without any of them we run as one process and never touch
-    torch.distributed: every wrapper below then degenerates to a copy or a no-op, so the
-    same code path trains on a laptop.
-
-    Backend: NCCL when CUDA is available (collectives on GPU tensors), gloo otherwise.
-    The rank's GPU is made current whenever NCCL is in use, also when the group was
-    started by someone else (a user's own init_process_group): object collectives,
-    barriers and the CUDA RNG state follow the *current* device, which is GPU 0 unless
-    set, so every local rank would otherwise use GPU 0 (NCCL's duplicate-GPU error or a hang).
-    """
-    if dist.is_available() and dist.is_initialized():
-        if get_device().type == "cuda":
-            torch.cuda.set_device(get_device())
-        return
-    _from_slurm()
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return  # single process
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs = {}
-    if backend == "nccl":
-        # Pick our GPU *before* the group starts so NCCL binds to the right device, and
-        # tell the group which one it is (eager NCCL init, no guessing from rank).
-        device = torch.device("cuda", _cuda_index())
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    # This module's functions take `group=group.WORLD` as a default argument, so importing it
-    # after init (torch.optim's constructor does, through torch._dynamo) would hold the group
-    # forever and destroy() could not stop its threads. Imported now, the defaults are None.
-    import torch.distributed.nn.functional as _  # noqa: F401  (binds no local `torch`)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-
-
-def _from_slurm() -> None:
-    """`srun python -m minizero.train` (no torchrun): take rank, world size and local rank
-    from SLURM. The rendezvous address cannot be guessed safely from inside one task, so
-    without MASTER_ADDR the job is refused with what to export."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    ntasks = int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_NPROCS", "1")))
-    if ntasks <= 1:
-        return   # one task: a single process, as without SLURM
-    if "MASTER_ADDR" not in os.environ:
-        raise LaunchError(f"srun started {ntasks} tasks without torchrun, and MASTER_ADDR is not set: export "
-                          f"MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1) and "
-                          f"MASTER_PORT before srun, or launch with torchrun (launch/slurm_minizero.sbatch)")
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=str(ntasks),
-                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 10000))
-
-
-def _cuda_index() -> int:
-    """This rank's GPU among the visible ones. One visible GPU (srun --gpus-per-task=1,
-    CUDA_VISIBLE_DEVICES per rank) is cuda:0 whatever LOCAL_RANK says; otherwise LOCAL_RANK."""
-    n, local = torch.cuda.device_count(), get_local_rank()
-    if n == 1:
-        return 0
-    if local >= n:
-        raise LaunchError(f"LOCAL_RANK {local} but only {n} GPUs are visible on this node: start at most {n} "
-                          f"ranks per node (--nproc-per-node), or give each rank one GPU")
-    return local
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_rank() -> int:
-    """The global rank; before the group starts, the launcher's (so only rank 0 reports early errors)."""
-    if is_distributed():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-
-
-def get_world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def get_device() -> torch.device:
-    """Where this rank's tensors live, and every tensor handed to a collective with them.
-
-    It follows the backend actually in use: a gloo group (the CPU test suite, even on a
-    machine with GPUs) keeps everything on the CPU; NCCL, or one process on a GPU
-    machine, uses this rank's GPU among the visible ones."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if is_distributed() and dist.get_backend() != "nccl":
-        return torch.device("cpu")
-    return torch.device("cuda", _cuda_index())
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now, for MASTER_PORT of a single-host launch."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def barrier() -> None:
-    if is_distributed():
-        dist.barrier()
-
-
-def destroy() -> None:
-    """Tear the group down and stop its threads; on a clean exit, every rank together.
-
-    Why (issue 8, a crash at exit in about 1 launch in 30): gloo runs each collective on a
-    worker thread, which lets go of the collective's tensors a moment *after* the caller
-    has its result. If the tensors' Python objects are gone by then, letting go needs the
-    GIL, and during interpreter shutdown CPython ends the thread inside that C++ destructor:
-    SIGABRT, "terminate called without an active exception", after a run that wrote its files.
-
-    - Freeing the group joins those threads here, while Python is whole (torch releases the
-      GIL in that destructor, so a worker waiting for it finishes). It is freed only if
-      nothing else holds it: see the import in init_distributed. DeepSpeed keeps references
-      of its own, so under the reference run the threads live on.
-    - The barrier: no rank tears the group down while another still uses it, and every rank
-      sleeps with the GIL released after all its earlier collectives, which lets workers
-      whose group is still held elsewhere finish too (the barrier's own tensor is made in C++).
-      Skipped while an exception propagates (or is handled): another rank may be gone or
-      stuck in a collective, and waiting for it would hang this one.
-
-    launch/stress_exit.sh counts clean exits over many launches.
-    """
-    if not is_distributed():
-        return
-    if sys.exc_info()[0] is None:
-        dist.barrier()
-    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- ledger

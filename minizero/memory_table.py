@@ -23,7 +23,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from .comm import free_port
+from .process_group import free_port, single_host_env
 from .memory import CATEGORIES, expected_bytes, human, paper_bytes, total
 from .partition import FlatPlan
 
@@ -144,8 +144,7 @@ def plot_figure1(path: str) -> None:
 # ----------------------------------------------------------------------------- measured: N real ranks
 
 def _rank(rank, world, port, model_name, dtype, stages, queue, offload="none"):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(single_host_env(rank, world, port))
     torch.set_num_threads(1)
     import minizero
     from minizero import comm

@@ -22,6 +22,7 @@ import os
 import traceback
 
 from minizero.comm import free_port  # noqa: F401  (tests import it from here too)
+from minizero.process_group import single_host_env
 
 # torch._dynamo: torch.optim's constructor imports it (sympy and more), ~2.5 s per rank
 # per run if the forkserver has not already paid for it.
@@ -59,11 +60,7 @@ def preload(module: str) -> bool:
 
 def _worker(rank, world_size, port, fn, args, kwargs, env, queue):
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(single_host_env(rank, world_size, port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
