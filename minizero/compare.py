@@ -29,12 +29,13 @@ import subprocess
 import sys
 
 from minizero.comm import free_port
+from minizero.compare_comms import comms_section
+from minizero.compare_memory import (CATEGORIES, LIBS, MOMENT_TITLES, MOMENTS, PLACES, category_bytes,
+                                     moment_entries, moments_section, moments_step, offloaded, placed_bytes,
+                                     state_bytes, state_entries)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBS = ("minizero", "deepspeed")
 STAGES = (0, 1, 2, 3)
-CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
-PLACES = ("device", "host")
 # So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
 # (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
 # and, with max_live/reuse_distance at 1e9, keeps a small model gathered from forward into
@@ -159,44 +160,6 @@ def run_one(cmd, save_dir, label) -> dict:
     return summary
 
 
-def moment_entries(summary, moment) -> list | None:
-    """Per-rank model states at `moment` of the run's last step (runlog.MemoryMoments), or None."""
-    moments = summary.get("memory_moments")
-    return moments[moment] if moments else None
-
-
-def state_entries(summary) -> list:
-    """Per-rank entries the table's state columns read: the end of the last step's backward,
-    measured alike in both libraries (runlog.MemoryMoments); summary.json's model_state_bytes
-    for a summary without moments (one from before them)."""
-    return moment_entries(summary, "after_backward") or summary["model_state_bytes"]
-
-
-def state_bytes(summary) -> list:
-    """Per-rank model-state bytes: the sum of the four categories."""
-    return [sum(int(r.get(c) or 0) for c in CATEGORIES) for r in state_entries(summary)]
-
-
-def category_bytes(entry, category, place=None) -> int:
-    """One rank's bytes of `category`: in all (place None) or on the "device" / "host".
-    An entry without the split (a summary from before it, or reference/train.py without
-    its walker) holds everything on the device."""
-    if place is None or "device" not in entry:
-        return int(entry.get(category) or 0) if place in (None, "device") else 0
-    return int((entry.get(place) or {}).get(category) or 0)
-
-
-def placed_bytes(entry) -> dict:
-    """{"device": bytes, "host": bytes} of one rank's model states."""
-    return {w: sum(category_bytes(entry, c, w) for c in CATEGORIES) for w in PLACES}
-
-
-def offloaded(results) -> bool:
-    """Whether any run of either library holds model states in host memory (ZeRO-Offload)."""
-    return any(placed_bytes(e)["host"] for runs in results.values() for s in runs.values()
-               for e in state_entries(s))
-
-
 def stage_row(stage, mz, ds) -> dict:
     n = min(len(mz["losses"]), len(ds["losses"]))
     diffs = [abs(a - b) for a, b in zip(mz["losses"][:n], ds["losses"][:n]) if a is not None and b is not None]
@@ -213,252 +176,6 @@ def stage_row(stage, mz, ds) -> dict:
     a, b = row["minizero"]["samples_per_s"], row["deepspeed"]["samples_per_s"]
     row["speed_ratio"] = a / b if a and b else None
     return row
-
-
-# ----------------------------------------------------------------------------- memory at the same moments
-
-MOMENTS = ("after_backward", "after_step")
-MOMENT_TITLES = {"after_backward": "end of backward", "after_step": "after the step"}
-DOCS = "docs/deepspeed.md"
-HOLDS = f'{DOCS}, "Memory DeepSpeed holds per rank"'
-OFFLOAD = f"{DOCS}, \"ZeRO-Offload's extra host buffers\""
-FP32_MASTER = f'{DOCS}, "fp32 ZeRO keeps a second fp32 master copy"'
-# DeepSpeed buffers that have no minizero counterpart at a moment: (details source, when) -> why.
-# "after_step": only after the step (minizero has dropped its gradients by then); "host": only
-# in host memory (offload); "always".
-DS_OVERHEADS = {
-    "grads:grad_partitions_flat_buffer": {
-        "after_step": f"ZeRO-3 keeps its gradient partition `grad_partitions_flat_buffer` from init to the end ({HOLDS})",
-        "host": f"offload: the reduced gradient partition `grad_partitions_flat_buffer` lives on the host ({OFFLOAD})"},
-    "grads:single_partition_of_fp32_groups[i].grad": {
-        "always": f"offload: the fp32 master's `.grad` on the host, filled in backward, kept ({OFFLOAD})"},
-    "grads:fp32_partitioned_groups_flat[i].grad": {
-        "always": f"offload: each sub-group's fp32 `.grad` on the host, kept ({OFFLOAD})"},
-    "grads:temp_grad_buffer_for_cpu_offload": {
-        "always": f"offload: a host staging buffer of the largest parameter's size ({OFFLOAD})"},
-    "grads:temp_grad_buffer_for_gpu_offload": {
-        "always": f"offload: a device staging buffer of the largest parameter's size ({OFFLOAD})"},
-    "grads:accumulated_grads_in_cpu": {
-        "always": f"offload: gradients accumulated on the host across micro-steps ({OFFLOAD})"},
-    "params:param_buffer_of_bit16_for_cpu_offload_groups": {
-        "always": f"offload: a low-precision copy of the updated slice on the host ({OFFLOAD})"},
-}
-# bytes per element of each category; "lp": the training dtype's
-ELEMENT_BYTES = {"params": "lp", "grads": "lp", "master_params": 4, "optimizer_states": 8}
-
-
-def _details(entry, place) -> dict:
-    """DeepSpeed's {"category:source": bytes} at `place` (None: everywhere)."""
-    if place is None:
-        return entry.get("details") or {}
-    return (entry.get("details_by_place") or {}).get(place) or {}
-
-
-def padding_bytes(stage, dtype, category, mz, ds) -> int:
-    """DeepSpeed minus minizero in `category` that layout padding alone makes, from the
-    two layouts' element counts ("elements": full = kept whole, shard = this rank's
-    partition). DeepSpeed pads each param group to 2N elements (ZeRO-1/2) or each parameter
-    to N (ZeRO-3), minizero each FlatParam to N (docs/deepspeed.md, "Memory DeepSpeed holds
-    per rank"). None without the counts."""
-    a, b = mz.get("elements"), ds.get("elements")
-    if not a or not b:
-        return None
-    per = ELEMENT_BYTES[category]
-    per = (4 if dtype == "fp32" else 2) if per == "lp" else per
-    if category == "params":
-        which = "shard" if stage == 3 else "full"
-    else:
-        which = "shard" if stage >= 1 else "full"
-    return per * (b[which] - a[which])
-
-
-def memory_differences(stage, dtype, moment, category, place, mz, ds) -> list:
-    """DeepSpeed's bytes minus minizero's for one rank, category and place (None: both places
-    together) at one moment, cut into named parts: [(bytes, why)], summing exactly to the
-    difference. Every why names the docs/deepspeed.md section of that DeepSpeed overhead; a
-    part no rule explains is returned as "unexplained" (the tests assert there is none)."""
-    mz_b, ds_b = category_bytes(mz, category, place), category_bytes(ds, category, place)
-    parts, left = [], ds_b - mz_b
-    if not left:
-        return parts
-    host = place == "host"
-    for source, b in sorted(_details(ds, place).items()):
-        rule = DS_OVERHEADS.get(source)
-        if not b or not source.startswith(category + ":") or rule is None:
-            continue
-        why = rule.get("always") or (rule.get("after_step") if moment == "after_step" else None) \
-            or (rule.get("host") if host else None)
-        if place is None and rule.get("host") and not rule.get("always") and moment != "after_step":
-            b = _details(ds, "host").get(source, 0)   # both places together: only its host part
-            why = rule["host"] if b else None
-        if why:
-            parts.append((b, why))
-            left -= b
-    if category == "master_params" and dtype == "fp32" and stage >= 1 and mz_b == 0 and ds_b > 0:
-        parts.append((left, f"fp32: DeepSpeed's ZeRO keeps an fp32 master beside the fp32 parameters, minizero's "
-                            f"shard is its master ({FP32_MASTER})"))
-        return parts
-    if category == "grads" and moment == "after_backward" and left:
-        ds_offloads = category_bytes(ds, "grads", "host") > 0
-        if place == "device" and ds_offloads and left == -mz_b:
-            parts.append((left, "offload: DeepSpeed keeps no gradient partition on the device after backward (each "
-                                f"piece went to the host), minizero its reduced shard until the step ({OFFLOAD})"))
-            return parts
-        if stage in (1, 2) and not ds_offloads:
-            parts.append((left, "ZeRO-1/2's gradient partition holds the whole parameters that straddle its slice "
-                                "(and, at ZeRO-1 with gradient_accumulation_steps 1, it reduces in backward hooks "
-                                f"like ZeRO-2 where minizero's ZeRO-1 holds the full gradient until the step) ({HOLDS})"))
-            return parts
-    pad = padding_bytes(stage, dtype, category, mz, ds)
-    if left and pad and left == pad:
-        parts.append((left, f"padding: DeepSpeed pads each param group to 2N elements (ZeRO-1/2) or each "
-                            f"parameter to N (ZeRO-3), minizero each FlatParam to N ({HOLDS})"))
-        left = 0
-    if left:
-        parts.append((left, "unexplained"))
-    return parts
-
-
-def moments_table(results, dtype) -> str:
-    """Rank 0's model states at both moments of the last step, category by category (and
-    place by place with offload): minizero, DeepSpeed, and every byte of the difference named."""
-    places = PLACES if offloaded(results) else (None,)
-    lines = ["| stage | moment | category" + (" | place" if places != (None,) else "")
-             + " | minizero B | DeepSpeed B | DS - mz | named difference (DeepSpeed's overhead) |"]
-    lines.append("|" + "---|" * (8 if places != (None,) else 7))
-    for stage in sorted(results):
-        mz_run, ds_run = results[stage]["minizero"], results[stage]["deepspeed"]
-        for moment in MOMENTS:
-            mz, ds = moment_entries(mz_run, moment), moment_entries(ds_run, moment)
-            if not mz or not ds:
-                continue
-            for c in CATEGORIES:
-                for place in places:
-                    a, b = category_bytes(mz[0], c, place), category_bytes(ds[0], c, place)
-                    parts = memory_differences(stage, dtype, moment, c, place, mz[0], ds[0])
-                    why = "; ".join(f"{n:+,} B {w}" for n, w in parts) if parts else "same"
-                    cells = [str(stage), MOMENT_TITLES[moment], c] + ([place] if place else []) + \
-                        [f"{a:,}", f"{b:,}", f"{b - a:+,}", why]
-                    lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def moments_step(results):
-    steps = {r[lib]["memory_moments"]["step"] for r in results.values() for lib in LIBS
-             if r[lib].get("memory_moments")}
-    return min(steps) if steps else None
-
-
-# ----------------------------------------------------------------------------- the comms summaries
-
-OP_ORDER = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-SCALAR_BYTES = 64   # an all-reduce this small carries a few scalars (a norm, a flag), not a tensor
-RS_COUNT = f'{DOCS}, "comms_logger counts reduce_scatter\'s input N times"'
-RS_IS_AR = f'{DOCS}, "ZeRO-1/2 reduce-scatter is an all-reduce"'
-
-
-def comms_rows(mz: dict | None, ds: dict | None) -> list:
-    """The two summaries ({op: {msg bytes: record}}, the "summary" of log_summary) merged by
-    (op, message size): [(op, size, minizero record or None, DeepSpeed record or None)]."""
-    mz, ds = mz or {}, ds or {}
-    ops = sorted(set(mz) | set(ds), key=lambda o: (OP_ORDER.index(o) if o in OP_ORDER else len(OP_ORDER), o))
-    rows = []
-    for op in ops:
-        a, b = mz.get(op) or {}, ds.get(op) or {}
-        for size in sorted({int(k) for k in a} | {int(k) for k in b}):
-            rows.append((op, size, a.get(str(size), a.get(size)), b.get(str(size), b.get(size))))
-    return rows
-
-
-def comms_reason(stage: int, op: str, size: int, mz, ds) -> str | None:
-    """Why a row differs between the libraries (None when op, size and count agree)."""
-    if mz is not None and ds is not None and mz["count"] == ds["count"]:
-        return None
-    if op == "broadcast":
-        return ("the initial weights from rank 0: DeepSpeed broadcasts each parameter tensor (`_broadcast_model`"
-                + ("; ZeRO-3's zero.Init broadcasts each once more, plus a few small broadcasts of its init checks"
-                   if stage == 3 else "") + "), minizero each FlatParam's flat buffer once")
-    if op == "all_gather_into_tensor":
-        if stage == 3:
-            return ("ZeRO-3's parameter all-gathers: DeepSpeed one per parameter (message = its partition; a "
-                    "module's parameters are issued together; every parameter once more at init), minizero one "
-                    "per (unit, param group) FlatParam, in forward and again in backward")
-        return ("the parameter all-gather after the step, one per flat buffer: DeepSpeed's per param group "
-                "(2N-padded), minizero's per reduce bucket (N-padded)")
-    if op == "reduce_scatter_tensor":
-        if stage in (1, 2):
-            return (f"gradient reduction: minizero reduce-scatters each bucket where DeepSpeed all-reduces it "
-                    f"({RS_IS_AR}); the message size is the whole N-shard input, and algbw/busbw N times what "
-                    f"moved ({RS_COUNT})")
-        return ("ZeRO-3's gradient reduce-scatter: DeepSpeed one per reduce bucket (up to reduce_bucket_size "
-                "elements), minizero one per (unit, param group) FlatParam as each unit's backward ends; the "
-                f"message size is the whole N-shard input in both, algbw/busbw N times what moved ({RS_COUNT})")
-    if op == "all_reduce":
-        if size <= SCALAR_BYTES:
-            return scalar_reason(stage, size, mz, ds)
-        if stage == 0:
-            return ("the stage-0 gradient average: DeepSpeed all-reduces one bucket of all gradients (up to "
-                    "reduce_bucket_size elements), minizero one per FlatParam (a bucket per param group)")
-        if stage in (1, 2):
-            return f"gradient reduction: DeepSpeed all-reduces the whole bucket where minizero reduce-scatters ({RS_IS_AR})"
-    if mz is None and "barrier" in op:
-        return ("DeepSpeed times its barriers too (its checkpoint save, ZeRO-3's init, log_summary's own); "
-                "minizero's logger times the four collectives that move data")
-    return "unexplained"
-
-
-def scalar_reason(stage: int, size: int, mz, ds) -> str:
-    """A few-byte all-reduce: which scalars each library reduces at this size."""
-    norm = f'{DOCS}, "The gradient norm is fp32 at ZeRO-1/2 and fp64 at ZeRO-3"'
-    said = []
-    if ds is not None:
-        said.append({1: "DeepSpeed's overflow vote (`has_overflow`: one uint8 per step, bf16/fp16)",
-                     4: f"DeepSpeed's fp32 gradient norm (`get_grad_norm_direct`, ZeRO-1/2, twice per step; {norm})",
-                     8: f"DeepSpeed's fp64 gradient norm (`get_grad_norm_direct`, ZeRO-3, twice per step; {norm})",
-                     20: "DeepSpeed's checkpoint tag check (`_checkpoint_tag_validation`, one per save)"}.get(
-                         size, "DeepSpeed's scalar all-reduces"))
-    if mz is not None:
-        said.append("minizero's fp64 squared gradient norm (once per step at ZeRO-1-3) and two checks per "
-                    "checkpoint save (finite, shared)" if size == 8 else "minizero's scalar all-reduces")
-    return "; ".join(said)
-
-
-def _comms_cell(rec, key, kind="g"):
-    if rec is None:
-        return "-"
-    v = rec[key]
-    return f"{v:,}" if kind == "d" else f"{v:.2f}"
-
-
-def comms_table(stage: int, mz: dict | None, ds: dict | None) -> str:
-    """One stage's comms summaries side by side, rank 0, DeepSpeed's columns for each library."""
-    lines = ["| op | message size | count mz | count DS | avg latency ms mz | avg latency ms DS | busbw Gbps mz | "
-             "busbw Gbps DS | why it differs |", "|" + "---|" * 9]
-    from minizero.comms_logger import convert_size
-    for op, size, a, b in comms_rows(mz, ds):
-        why = comms_reason(stage, op, size, a, b)
-        lines.append("| " + " | ".join([op, convert_size(size), _comms_cell(a, "count", "d"), _comms_cell(b, "count", "d"),
-                                        _comms_cell(a, "avg_latency_ms"), _comms_cell(b, "avg_latency_ms"),
-                                        _comms_cell(a, "busbw_avg_gbps"), _comms_cell(b, "busbw_avg_gbps"),
-                                        why or "same op, size and count"]) + " |")
-    return "\n".join(lines)
-
-
-def comms_section(results) -> list:
-    """report.md's collectives section: per stage, both comms summaries side by side."""
-    if not any(r[lib].get("comms_summary") is not None for r in results.values() for lib in LIBS):
-        return []
-    out = ["## Collectives: DeepSpeed's comms summary beside minizero's", "",
-           "Each library's comms logger (the `comms_logger` config section; DeepSpeed's `deepspeed.comm."
-           "log_summary()`, minizero's own table from its timings, with DeepSpeed's formulas), rank 0, the whole run "
-           "(init and evaluation included, sampling not). Latencies and bandwidths are timings and never agree "
-           "between two runs; a row differs when its op, message size or count does, and each such row says why. "
-           "Message size is the logged tensor's: all_gather's input shard, reduce_scatter's whole input. Each "
-           "run's own table is in its folder (comms_summary.txt).", ""]
-    for stage in sorted(results):
-        out += [f"### ZeRO-{stage}", "", comms_table(stage, results[stage]["minizero"].get("comms_summary"),
-                                                   results[stage]["deepspeed"].get("comms_summary")), ""]
-    return out
 
 
 def machine() -> str:
@@ -556,18 +273,6 @@ def note(args, offload: bool = False) -> str:
         lines.append("- Expected loss agreement in low precision is op-order noise (bf16 ~2e-4, fp16 ~3e-5 "
                      "over 20 steps); fp32 agrees to ~1e-6.")
     return "\n".join(lines)
-
-
-def moments_section(results, dtype) -> list:
-    """report.md's memory section: both moments, category by category, differences named."""
-    step = moments_step(results)
-    if step is None:
-        return []
-    return [f"## Model states at the same moments (rank 0, step {step})", "",
-            "Both libraries read at the end of the step's backward (after `engine.backward` of its last "
-            "micro-batch, before `engine.step`) and after the step (after `engine.step`), the bytes each really "
-            "holds. Every difference is cut into DeepSpeed's documented overheads, to the byte.", "",
-            moments_table(results, dtype), ""]
 
 
 def report_md(info, args, rows, offload: bool = False, results=None) -> str:

@@ -142,7 +142,7 @@ def test_memory_at_the_same_moments(report):
     the same bytes in every category at both moments. fp32 ZeRO-3: padding, DeepSpeed's
     second fp32 master (4S) and, after the step, its kept gradient partition (4S fp32), each
     named in the report to the byte; minizero holds no gradient after the step."""
-    from minizero import compare
+    from minizero import compare_memory
     from minizero.model import GPT, get_preset
 
     out, _ = report
@@ -150,17 +150,17 @@ def test_memory_at_the_same_moments(report):
     runs = {int(k): v for k, v in results["summaries"].items()}
     model = GPT(get_preset("tiny"))
     S = sum(-(-p.numel() // N) for p in model.parameters())   # DeepSpeed's ZeRO-3 partition: ceil(n/N) each
-    cats = compare.CATEGORIES
+    cats = compare_memory.CATEGORIES
     for stage in (0, 3):
-        for moment in compare.MOMENTS:
-            mz, ds = (runs[stage][lib]["memory_moments"] for lib in compare.LIBS)
+        for moment in compare_memory.MOMENTS:
+            mz, ds = (runs[stage][lib]["memory_moments"] for lib in compare_memory.LIBS)
             assert mz["step"] == ds["step"] == 10 and len(mz[moment]) == len(ds[moment]) == N
             for r in range(N):
                 a, b = mz[moment][r], ds[moment][r]
                 if stage == 0:
                     assert {c: a[c] for c in cats} == {c: b[c] for c in cats}
                 for c in cats:
-                    parts = compare.memory_differences(stage, "fp32", moment, c, None, a, b)
+                    parts = compare_memory.memory_differences(stage, "fp32", moment, c, None, a, b)
                     assert sum(n for n, _ in parts) == b[c] - a[c] and all(w != "unexplained" for _, w in parts)
             if stage == 3:
                 a, b = mz[moment][0], ds[moment][0]
@@ -184,7 +184,7 @@ def test_comms_summaries_side_by_side(report):
     so their bytes per step are the ledger's wire bytes x N/(N-1); DeepSpeed's ZeRO-3
     reduce-scatters one bucket (the whole model here: reduce_bucket_size 5e5 > Ψ) of its
     per-parameter padded partitions, N x S fp32 elements, once per step."""
-    from minizero import compare
+    from minizero import compare_comms
     from minizero.model import GPT, get_preset
 
     out, _ = report
@@ -208,9 +208,9 @@ def test_comms_summaries_side_by_side(report):
     section = md[md.index("### ZeRO-3"):]
     assert "| reduce_scatter_tensor | " in section and "comms_logger counts reduce_scatter's input N times" in section
     for stage in (0, 3):
-        for op, size, a, b in compare.comms_rows(runs[stage]["minizero"]["comms_summary"],
+        for op, size, a, b in compare_comms.comms_rows(runs[stage]["minizero"]["comms_summary"],
                                                  runs[stage]["deepspeed"]["comms_summary"]):
-            why = compare.comms_reason(stage, op, size, a, b)
+            why = compare_comms.comms_reason(stage, op, size, a, b)
             assert why != "unexplained", (stage, op, size)
             assert (why is None) == (a is not None and b is not None and a["count"] == b["count"])
 
@@ -223,14 +223,14 @@ def comms_record(size, count, latency=1.0):
 def test_comms_table_explains_zero12_all_reduce_from_a_hand_written_summary():
     """ZeRO-1 (not in the end-to-end run): DeepSpeed all-reduces the gradient bucket where
     minizero reduce-scatters it; equal rows say so; scalars are named by size."""
-    from minizero import compare
+    from minizero import compare_comms
     mz = {"reduce_scatter_tensor": {"396648": comms_record(396648, 3)},
           "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
           "all_reduce": {"8": comms_record(8, 3)}}
     ds = {"all_reduce": {"435216": comms_record(435216, 3), "4": comms_record(4, 6)},
           "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
           "barrier": {"0": comms_record(0, 2)}}
-    md = compare.comms_table(1, mz, ds)
+    md = compare_comms.comms_table(1, mz, ds)
     rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")]
                                       for line in md.splitlines()[2:])}
     assert rows[("all_gather_into_tensor", "193.68 KB")][-1] == "same op, size and count"

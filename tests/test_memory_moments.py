@@ -6,7 +6,7 @@ minizero's side is memory.held_bytes (the engine's live buffers, runlog.MemoryMo
 trainer) taken by reference/ds_run.train_steps at both moments, the loop DeepSpeed's runs go
 through too; DeepSpeed's side is reference/ds_memory's walker at the same two moments of the
 agreement runs (tests/agreement.py: tiny GPT, reduce_bucket_size 2e4, persistence 0), shared
-with test_agreement_memory. The differences are cut by minizero.compare.memory_differences,
+with test_agreement_memory. The differences are cut by minizero.compare_memory.memory_differences,
 the function that writes the compare report's memory section, and every part is checked here
 against its own arithmetic:
 
@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from minizero.compare import CATEGORIES, MOMENTS, memory_differences
+from minizero.compare_memory import CATEGORIES, MOMENTS, memory_differences
 from reference.ds_memory import zero12_grad_partition_numel, zero12_padded_numel, zero3_partition_numel
 from tests import agreement as A
 
