@@ -16,10 +16,12 @@ from that very folder. We refuse rather than pick a new folder name: a user who 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import os
 import socket
+import sys
 
 from minizero import comm
 from minizero.checkpoint_folder import later_tags
@@ -27,6 +29,10 @@ from minizero.checkpoint_folder import later_tags
 LOCK_FILE = ".minizero.lock"
 # What a run writes; anything else (a compare run.log, a user's notes) is not a run.
 RUN_FILES = ("metrics.csv", "summary.json", "samples.png", "latest")
+# flock's answers for "this file system cannot lock" (Lustre mounted without -o flock, NFS
+# without lockd): no lock to take, which is not the same as a lock another run holds.
+NO_LOCKING = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
+_warned_no_locking = False
 
 
 class RunDirError(Exception):
@@ -53,12 +59,24 @@ class RunDirLock:
         fh = open(self.path, "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:   # EWOULDBLOCK: the only answer that means another process holds it
             fh.seek(0)
             holder = fh.read().strip() or "another process"
             fh.close()
             raise RunDirError(f"{os.path.dirname(self.path)} is in use by a run that is still going ({holder}); "
                               f"wait for it to finish, or pick another --save-dir") from None
+        except OSError as e:
+            fh.close()
+            if e.errno not in NO_LOCKING:
+                raise RunDirError(f"cannot lock {self.path}: {e.strerror or e}; check that the folder is "
+                                  f"writable, or pick another --save-dir") from None
+            global _warned_no_locking
+            if not _warned_no_locking:   # once per process: a run takes its lock once
+                print(f"minizero: warning: the file system of {os.path.dirname(self.path)} does not support file "
+                      f"locks ({e.strerror or e}); going on without the lock, so nothing stops a second run "
+                      f"started into this folder at the same time", file=sys.stderr, flush=True)
+                _warned_no_locking = True
+            return self
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
