@@ -29,7 +29,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
 
     torchrun (and DeepSpeed's launcher) export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
     and MASTER_PORT. `srun python ...` without torchrun exports only SLURM_* variables:
-    those are mapped (see _from_slurm), or N processes would silently train N separate
+    those of its step are mapped (see _from_slurm), or N processes would silently train N separate
     models into one folder. Without any of them we run as one process and never touch
     torch.distributed: every wrapper below then degenerates to a copy or a no-op, so the
     same code path trains on a laptop.
@@ -66,12 +66,18 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
 def _from_slurm() -> None:
     """`srun python -m minizero.train` (no torchrun): take rank, world size and local rank
     from SLURM. The rendezvous address cannot be guessed safely from inside one task, so
-    without MASTER_ADDR the job is refused with what to export."""
+    without MASTER_ADDR the job is refused with what to export.
+
+    The ranks are the tasks of the *srun step* (SLURM_STEP_NUM_TASKS), not of the allocation:
+    inside `sbatch --nodes=2 --ntasks-per-node=1` the batch script itself sees SLURM_NTASKS=2
+    and SLURM_PROCID=0, and a plain `python -m minizero.train` there (or a check that
+    gpu_check starts) is one process, not rank 0 of a job whose rank 1 never comes. The batch
+    script is no srun step: it has no SLURM_STEP_NUM_TASKS."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
-    ntasks = int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_NPROCS", "1")))
+    ntasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
     if ntasks <= 1:
-        return   # one task: a single process, as without SLURM
+        return   # one task, or no srun step at all: a single process, as without SLURM
     if "MASTER_ADDR" not in os.environ:
         raise LaunchError(f"srun started {ntasks} tasks without torchrun, and MASTER_ADDR is not set: export "
                           f"MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1) and "

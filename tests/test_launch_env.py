@@ -1,8 +1,9 @@
 """The launcher's environment, as a GPU cluster presents it, checked on a CPU.
 
 - `srun python -m minizero.train` (no torchrun) sets only SLURM_* variables: they are mapped
-  to one job of SLURM_NTASKS ranks, or refused in one line when no MASTER_ADDR is given.
-  (Before: N processes trained N separate models into one folder.)
+  to one job of SLURM_STEP_NUM_TASKS ranks, or refused in one line when no MASTER_ADDR is given.
+  (Before: N processes trained N separate models into one folder.) A plain `python` inside a
+  multi-task allocation (the batch script: SLURM_NTASKS=2, no srun step) is one process.
 - get_device() follows the backend in use: a gloo group stays on the CPU even where CUDA is
   visible (the CPU suite on a GPU box); NCCL uses the rank's GPU among the *visible* ones
   (one visible GPU per rank under `srun --gpus-per-task=1` is cuda:0, not cuda:LOCAL_RANK).
@@ -35,7 +36,8 @@ def test_srun_without_torchrun_is_one_job(tmp_path):
     port, save = str(free_port()), str(tmp_path / "run")
     procs = []
     for r in range(2):
-        env = dict(_env(), SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_JOB_ID="77",
+        env = dict(_env(), SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(r),
+                   SLURM_JOB_ID="77",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", save], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -47,13 +49,39 @@ def test_srun_without_torchrun_is_one_job(tmp_path):
 
 def test_srun_without_torchrun_or_master_addr_is_refused_in_one_line(tmp_path):
     procs = [subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", str(tmp_path / "r")], cwd=ROOT,
-                              env=dict(_env(), SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r)),
+                              env=dict(_env(), SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2",
+                                       SLURM_LOCALID=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 1 for p in procs) and not any("Traceback" in e for e in errs), errs
     lines = [ln for e in errs for ln in e.splitlines() if "error:" in ln]
     assert len(lines) == 1 and "MASTER_ADDR" in lines[0] and "torchrun" in lines[0], errs
     assert not os.path.exists(tmp_path / "r" / "metrics.csv")
+
+
+def _slurm_env(monkeypatch, **env):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_plain_python_inside_a_two_task_allocation_is_one_process(monkeypatch):
+    # sbatch --nodes=2 --ntasks-per-node=1: the batch script (and gpu_check's one-GPU children,
+    # whose environment drops RANK but keeps SLURM_*) sees the allocation, not an srun step.
+    from minizero import process_group
+    _slurm_env(monkeypatch, SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_NPROCS="2", SLURM_JOB_ID="77",
+               MASTER_ADDR="127.0.0.1")
+    process_group._from_slurm()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+def test_an_srun_step_of_two_tasks_is_mapped_to_two_ranks(monkeypatch):
+    from minizero import process_group
+    _slurm_env(monkeypatch, SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID="0",
+               SLURM_JOB_ID="77", MASTER_ADDR="10.0.0.1")
+    process_group._from_slurm()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "0")
 
 
 def _device_under_gloo_with_visible_gpu():
