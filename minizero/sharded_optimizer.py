@@ -152,12 +152,16 @@ class ShardedOptimizer:
         return total
 
     def full_fp32_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full fp32 value (from the masters), gathered on every rank."""
+        """Every parameter's full fp32 value (from the masters), gathered on every rank.
+
+        With offload_optimizer the master is in host memory: it is copied to the device
+        first, one shard at a time, since NCCL takes only device tensors on both sides."""
         out = {}
         for f, m in zip(self.flat_params, self.masters):
             full = torch.empty(f.padded_numel, dtype=torch.float32, device=f.device)
             if f.num_shards > 1:
-                comm.all_gather_into_tensor(full, m.detach().float().contiguous(), label="consolidate")
+                comm.all_gather_into_tensor(full, m.detach().to(device=f.device, dtype=torch.float32).contiguous(),
+                                            label="consolidate")
             else:
                 full.copy_(m.detach())
             out.update({name: t.cpu().clone() for name, t in unflatten(full, f.names, f.shapes).items()})
@@ -168,14 +172,18 @@ def init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
     """Allocate Adam's moments now, as torch.optim.Adam(W) would on its first step.
 
     DeepSpeed's ZeRO optimizers do the same at init, so memory measured before the first
-    step already shows the 12Ψ/N optimizer term. The values are exactly what torch's
-    `_init_group` would create, so the first step is unchanged.
+    step already shows the 12Ψ/N optimizer term. The values and places are exactly what
+    torch's `_init_group` would create, so the first step is unchanged: `step` is a CPU
+    scalar, except for a fused or capturable Adam, whose kernels read it on the parameter's
+    device (a CPU `step` there fails or syncs the host every step on a GPU).
     """
     for group in optimizer.param_groups:
+        on_param = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             st = optimizer.state[p]
             if len(st) == 0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_param else \
+                    torch.tensor(0.0, dtype=torch.float32)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group.get("amsgrad"):

@@ -138,3 +138,49 @@ def test_ds_run_loss_all_reduce_is_on_the_engines_device():
     for log, stopped in run_ranks(_loss_bookkeeping_strict, world_size=2, timeout=120):
         assert log == [("all_reduce", ["meta"])]
         assert "meta tensor" in stopped  # the check ended at .item(), after the all-reduce
+
+
+# ----------------------------------------------------------------------------- minizero.sharded_optimizer
+
+class _Flat:
+    """The parts of a FlatParam that full_fp32_state reads: 2 ranks, a 2x2 parameter."""
+
+    def __init__(self):
+        self.padded_numel, self.num_shards, self.names, self.shapes = 4, 2, ["w"], [(2, 2)]
+        self.device = comm.get_device()
+
+
+def _consolidate_with_host_master_strict():
+    from types import SimpleNamespace
+
+    from minizero.offload import host_empty
+    from minizero.sharded_optimizer import ShardedOptimizer
+
+    def consolidate():
+        # offload_optimizer: the fp32 master shard lives in host memory (offload.new_master)
+        opt = SimpleNamespace(flat_params=[_Flat()], masters=[host_empty(2, torch.float32, pin=False).zero_()])
+        return ShardedOptimizer.full_fp32_state(opt)
+    return strict_collectives(consolidate)
+
+
+def test_full_fp32_state_dict_with_offload_gathers_on_the_device():
+    # Before: the host master went straight into the all-gather; NCCL refuses a CPU input.
+    for log, stopped in run_ranks(_consolidate_with_host_master_strict, world_size=2, timeout=120):
+        assert log == [("all_gather_into_tensor", ["meta", "meta"])]
+        assert "meta tensor" in stopped   # the check ended at .cpu(), after the gather
+
+
+def test_adam_step_is_where_a_fused_or_capturable_adam_reads_it():
+    # torch's _init_group puts `step` on the parameter's device for fused/capturable Adam and
+    # on the CPU otherwise; init_optimizer_states must agree (a CUDA fused Adam with a CPU
+    # step fails). meta stands in for the GPU: a device that is not the CPU.
+    from minizero.sharded_optimizer import init_optimizer_states
+    for kwargs, where in (({"capturable": True}, "meta"), ({}, "cpu"), ({"foreach": False}, "cpu")):
+        p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+        opt = torch.optim.AdamW([p], **kwargs)
+        init_optimizer_states(opt)
+        assert (str(opt.state[p]["step"].device), opt.state[p]["step"].dtype) == (where, torch.float32), kwargs
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], fused=True)
+    init_optimizer_states(opt)
+    assert opt.state[p]["step"].device == p.device
