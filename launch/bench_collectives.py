@@ -76,6 +76,17 @@ def run_op(op: str, full: list, part: list, async_op: bool):
             h.wait()
 
 
+def slowest_median_ms(times: list, device) -> float:
+    """The median over repetitions of the slowest rank's seconds, in ms: a collective ends
+    when its slowest rank does. The timings go to the rank's device for the MAX all-reduce
+    (NCCL takes no CPU tensor)."""
+    import torch
+    import torch.distributed as dist
+    slowest = torch.tensor(times, dtype=torch.float64).to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return 1e3 * statistics.median(slowest.tolist())
+
+
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     from minizero.process_group import single_host_env
     os.environ.update(single_host_env(rank, world, port))
@@ -107,9 +118,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - t0)
-                slowest = torch.tensor(times[1:], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)   # a collective ends when its slowest rank does
-                took[async_op] = 1e3 * statistics.median(slowest.tolist())
+                took[async_op] = slowest_median_ms(times[1:], device)
             rows.append({"op": op, "bucket": bucket, "buckets": n, "one_at_a_time_ms": took[False],
                          "back_to_back_ms": took[True]})
     if rank == 0:

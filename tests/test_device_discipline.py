@@ -184,3 +184,22 @@ def test_adam_step_is_where_a_fused_or_capturable_adam_reads_it():
     opt = torch.optim.AdamW([p], fused=True)
     init_optimizer_states(opt)
     assert opt.state[p]["step"].device == p.device
+
+
+# ----------------------------------------------------------------------------- launch/bench_collectives.py
+
+def _bench_collectives_timings_strict():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "launch" / "bench_collectives.py"
+    spec = importlib.util.spec_from_file_location("bench_collectives", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return strict_collectives(lambda: bench.slowest_median_ms([0.1, 0.2], comm.get_device()))
+
+
+def test_bench_collectives_all_reduces_its_timings_on_the_device():
+    # Before: a CPU tensor of timings, all-reduced on every GPU run (NCCL refuses it).
+    for log, stopped in run_ranks(_bench_collectives_timings_strict, world_size=2, timeout=120):
+        assert log == [("all_reduce", ["meta"])]
+        assert "meta tensor" in stopped   # the check ended at .tolist(), after the all-reduce
