@@ -26,9 +26,13 @@ Two more things are refused with one line instead of written or loaded half-way:
   every rank reads and checks its files first, then all agree (`_agree`), so every rank
   raises the same one-line CheckpointError before the engine is touched.
 
-Resume is bit-exact: the shards, Adam's moments and step counts, the LR scheduler, the
-loss scaler, the step counters and every rank's RNG state are restored, and the trainer
-keeps its data position in `client_state`.
+Resume is bit-exact on a CPU: the shards, Adam's moments and step counts, the LR
+scheduler, the loss scaler, the step counters and every rank's RNG state are restored, and
+the trainer keeps its data position in `client_state`. On a GPU the same state is restored,
+but the resumed run's losses equal the uninterrupted run's bit for bit only with
+deterministic kernels (MINIZERO_DETERMINISTIC=1; otherwise some backward kernels add in a
+scheduling-dependent order and the runs are close, not equal: docs/gpu.md, "What bit-exact
+means on a GPU").
 
 A checkpoint saved at another world size or stage (or with another reduce_bucket_size,
 or by DeepSpeed) is resharded as it loads: each rank builds its own master and moment

@@ -375,6 +375,21 @@ def _let_rank0_speak() -> None:
         time.sleep(3.0)
 
 
+def deterministic_from_env() -> None:
+    """MINIZERO_DETERMINISTIC=1 (launch/gpu_check.py sets it): deterministic CUDA kernels, so a
+    resumed run is bit-exact on a GPU too (embedding and SDPA backward are not, by default).
+    cuBLAS is deterministic only with a fixed workspace, and torch's deterministic mode raises
+    at the first matrix multiply without one: set it here unless the user chose one (cuBLAS
+    reads it when its first handle is made, at that first multiply, after this)."""
+    if os.environ.get("MINIZERO_DETERMINISTIC") != "1":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=False)   # an op with no deterministic kernel raises
+    torch.backends.cudnn.benchmark = False                      # no algorithm chosen by timing
+    runlog.log0("minizero: deterministic algorithms on (MINIZERO_DETERMINISTIC=1, "
+                f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']})")
+
+
 def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | None = None) -> None:
     parser = parser or build_parser()
     # Under torchrun every rank parses the same command line: only rank 0 may print a
@@ -391,12 +406,7 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
         raise
     try:
         comm.init_distributed()
-        # MINIZERO_DETERMINISTIC=1 (launch/gpu_check.py sets it): deterministic CUDA kernels,
-        # so a resumed run is bit-exact on a GPU too (embedding and SDPA backward are not, by default).
-        if os.environ.get("MINIZERO_DETERMINISTIC") == "1":
-            torch.use_deterministic_algorithms(True, warn_only=False)   # an op with no deterministic kernel raises
-            torch.backends.cudnn.benchmark = False                      # no algorithm chosen by timing
-            runlog.log0("minizero: deterministic algorithms on (MINIZERO_DETERMINISTIC=1)")
+        deterministic_from_env()
         train(args, lib)
     except USER_ERRORS + lib.user_errors + (TrainingDiverged, rundir.RunDirError, comm.LaunchError) as e:
         # Bad input is one line, not a traceback. Config/data errors happen on every rank

@@ -134,3 +134,20 @@ def test_existing_nccl_group_still_gets_the_ranks_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     comm.init_distributed()
     assert calls == [torch.device("cuda", 3)]
+
+
+def test_deterministic_mode_alone_sets_the_cublas_workspace(monkeypatch):
+    # MINIZERO_DETERMINISTIC=1 without CUBLAS_WORKSPACE_CONFIG crashed at the first matmul on a
+    # GPU (torch's deterministic mode requires the setting). A user's own value is kept.
+    from minizero import train
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: calls.append(on))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.setenv("MINIZERO_DETERMINISTIC", "1")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    train.deterministic_from_env()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and calls == [True]
+    assert torch.backends.cudnn.benchmark is False
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    train.deterministic_from_env()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
