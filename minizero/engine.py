@@ -30,7 +30,7 @@ import torch
 from . import checkpointing, comm, desync, trace
 from .comms_logger import CommsLogger
 from .config import ignored_knobs_note, load_config
-from .fp16 import create_loss_scaler, overflow_across_ranks
+from .fp16 import create_loss_scaler, overflow_vote
 from .lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
 from .offload import HostOffload
@@ -169,10 +169,13 @@ class Engine(torch.nn.Module):
         scale = self.loss_scale
         with trace.span("grad_norm"):
             norm_sq = opt.grad_norm_sq()                                # 2
+        # fp16: every rank votes on overflow (a MAX all-reduce), on the device, before the sync
+        vote = overflow_vote(norm_sq) if self.loss_scaler is not None else None
         # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed syncs
-        # here too). Everything below that needs the norm on the host uses this value.
-        norm_sq_host = float(norm_sq)
-        if self._must_skip(norm_sq_host):                                # 3
+        # here too). Everything below that needs the norm (or the vote) on the host uses this.
+        norm_sq_host, voted = (float(norm_sq), None) if vote is None else \
+            torch.cat([norm_sq.reshape(1), vote.double()]).tolist()
+        if self._must_skip(norm_sq_host, voted):                        # 3
             opt.zero_grad()
             self.skipped_steps += 1
             self._global_grad_norm = float("inf")
@@ -193,15 +196,16 @@ class Engine(torch.nn.Module):
             logger.info(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
                         f"loss_scale={self.loss_scale}")
 
-    def _must_skip(self, norm_sq: float) -> bool:
-        """Skip this step? fp16: every rank votes (all-reduce MAX of "I overflowed"), so all
-        ranks skip together by construction, and the loss scale updates. bf16 (with
-        bf16.check_grad_overflow) and fp32: skip when the norm is inf/NaN rather than write
+    def _must_skip(self, norm_sq: float, voted: float | None = None) -> bool:
+        """Skip this step? fp16: every rank has voted (`voted`: the all-reduce MAX of "I
+        overflowed", fp16.overflow_vote), so all ranks skip together by construction, and
+        the loss scale updates. bf16 (with bf16.check_grad_overflow) and fp32: skip when
+        the norm is inf/NaN rather than write
         NaN into every weight (docs/deepspeed.md, "A non-finite gradient norm skips the step
         in every dtype"); the norm is the same on every rank, so no vote is needed."""
         finite = math.isfinite(norm_sq)
         if self.loss_scaler is not None:
-            overflow = overflow_across_ranks(not finite)
+            overflow = voted > 0
             self.loss_scaler.update_scale(overflow)   # logs DeepSpeed's "OVERFLOW! ... Skipping step" line
             return overflow
         skip = not finite and (self.dtype == torch.float32 or self.config.bf16.check_grad_overflow)

@@ -77,6 +77,15 @@ def overflow_across_ranks(local_overflow: bool) -> bool:
     return bool(flag.item() > 0)
 
 
+def overflow_vote(norm_sq: torch.Tensor) -> torch.Tensor:
+    """overflow_across_ranks without a host sync: "my gradient norm is inf/NaN" as a flag on
+    the device, MAX all-reduced, for the engine to read with the norm in the step's one
+    sync. The same collective (one fp32 element, MAX, label "overflow")."""
+    flag = torch.isfinite(norm_sq).logical_not().to(torch.float32).reshape(1)
+    comm.all_reduce(flag, op="max", label="overflow")
+    return flag
+
+
 class MinLossScaleError(RuntimeError):
     """fp16 overflowed again at the minimum loss scale: the run cannot go on.
 

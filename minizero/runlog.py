@@ -232,13 +232,15 @@ def evaluate(engine, loader, device) -> float:
     """Mean test loss over this rank's slice of the held-out split, averaged over ranks.
     Collective (ZeRO-3 gathers parameters in forward): every rank runs len(loader) forwards."""
     engine.eval()
-    total, n = 0.0, 0
+    # Summed on the device in float64, read once at the end: no host sync per batch. The
+    # same float64 additions, in the same order, as summing the Python floats of each loss.
+    total, n = torch.zeros((), dtype=torch.float64, device=device), 0
     for x, y in loader:
         _, loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        total += float(loss.float().item())
+        total += loss.detach().float().double()
         n += 1
     engine.train()
-    return mean_across_ranks(total / max(n, 1), device)
+    return mean_across_ranks(float(total) / max(n, 1), device)
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -86,7 +86,10 @@ class ShardedOptimizer:
 
         DeepSpeed's `unscale_and_clip_grads`, in its fp32 tensor arithmetic: the norm is of
         the *scaled* gradient; clip = max(1, (norm / S + 1e-6) / clip_value)."""
-        combined = torch.tensor(loss_scale, dtype=torch.float32, device=norm_sq.device)
+        # torch.full, not torch.tensor(loss_scale, device=...): the same fp32 number, made by a
+        # fill kernel on the device rather than a blocking copy from pageable host memory (a
+        # host sync on a GPU; the step's one sync is the engine's read of the norm).
+        combined = torch.full((), loss_scale, dtype=torch.float32, device=norm_sq.device)
         if clip_value > 0:
             norm = norm_sq.sqrt().float()
             clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_value, min=1.0)
