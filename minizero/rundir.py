@@ -23,6 +23,9 @@ import os
 import socket
 import sys
 
+import torch
+import torch.distributed as dist
+
 from minizero import comm
 from minizero.checkpoint_folder import later_tags
 
@@ -119,8 +122,9 @@ def claim(save_dir: str, resume_dir: str | None) -> RunDirLock:
 def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str | None) -> RunDirLock | None:
     """Rank 0 claims the folder (claim) and also refuses to resume an older checkpoint into
     the folder that holds later ones; every rank gets the verdict, so all of them stop with
-    the same one line. Returns the lock on rank 0 (None elsewhere)."""
-    lock, err = None, None
+    the same one line. Then every rank checks that it sees the folder rank 0 claimed
+    (refuse_unshared). Returns the lock on rank 0 (None elsewhere)."""
+    lock, err, probe = None, None, None
     if comm.get_rank() == 0:
         try:
             lock = claim(save_dir, resume_dir)
@@ -131,9 +135,50 @@ def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str |
                     lock.release()
                     raise RunDirError(f"resuming {resume_tag} into {save_dir} would overwrite its later checkpoints "
                                       f"({', '.join(later)}); pass a new --save-dir for the resumed run")
+            if comm.get_world_size() > 1:
+                probe = PROBE_FILE.format(os.urandom(8).hex())
+                open(os.path.join(save_dir, probe), "w").close()
         except RunDirError as e:
             err = str(e)
-    err = comm.broadcast_object(err)
+    err, probe = comm.broadcast_object((err, probe))
     if err is not None:
         raise RunDirError(err)
+    if probe is not None:
+        try:
+            refuse_unshared(save_dir, os.path.join(save_dir, probe), "file")
+        except RunDirError:
+            if lock is not None:
+                lock.release()
+            raise
     return lock
+
+
+# A file of a name no earlier run left behind: a node-local folder of the same path on
+# another node may well hold an old lock file, but never this.
+PROBE_FILE = ".minizero.probe-{}"
+
+
+def refuse_unshared(save_dir: str, path: str, what: str) -> None:
+    """Collective: does every rank see `path`, which rank 0 just created in save_dir? If not,
+    save_dir is node-local (each node its own disk at that path): every rank raises the same
+    one line, and rank 0 removes `path` either way. One MAX all-reduce of one flag per rank.
+
+    The trainer runs it at start (claim_for_all_ranks), so a run on node-local disks is
+    refused before it trains, not at its first save after hours; checkpoint_io.save checks
+    each checkpoint folder the same way (for the engine's own save_checkpoint)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    flags = torch.zeros(world, device=comm.get_device())
+    flags[rank] = float(not os.path.exists(path))
+    # torch.distributed, not comm.all_reduce: the run's bookkeeping stays out of the engine's
+    # comm ledger and profiler labels (runlog.py says why)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    blind = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    if rank == 0:
+        os.remove(path)
+    if not blind:
+        return
+    hosts = comm.all_gather_object(socket.gethostname())
+    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
+    raise RunDirError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the {what} rank 0 "
+                      f"(on {hosts[0]}) created in it. Every rank writes its shard into one folder: put "
+                      f"--save-dir on a filesystem all nodes mount (NFS, Lustre, ...)")

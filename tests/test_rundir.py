@@ -51,3 +51,35 @@ def test_the_real_lock_still_refuses_a_second_holder(tmp_path):
     with RunDirLock(str(tmp_path / "run")):
         with pytest.raises(RunDirError, match="in use by a run that is still going"):
             RunDirLock(str(tmp_path / "run")).acquire()
+
+
+# ----------------------------------------------------------------------------- the save folder probe
+# - A save folder that is node-local (each node its own disk at that path) is refused at start,
+#   in one line from every rank, by a file rank 0 creates and every rank looks for (one MAX
+#   all-reduce). Before: found at the first save, after the whole run had trained.
+
+def _claim(folders):
+    from minizero import comm
+    save = folders[comm.get_rank()]
+    try:
+        lock = rundir.claim_for_all_ranks(save, None, None)
+    except RunDirError as e:
+        return "refused", str(e)
+    if lock is not None:
+        lock.release()
+    import os
+    return "claimed", sorted(f for f in os.listdir(save) if f.startswith(".minizero.probe"))
+
+
+def test_two_folders_one_per_node_are_refused_at_start_on_every_rank(tmp_path):
+    from tests.launcher import run_ranks
+    out = run_ranks(_claim, world_size=2, args=([str(tmp_path / "node0"), str(tmp_path / "node1")],), timeout=120)
+    assert [o[0] for o in out] == ["refused", "refused"], out
+    assert out[0][1] == out[1][1].replace("node1", "node0") and "is not shared by all ranks: rank 1 on" in out[0][1]
+    assert not [f for f in (tmp_path / "node0").iterdir() if f.name.startswith(".minizero.probe")]
+
+
+def test_one_shared_folder_is_claimed_and_the_probe_removed(tmp_path):
+    from tests.launcher import run_ranks
+    folder = str(tmp_path / "shared")
+    assert run_ranks(_claim, world_size=2, args=([folder, folder],), timeout=120) == [("claimed", [])] * 2
