@@ -11,7 +11,12 @@ and applied by comm.py's wrappers through `run_checked` (docs/debugging.md):
    collective, so both reach the same-shaped check, and all raise `CollectiveMismatch`
    naming each rank's collective and step. Off, it costs nothing: no extra collective.
 2. *A named timeout*: a backend error or timeout inside a wrapper is re-raised as
-   `CollectiveError` naming the op, label, bytes and step this rank was waiting on.
+   `CollectiveError` naming the op, label, bytes and step this rank was waiting on. Under
+   gloo the backend raises one. Under NCCL a collective returns at once and a hang never
+   reaches the wrapper: NCCL's watchdog aborts the process with its own message. So with
+   the check on, on a GPU, each collective is waited for on the host (`wait_named`: its
+   CUDA event polled until done, or a CollectiveError after the timeout), and the
+   watchdog's timeout is set WATCHDOG_MARGIN_S later, so minizero's named error comes first.
 
 Only torch.distributed is used here (comm.py imports this module, not the other way round).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import zlib
 
 import torch
@@ -26,7 +32,12 @@ import torch.distributed as dist
 
 
 DEBUG_ENV = "MINIZERO_DEBUG_COLLECTIVES"
-DEBUG_TIMEOUT_S = 60.0   # with the check on, a rank left alone waits this long, not 30 min
+# The named timeout when the config sets none: process_group.init_distributed's group timeout.
+# Not shorter with the check on: a healthy rank may wait minutes for rank 0 sampling, saving
+# or computing the codebook alone, and a timeout ends the run (docs/debugging.md).
+DEFAULT_TIMEOUT_S = 1800.0
+WATCHDOG_MARGIN_S = 60.0   # NCCL + check: the watchdog fires this long after minizero's named timeout
+POLL_S = 0.0005            # how often wait_named asks whether a collective's CUDA event is done
 
 
 class CollectiveError(RuntimeError):
@@ -49,6 +60,7 @@ class _Guard:
         self.check = debug_env()   # configure() may turn it on from the config too
         self.phase, self.global_step, self.micro_step = "setup", 0, 0
         self.seq = 0   # collectives issued by this rank since configure(), checked or not
+        self.timeout_s = DEFAULT_TIMEOUT_S   # how long wait_named waits (NCCL with the check on)
 
 
 guard = _Guard()
@@ -56,13 +68,21 @@ guard = _Guard()
 
 def configure(check: bool = False, timeout_s: float | None = None) -> None:
     """Switch the desync check on (`check`, or MINIZERO_DEBUG_COLLECTIVES=1) and set the
-    process group's collective timeout: `timeout_s`, else DEBUG_TIMEOUT_S when checking,
-    else the group's own (init_distributed's 1800 s, or what its creator chose)."""
+    collective timeout: `timeout_s`, else the group's own (init_distributed's 1800 s; with
+    a group someone else started, its creator's, which minizero assumes is DEFAULT_TIMEOUT_S).
+
+    gloo: the group's timeout is the named one (the backend raises, run_checked names it).
+    NCCL with the check on: minizero waits for each collective itself for the timeout
+    (wait_named) and moves NCCL's watchdog WATCHDOG_MARGIN_S later; with the check off the
+    watchdog ends a hang after the timeout, with NCCL's message, not minizero's."""
     guard.check = bool(check) or debug_env()
     guard.seq = 0
-    if timeout_s is None and guard.check:
-        timeout_s = DEBUG_TIMEOUT_S
-    if timeout_s is not None and dist.is_available() and dist.is_initialized():
+    guard.timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if guard.check and dist.get_backend() == "nccl":
+        dist.set_timeout(datetime.timedelta(seconds=guard.timeout_s + WATCHDOG_MARGIN_S))
+    elif timeout_s is not None:
         dist.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
 
 
@@ -96,6 +116,7 @@ def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
     n = dist.get_world_size()
     everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
     dist.all_gather_into_tensor(everyone, mine.to(t.device))
+    wait_named(t, op, label, t.numel() * t.element_size())   # a rank left alone times out here, named
     rows = everyone.view(n, -1)[:, :4].cpu()
     if bool((rows == rows[0]).all()):
         return
@@ -115,7 +136,10 @@ def run_checked(op: str, label: str | None, t: torch.Tensor, nbytes: int, run, g
         if guard.check and group is None:
             check_agreement(op, label, t)   # a rank left alone times out here
         guard.seq += 1
-        return run()
+        work = run()
+        if work is None:
+            wait_named(t, op, label, nbytes)   # synchronous: done on the host too (NCCL + check)
+        return work
     except CollectiveMismatch:
         raise
     except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
@@ -128,6 +152,25 @@ def wait_checked(work, op: str, label: str | None, t: torch.Tensor, nbytes: int)
         work.wait()
     except RuntimeError as e:
         raise _named(e, op, label, t, nbytes) from e
+    wait_named(t, op, label, nbytes)
+
+
+def wait_named(t: torch.Tensor, op: str, label: str | None, nbytes: int) -> None:
+    """With the check on and `t` on a GPU: block the host until everything queued on the
+    current stream so far (the collective just issued, or waited for) has run, polling a CUDA
+    event, and raise a CollectiveError naming the collective after guard.timeout_s. A
+    host sync per collective: debugging only. Otherwise nothing (gloo blocks and raises
+    by itself; NCCL without the check leaves a hang to its watchdog)."""
+    if not (guard.check and t.is_cuda):
+        return
+    event = torch.cuda.Event()
+    event.record()
+    deadline = time.monotonic() + guard.timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise _named(RuntimeError(f"not done after {guard.timeout_s:g} s (minizero's timeout; the NCCL "
+                                      f"watchdog's is {WATCHDOG_MARGIN_S:g} s later)"), op, label, t, nbytes)
+        time.sleep(POLL_S)
 
 
 def _named(e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int) -> CollectiveError:

@@ -195,3 +195,70 @@ def test_train_prints_a_timeout_on_the_rank_that_waited(monkeypatch, capsys):
         train_cli.main([])
     assert capsys.readouterr().err.strip().endswith("error: rank 1: all_gather 'root.g0.fwd' (5 x float32), 40 bytes, "
                                                     "... did not complete")
+
+
+# ----------------------------------------------------------------------------- timeouts under NCCL, faked
+# NCCL cannot run here; what minizero does with it is decided by configure() and wait_named(),
+# checked with torch.distributed's queries and CUDA's event faked.
+
+def _configured(monkeypatch, backend, **kwargs):
+    from minizero import desync
+    set_to = []
+    monkeypatch.setattr(desync.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(desync.dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(desync.dist, "set_timeout", lambda td: set_to.append(td.total_seconds()))
+    monkeypatch.delenv("MINIZERO_DEBUG_COLLECTIVES", raising=False)
+    desync.configure(**kwargs)
+    return set_to
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_the_check_alone_never_shortens_the_groups_timeout(monkeypatch, backend):
+    # Before: 60 s with the check on, so NCCL's watchdog (or gloo) ended a healthy run
+    # whenever rank 0 worked alone for a minute (sampling, a slow save).
+    from minizero import desync
+    set_to = _configured(monkeypatch, backend, check=True)
+    assert desync.guard.timeout_s == desync.DEFAULT_TIMEOUT_S
+    assert set_to == ([] if backend == "gloo" else [desync.DEFAULT_TIMEOUT_S + desync.WATCHDOG_MARGIN_S])
+    desync.configure()
+
+
+def test_nccl_with_the_check_moves_the_watchdog_behind_the_named_timeout(monkeypatch):
+    from minizero import desync
+    assert _configured(monkeypatch, "nccl", check=True, timeout_s=30) == [30 + desync.WATCHDOG_MARGIN_S]
+    assert _configured(monkeypatch, "nccl", check=False, timeout_s=30) == [30]   # no check: the watchdog's own
+    assert _configured(monkeypatch, "gloo", check=True, timeout_s=30) == [30]
+    desync.configure()
+
+
+class _NeverDone:
+    """A CUDA event of a collective that another rank never joins."""
+
+    def record(self):
+        pass
+
+    def query(self):
+        return False
+
+
+class _GpuTensor:
+    is_cuda, dtype = True, torch.float32
+
+    def numel(self):
+        return 5
+
+
+def test_a_hang_under_nccl_with_the_check_on_is_named_after_the_timeout(monkeypatch):
+    from minizero import desync
+    monkeypatch.setattr(desync.torch.cuda, "Event", _NeverDone)
+    monkeypatch.setattr(desync.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(desync.guard, "check", True)
+    monkeypatch.setattr(desync.guard, "timeout_s", 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(desync.CollectiveError) as e:
+        desync.wait_named(_GpuTensor(), "all_gather", "root.g0.fwd", 40)
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert str(e.value).startswith("rank 1: all_gather 'root.g0.fwd' (5 x float32), 40 bytes, in ")
+    assert "not done after 0.2 s" in str(e.value) and "Another rank issued no collective" in str(e.value)
+    monkeypatch.setattr(desync.guard, "check", False)
+    desync.wait_named(_GpuTensor(), "all_gather", "root.g0.fwd", 40)   # check off: no host wait at all
