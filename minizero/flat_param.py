@@ -130,6 +130,22 @@ class FlatParam:
         if not self.full_is_allocated():
             self.alloc_full()
         shard = self.shard
+        side = copy_stream(self.device) if self.shard_on_host and async_op else None
+        if side is not None:
+            # A prefetch of a host shard on a GPU: the copy, and the gather that reads it, go on
+            # a side stream, so the copy runs beside the compute queued after this point instead
+            # of ahead of it on the compute stream (which would stall the next unit's forward).
+            # NCCL's stream waits for the stream that issues the gather (so the gather follows
+            # the copy), and Pending.wait() makes the compute stream wait for NCCL's. First the
+            # side stream waits for the compute stream's work so far: `full` was just given memory
+            # that kernels queued there may still be using. At world size 1 the "gather" is a
+            # copy on the side stream itself: the returned wait() also waits for its event.
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
+                                            label=f"{self.label}.{label}")
+                pending = comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}", async_op=True)
+                return CopiedThenGathered(pending, side.record_event(), self.device)
         if self.shard_on_host:
             shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
                                         label=f"{self.label}.{label}")
@@ -237,3 +253,28 @@ def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_inde
     """The FlatParam a plan describes, over the module's parameters of those names."""
     return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
                      num_shards=num_shards, shard_index=shard_index, keep_full=plan.keep_full)
+
+
+class CopiedThenGathered:
+    """A prefetched gather of a host shard (FlatParam.all_gather on a GPU): wait() waits for
+    the gather (its Pending) and makes the compute stream wait for the side stream's work."""
+
+    def __init__(self, pending, event, device: torch.device):
+        self.pending, self.event, self.device = pending, event, device
+
+    def wait(self) -> None:
+        self.pending.wait()
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+_copy_streams: dict = {}
+
+
+def copy_stream(device: torch.device):
+    """The side stream offload_param's prefetched host-to-device copies run on (one per GPU,
+    made on first use); None on a CPU, where there are no streams."""
+    if device.type != "cuda":
+        return None
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
