@@ -92,7 +92,12 @@ def load_cifar10(root, train: bool, download: bool = True) -> torch.Tensor:
             how = f"fetching it failed ({error}); "
         elif len(unreadable) < comm.get_world_size():
             how = f"ranks {unreadable} cannot read it (a --data-dir on several nodes must be one shared folder); "
+        # Compute nodes are often offline: the fix is a fetch where the network is (a login
+        # node), into a folder every node sees.
         raise DatasetNotFoundError(
-            f"CIFAR-10 not found in {root}: {how}place the extracted '{CIFAR_FOLDER}' folder "
-            f"(or {CIFAR_TARBALL}) in {root}, or use the built-in data with --dataset synthetic")
+            f"CIFAR-10 not found in {root}: {how}compute nodes are often offline, so fetch it once where the "
+            f"network is (a login node): python -c \"from torchvision.datasets import CIFAR10; "
+            f"CIFAR10('{root}', download=True)\", or place the extracted '{CIFAR_FOLDER}' folder (or "
+            f"{CIFAR_TARBALL}) in {root}; on a cluster --data-dir (./data) and --save-dir (runs/) must be on a "
+            f"file system every node mounts. Or use the built-in data with --dataset synthetic")
     return data

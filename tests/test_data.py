@@ -89,6 +89,9 @@ def test_missing_cifar_is_one_clear_error(tmp_path):
     msg = str(e.value)
     assert str(tmp_path) in msg and "cifar-10-batches-py" in msg and "--dataset synthetic" in msg
     assert "\n" not in msg
+    # on a cluster: how to pre-fetch where the network is, and that data and runs must be shared
+    assert "a login node" in msg and f"CIFAR10('{tmp_path}', download=True)" in msg
+    assert "file system every node mounts" in msg and "--save-dir (runs/)" in msg
     with pytest.raises(cifar10.DatasetNotFoundError):
         data.build_datasets("cifar10", root=tmp_path, download=False)
     with pytest.raises(data.UnknownDatasetError, match="synthetic"):
