@@ -2,8 +2,8 @@
 
     bash launch/gpu_check.sh                        # every check the GPUs here allow
     bash launch/gpu_check.sh --quick                # tiny model, few steps
-    bash launch/gpu_check.sh --dry-run              # the plan: the commands it would run, nothing run
-    bash launch/gpu_check.sh --dry-run --gpus 8     # ... as if this machine had 8 GPUs
+    bash launch/gpu_check.sh --plan                 # the plan: every check and command, nothing run (any machine)
+    bash launch/gpu_check.sh --plan --gpus 4        # ... as if this machine had 4 GPUs (default without GPUs: 8)
     bash launch/gpu_check.sh --only 'resume-1gpu-*' --skip cpu-suite
 
 Each check runs as subprocesses (a timeout each, every log in <out>/logs/), a failure never
@@ -50,6 +50,8 @@ DETERMINISTIC_MARK = "deterministic algorithms on"   # the line train.py prints 
 # torch.distributed checks that every rank calls the same collective with the same shapes.
 DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 INIT_SCALE = 2.0 ** 16   # fp16's first loss scale (DeepSpeed's initial_scale_power 16)
+PLAN_GPUS = 8            # --plan on a machine without GPUs: the plan for 2 nodes x 4 GPUs (README's cluster)
+CONFIGS = "launch/gpu_check_configs"   # the configs of the checks below that need one
 GRACE_S = 60             # when one command of a step fails, how long the others get to stop by themselves
 
 
@@ -64,6 +66,7 @@ class Proc:
     env: dict = field(default_factory=dict)
     timeout: int = 900
     may_fail: bool = False   # a run that must be refused: the judge reads its exit status
+    fallback_for: str | None = None   # run only if the command with this log did not exit 0
 
 
 @dataclass
@@ -180,7 +183,7 @@ def plan(n_gpus: int, quick: bool = False) -> list:
     for where, nproc, env, min_gpus in (("1gpu", 1, DETERMINISTIC_ENV, 1),
                                         ("allgpu", max(n_gpus, 2), {**DETERMINISTIC_ENV, **DEBUG_ENV}, 2)):
         for stage in STAGES:
-            for dtype in DTYPES:
+            for dtype in DTYPES + (("fp32",) if nproc > 1 else ()):
                 name = f"resume-{where}-z{stage}-{dtype}"
                 flags = [*data_flags(size), "--stage", str(stage), "--dtype", dtype, "--max-steps", str(size.steps)]
                 ranks = "1 GPU" if nproc == 1 else f"{nproc} GPUs (torchrun, TORCH_DISTRIBUTED_DEBUG=DETAIL)"
@@ -220,9 +223,12 @@ def plan(n_gpus: int, quick: bool = False) -> list:
             judge=judge_overflow("{dir}/ranks.json")))
 
     # Peak CUDA memory per stage, iGPT-S, against the ZeRO paper's formula.
+    # ZeRO-3's prefetch and reuse at 0 (gpu_check_configs/memory.json, otherwise the default config):
+    # at DeepSpeed's default reuse distance every unit stays gathered from forward to backward,
+    # and ZeRO-3's peak would exceed ZeRO-1's for a config reason, not a memory one.
     for stage in STAGES:
-        flags = [*data_flags(size, model="igpt-s", image=32, n_train=2048), "--stage", str(stage), "--dtype", "bf16",
-                 "--max-steps", str(size.mem_steps), "--save-dir", "{dir}/run"]
+        flags = [*data_flags(size, model="igpt-s", image=32, n_train=2048), "--config", f"{CONFIGS}/memory.json",
+                 "--stage", str(stage), "--dtype", "bf16", "--max-steps", str(size.mem_steps), "--save-dir", "{dir}/run"]
         checks.append(Check(
             f"memory-z{stage}", f"ZeRO-{stage} bf16, iGPT-S on all GPUs: peak >= model states >= the paper's "
                                 "formula; at rest >= the states a step keeps",
@@ -273,6 +279,78 @@ def plan(n_gpus: int, quick: bool = False) -> list:
                                                 "--save-dir", f"{{dir}}/node{r}-local"],
                                      "2node-save-separate", may_fail=True)],
         judge=judge_refused(["{dir}/node0-local", "{dir}/node1-local"])))
+
+    # Offload without the tutorial's step 5 around it, on NCCL: offload_optimizer alone at ZeRO-1/2,
+    # offload_param alone at ZeRO-3; resumed == straight, bit for bit.
+    allgpu, env_all = launcher(max(n_gpus, 2)), {**DETERMINISTIC_ENV, **DEBUG_ENV}
+    for name, cfg, stage in (("offload-opt-z1", "offload_optimizer", 1), ("offload-opt-z2", "offload_optimizer", 2),
+                             ("offload-param-z3", "offload_param", 3)):
+        flags = [*data_flags(size), "--config", f"{CONFIGS}/{cfg}.json", "--stage", str(stage), "--dtype", "bf16",
+                 "--max-steps", str(size.steps)]
+        checks.append(Check(
+            name, f"ZeRO-{stage} bf16 with {cfg} alone on all GPUs: straight == resumed, bit for bit",
+            min_gpus=2, steps=resume_steps(allgpu, flags, size, env_all, name, t_train),
+            judge=judge_resume("{dir}/straight", "{dir}/resumed", size.save_every)))
+
+    # engine.full_fp32_state_dict() with offload_optimizer: the gather takes each master from host memory.
+    for stage in (1, 2):
+        checks.append(Check(
+            f"consolidate-offload-z{stage}", f"ZeRO-{stage} bf16 + offload_optimizer on all GPUs: "
+                                             "full_fp32_state_dict() holds each rank's host master in its slice",
+            min_gpus=2, steps=[[Proc([*TORCHRUN, "--standalone", "--nproc-per-node", str(world),
+                                      "launch/gpu_check.py", "--rank-driver", "consolidate", str(stage),
+                                      "{dir}/ranks.json"], f"consolidate-offload-z{stage}.log", DEBUG_ENV, 300)]],
+            judge=judge_ranks("{dir}/ranks.json", consolidate_verdict)))
+
+    # One step with every host sync an error but the engine's documented one (engine.read_on_host).
+    for stage in STAGES:
+        for dtype in ("bf16", "fp16"):
+            argv = [*(TORCHRUN + ["--standalone", "--nproc-per-node", str(world)] if n_gpus > 1 else [PY]),
+                    "launch/gpu_check.py", "--rank-driver", "sync-debug", str(stage), dtype, "{dir}/ranks.json"]
+            checks.append(Check(
+                f"sync-debug-z{stage}-{dtype}", f"ZeRO-{stage} {dtype}: one step under "
+                                                "torch.cuda.set_sync_debug_mode('error'): no host sync but the "
+                                                "engine's one read of the norm" + (" and the overflow vote"
+                                                                                  if dtype == "fp16" else ""),
+                steps=[[Proc(argv, f"sync-debug-z{stage}-{dtype}.log", timeout=300)]],
+                judge=judge_ranks("{dir}/ranks.json", sync_debug_verdict)))
+
+    # The timeline, the comms logger and the desync check on CUDA: the same losses as a plain run.
+    flags = [*data_flags(size), "--stage", "3", "--dtype", "bf16", "--max-steps", str(size.steps)]
+    checks.append(Check(
+        "observe-allgpu", "ZeRO-3 bf16 on all GPUs with --trace, --comms-logger and MINIZERO_DEBUG_COLLECTIVES=1: "
+                          "the trace and the comms table are written, the losses equal a plain run's bit for bit",
+        min_gpus=2,
+        steps=[[Proc([*allgpu, *TRAIN, *flags, "--save-dir", "{dir}/plain"], "observe-allgpu.plain.log", env_all,
+                     t_train)],
+               [Proc([*allgpu, *TRAIN, *flags, "--save-dir", "{dir}/observed", "--trace", "{dir}/trace",
+                      "--comms-logger"], "observe-allgpu.observed.log",
+                     {**env_all, "MINIZERO_DEBUG_COLLECTIVES": "1"}, t_train)]],
+        judge=judge_observed("{dir}/plain", "{dir}/observed", "{dir}/trace")))
+
+    # Activation checkpointing with cpu_checkpointing (saved inputs in pinned host memory) on NCCL.
+    checks.append(Check(
+        "cpu-checkpointing-allgpu", f"ZeRO-3 bf16 on all GPUs, {CONFIGS}/cpu_checkpointing.json (every block "
+                                    "checkpointed, saved inputs in host memory) vs no checkpointing: losses bit for bit",
+        min_gpus=2,
+        steps=[[Proc([*allgpu, *TRAIN, *flags, "--save-dir", "{dir}/plain"], "cpu-checkpointing-allgpu.plain.log",
+                     env_all, t_train)],
+               [Proc([*allgpu, *TRAIN, *flags, "--config", f"{CONFIGS}/cpu_checkpointing.json",
+                      "--save-dir", "{dir}/checkpointed"], "cpu-checkpointing-allgpu.checkpointed.log", env_all,
+                     t_train)]],
+        judge=judge_same_losses("{dir}/plain", "{dir}/checkpointed")))
+
+    # The user's first command, as the README gives it: the default config and dataset (CIFAR-10 on
+    # a GPU); where CIFAR-10 cannot be fetched (no network), the same command on synthetic data.
+    user = [*launcher(max(n_gpus, 1)), *TRAIN, "--stage", "3", "--data-dir", "{out}/cifar"]
+    checks.append(Check(
+        "user-command", f"the README's first command on {max(n_gpus, 1)} GPU(s), `-m minizero.train --stage 3` with "
+                        "the default config (one epoch, CIFAR-10; synthetic where CIFAR-10 cannot be fetched), "
+                        "completes",
+        steps=[[Proc([*user, "--save-dir", "{dir}/cifar10"], "user-command.cifar10.log", timeout=3600, may_fail=True)],
+               [Proc([*user, "--dataset", "synthetic", "--save-dir", "{dir}/synthetic"], "user-command.synthetic.log",
+                     timeout=3600, fallback_for="user-command.cifar10.log")]],
+        judge=judge_user_command("{dir}/cifar10", "{dir}/synthetic")))
 
     # minizero vs DeepSpeed, all GPUs: samples/s and peak memory per stage (a measurement).
     nproc = max(n_gpus, 1)
@@ -393,9 +471,12 @@ def memory_verdict(summary: dict, stage: int, at_rest_mb: float | None) -> Resul
 def memory_falls_verdict(peaks: dict) -> Result:
     """peak(0) > peak(1) > peak(3), max over ranks, MiB. ZeRO-1 frees 12Ψ(1-1/N) bytes of
     master+moments that live all the time; ZeRO-3 frees another >= 2Ψ(1-1/N) of parameters and
-    gradients, while its transients (one or two gathered blocks, about Ψ/24 each for iGPT-S)
-    are far smaller. ZeRO-2's place is not asserted: it saves only gradients, which need not be
-    allocated at the activation peak, and adds reduce buckets."""
+    gradients. Its transients are small only with prefetch and reuse at 0 (the memory runs'
+    config): then a unit is gathered for its forward or backward and freed after it, one or
+    two gathered blocks of about Ψ/24 each for iGPT-S. At DeepSpeed's default reuse distance
+    every unit stays gathered from its forward to its backward, the whole model at the peak,
+    and ZeRO-3's peak exceeds ZeRO-1's. ZeRO-2's place is not asserted: it saves only
+    gradients, which need not be allocated at the activation peak, and adds reduce buckets."""
     numbers = "peak MiB by stage 0/1/2/3: " + " / ".join(f"{peaks[s]:,.0f}" for s in STAGES)
     if peaks[0] > peaks[1] > peaks[3]:
         return Result("PASS", "", numbers)
@@ -450,6 +531,44 @@ def refused_verdict(rcs: list, logs: list, left: list) -> Result:
     if left:
         return Result("FAIL", f"checkpoints were written before the refusal: {', '.join(left[:3])}")
     return Result("PASS", "", lines[0].split(": error: ", 1)[1][:110] + "...")
+
+
+def consolidate_verdict(ranks: list) -> Result:
+    """engine.full_fp32_state_dict() with offload_optimizer, every rank: its master was in host
+    memory, its own slice of the consolidated state is that master bit for bit, all finite."""
+    bad = [f"rank {r['rank']}: " + ", ".join(what for key, what in (
+        ("master_on_host", "master not in host memory"), ("own_slice_is_master", "own slice != its master"),
+        ("finite", "non-finite values")) if not r[key]) for r in ranks
+        if not (r["master_on_host"] and r["own_slice_is_master"] and r["finite"])]
+    return Result("FAIL", "; ".join(bad[:4])) if bad else Result("PASS", "", f"{len(ranks)} ranks")
+
+
+def sync_debug_verdict(ranks: list) -> Result:
+    """Every rank stepped under set_sync_debug_mode('error') (a forbidden sync raises, and the
+    driver exits non-zero before this is read) and made exactly the one documented sync."""
+    counts = [r["documented_syncs"] for r in ranks]
+    if any(c != 1 for c in counts):
+        return Result("FAIL", f"the documented sync ran {counts} times on ranks 0..{len(ranks) - 1} (want 1 each)")
+    return Result("PASS", "", f"{len(ranks)} ranks; 1 host sync per step; loss {ranks[0]['loss']:.4f}")
+
+
+USER_DATA_ERROR = "CIFAR-10 not found in"   # cifar10.DatasetNotFoundError's first words
+
+
+def user_command_verdict(cifar: dict | None, cifar_log: str, synthetic: dict | None) -> Result:
+    """The README's command completed on CIFAR-10; or CIFAR-10 could not be fetched (that one
+    line, no traceback) and the same command completed on synthetic data."""
+    def numbers(s, what):
+        sps = f"; {s['samples_per_s']:.0f} samples/s" if s.get("samples_per_s") else ""
+        return f"{what}: world {s['world_size']}, {s['steps']} steps, final loss {s['final_loss']:.4f}{sps}"
+    if cifar is not None and cifar.get("status") == "completed":
+        return Result("PASS", "", numbers(cifar, "CIFAR-10"))
+    line = last_error(cifar_log)
+    if USER_DATA_ERROR not in cifar_log or worker_tracebacks(cifar_log) > 0:
+        return Result("FAIL", f"on CIFAR-10: {line}")
+    if synthetic is None or synthetic.get("status") != "completed":
+        return Result("FAIL", "CIFAR-10 could not be fetched, and the synthetic run did not complete")
+    return Result("PASS", "", numbers(synthetic, "CIFAR-10 unreachable here, synthetic"))
 
 
 PYTEST_KINDS = {"passed", "failed", "errors", "skipped", "deselected", "xfailed", "xpassed", "warnings"}
@@ -567,6 +686,31 @@ def judge_refused(save_dirs: list):
     def judge(ctx: Ctx) -> Result:
         left = sorted(p.name for d in save_dirs for p in ctx.path(d).glob("global_step*"))
         return refused_verdict([rc for _, rc, _ in ctx.procs], ctx.logs(), left)
+    return judge
+
+
+def judge_ranks(path: str, verdict):
+    """A --rank-driver's per-rank results (rank 0 wrote them as JSON), judged by `verdict`."""
+    return lambda ctx: verdict(read_json(ctx.path(path)))
+
+
+def judge_observed(plain: str, observed: str, trace: str):
+    """The observed run wrote its trace and comms table, and its losses equal the plain run's."""
+    def judge(ctx: Ctx) -> Result:
+        missing = [str(p.relative_to(ctx.dir)) for p in (ctx.path(trace) / "trace.json", ctx.path(trace) / "rank0.json",
+                                                          ctx.path(observed) / "comms_summary.txt") if not p.is_file()]
+        same = judge_same_losses(plain, observed)(ctx)
+        if missing:
+            return Result("FAIL", f"not written: {', '.join(missing)}", same.numbers)
+        return same
+    return judge
+
+
+def judge_user_command(cifar: str, synthetic: str):
+    def judge(ctx: Ctx) -> Result:
+        summary = lambda d: read_json(ctx.path(d) / "summary.json") if (ctx.path(d) / "summary.json").is_file() else None
+        cifar_log = next((t for (p, _, _), t in zip(ctx.procs, ctx.logs()) if p.fallback_for is None), "")
+        return user_command_verdict(summary(cifar), cifar_log, summary(synthetic))
     return judge
 
 
@@ -729,6 +873,10 @@ def run_check(c: Check, out: Path, logs: Path) -> Result:
             except OSError as e:
                 return Result("FAIL", f"copying the checkpoint failed: {e}")
             continue
+        exited = {p.log: rc for p, rc, _ in ran}
+        step = [p for p in step if p.fallback_for is None or exited.get(p.fallback_for) != 0]
+        if not step:
+            continue
         res = run_step(step, d, out, logs)
         ran += res
         bad = failure(res)
@@ -837,13 +985,39 @@ def overflow_rank(stage: int, path: str) -> None:
         comm.destroy()
 
 
+DRIVERS = {"consolidate": ("consolidate_offload_run", (int,)), "sync-debug": ("sync_debug_run", (int, str))}
+
+
+def rank_driver(argv: list) -> None:
+    """`--rank-driver NAME ARGS... JSON`, on every rank (torchrun, or one plain process):
+    tests/engine_runs.<function>(*ARGS) on this rank's GPU, every rank's result gathered to
+    rank 0, which writes them to JSON. A failure raises (the check's log has the traceback)."""
+    sys.path.insert(0, str(ROOT))
+    from minizero import comm
+    from tests import engine_runs
+
+    name, *args, path = argv
+    fn, types = DRIVERS[name]
+    comm.init_distributed()
+    try:
+        mine = getattr(engine_runs, fn)(*(t(a) for t, a in zip(types, args)))
+        ranks = comm.all_gather_object(mine)
+        if comm.get_rank() == 0:
+            with open(path, "w") as f:
+                json.dump(ranks, f, default=float)
+    finally:
+        comm.destroy()
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="launch/gpu_check.sh", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="What each check asserts and why: docs/gpu.md.")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (every command), run nothing")
+    p.add_argument("--plan", "--dry-run", dest="dry_run", action="store_true",
+                   help=f"print the plan (every check and command), run nothing; on a machine without GPUs, the "
+                        f"plan for {PLAN_GPUS} (or --gpus N)")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (memory checks keep iGPT-S)")
     p.add_argument("--out", help="report folder (default reports/gpu-check-<date>); must not hold a report")
     p.add_argument("--gpus", type=int, help="use this many GPUs (default: all that torch sees); with --dry-run, "
@@ -853,6 +1027,7 @@ def parse_args(argv):
     p.add_argument("--rehearse", action="store_true",
                    help="with --gpus N on a machine without them: run anyway (CPU, gloo) to test this script")
     p.add_argument("--overflow-rank", nargs=2, metavar=("STAGE", "JSON"), help=argparse.SUPPRESS)
+    p.add_argument("--rank-driver", nargs="+", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -879,7 +1054,8 @@ def print_plan(checks: list, out: Path, n: int, quick: bool) -> None:
                 continue
             for p in step:
                 print(f"     $ {show(*render(p, str(at.dir), str(out), 'PORT'))}"
-                      + (" &" if len(step) > 1 else "") + ("   # its exit status goes to the judge" if p.may_fail else ""))
+                      + (" &" if len(step) > 1 else "") + ("   # its exit status goes to the judge" if p.may_fail else "")
+                      + (f"   # only if {p.fallback_for} did not exit 0" if p.fallback_for else ""))
         if not c.steps:
             print("     (reads the results of: " + ", ".join(c.after) + ")")
         print()
@@ -912,6 +1088,9 @@ def main(argv=None) -> int:
     if args.overflow_rank:
         overflow_rank(int(args.overflow_rank[0]), args.overflow_rank[1])
         return 0
+    if args.rank_driver:
+        rank_driver(args.rank_driver)
+        return 0
     # Mistakes a user can make: one line each, before anything slow.
     names = [c.name for c in plan(0)]
     unknown = [pat for pat in args.only + args.skip if not any(fnmatch.fnmatch(nm, pat) for nm in names)]
@@ -931,6 +1110,9 @@ def main(argv=None) -> int:
     say(f"found {found} GPU(s): {machine_line(info)}" if found else "no GPU found (torch.cuda.device_count() == 0"
         + (f"; {info['error']}" if info.get("error") else "") + ")")
     n = found if args.gpus is None else args.gpus
+    if args.dry_run and args.gpus is None and not found:
+        n = PLAN_GPUS
+        say(f"no GPU here: the plan for {n} GPUs (2 nodes x 4); --gpus N plans for another count")
     if n > found and not (args.dry_run or args.rehearse):
         say(f"error: --gpus {n}, but torch sees {found} GPU(s) here; add --dry-run to see that plan, or "
             "--rehearse to run it on CPU (a test of this script, not of GPUs)", err=True)

@@ -173,8 +173,7 @@ class Engine(torch.nn.Module):
         vote = overflow_vote(norm_sq) if self.loss_scaler is not None else None
         # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed syncs
         # here too). Everything below that needs the norm (or the vote) on the host uses this.
-        norm_sq_host, voted = (float(norm_sq), None) if vote is None else \
-            torch.cat([norm_sq.reshape(1), vote.double()]).tolist()
+        norm_sq_host, voted = read_on_host(norm_sq, vote)
         if self._must_skip(norm_sq_host, voted):                        # 3
             opt.zero_grad()
             self.skipped_steps += 1
@@ -299,6 +298,16 @@ class Engine(torch.nn.Module):
         note = ignored_knobs_note(self.config)   # overlap/prefetch knobs: accepted, not acted on
         if note and self.global_rank == 0:
             logger.info(note)
+
+
+def read_on_host(norm_sq: torch.Tensor, vote: torch.Tensor | None) -> tuple[float, float | None]:
+    """The step's one host sync: the squared gradient norm (and fp16's overflow vote) as
+    Python floats, in one device-to-host copy. A function of its own so that
+    launch/gpu_check.py's sync-debug check can allow exactly this sync and no other."""
+    if vote is None:
+        return float(norm_sq), None
+    norm_sq_host, voted = torch.cat([norm_sq.reshape(1), vote.double()]).tolist()
+    return norm_sq_host, voted
 
 
 def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:

@@ -340,3 +340,72 @@ def global_losses(results) -> list[float]:
 
 def isfinite_all(xs) -> bool:
     return all(math.isfinite(x) for x in xs)
+
+
+# ----------------------------------------------------------------------------- GPU drivers (launch/gpu_check.py)
+
+def consolidate_offload_run(stage: int) -> dict:
+    """offload_optimizer at `stage` on N ranks: one step, then engine.full_fp32_state_dict(),
+    whose gather takes each rank's master from host memory. On every rank: is this rank's
+    slice of each consolidated buffer its own master, bit for bit, and is all of it finite?"""
+    import minizero
+    from minizero import comm
+
+    spec = spec_of(stage=stage, dtype="bf16", steps=1,
+                   zero={"offload_optimizer": {"device": "cpu", "pin_memory": True}})
+    rank, world = comm.get_rank(), comm.get_world_size()
+    cfg = config_of(spec, world)
+    model, groups = build(spec, cfg)
+    engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
+    loss = engine(*batches_of(spec)(0, 0, rank, world))[1]
+    engine.backward(loss)
+    engine.step()
+    state = engine.full_fp32_state_dict()
+    opt = engine.sharded_optimizer
+    mine, finite = True, True
+    for f, m in zip(opt.flat_params, opt.masters):
+        flat = torch.cat([state[name].reshape(-1) for name in f.names])
+        finite = finite and bool(torch.isfinite(flat).all())
+        own = flat[f.shard_start:min(f.shard_end, f.numel)]
+        mine = mine and torch.equal(own, m.detach().cpu()[:own.numel()])
+    return {"rank": rank, "master_on_host": opt.masters[0].device.type == "cpu", "own_slice_is_master": mine,
+            "finite": finite}
+
+
+def sync_debug_run(stage: int, dtype: str) -> dict:
+    """One optimizer step (after a warm-up step) with torch.cuda.set_sync_debug_mode("error"):
+    any host sync in forward, backward or step raises, except the engine's documented one
+    (engine.read_on_host, allowed by name). Returns how often that one ran."""
+    import minizero
+    from minizero import comm
+    from minizero import engine as engine_module
+
+    spec = spec_of(stage=stage, dtype=dtype, steps=2, zero=Z3P0 if stage == 3 else {})
+    rank, world = comm.get_rank(), comm.get_world_size()
+    cfg = config_of(spec, world)
+    model, groups = build(spec, cfg)
+    engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
+    batches = [tuple(t.to(engine.device) for t in batches_of(spec)(s, 0, rank, world)) for s in range(2)]
+    allowed, real_read = [], engine_module.read_on_host
+
+    def read_on_host(norm_sq, vote):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            allowed.append(1)
+            return real_read(norm_sq, vote)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    engine_module.read_on_host = read_on_host
+    try:
+        for step, (x, y) in enumerate(batches):
+            if step == 1:
+                torch.cuda.synchronize()
+                allowed.clear()
+                torch.cuda.set_sync_debug_mode("error")
+            loss = engine(x, y)[1]
+            engine.backward(loss)
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        engine_module.read_on_host = real_read
+    return {"rank": rank, "documented_syncs": len(allowed), "loss": float(loss)}

@@ -23,11 +23,15 @@ sys.modules["gpu_check"] = gc          # dataclasses look their module up while 
 _spec.loader.exec_module(gc)
 
 RESUME_1 = [f"resume-1gpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
-RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
+RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16", "fp32")]
 MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overlap-z{s}-{d}" for s in range(4) for d in ("bf16", "fp32")),
          *(f"overflow-z{s}" for s in range(4)), *(f"memory-z{s}" for s in range(4)), "memory-falls",
-         "2node-straight", "2node-resume-shared", "2node-resume-separate", "2node-save-separate"]
-SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "offload-step5-1gpu", *RESUME_1, "compare", *(f"compare-z{s}" for s in range(4))]
+         "2node-straight", "2node-resume-shared", "2node-resume-separate", "2node-save-separate",
+         "offload-opt-z1", "offload-opt-z2", "offload-param-z3", "consolidate-offload-z1", "consolidate-offload-z2",
+         "observe-allgpu", "cpu-checkpointing-allgpu"]
+SYNC_DEBUG = [f"sync-debug-z{s}-{d}" for s in range(4) for d in ("bf16", "fp16")]
+SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "offload-step5-1gpu", *RESUME_1, *SYNC_DEBUG,
+          "user-command", "compare", *(f"compare-z{s}" for s in range(4))]
 
 
 def by_name(n, quick=False):
@@ -130,7 +134,7 @@ def test_select_keeps_what_only_needs_and_drops_what_skip_orphans():
     assert names(gc.select(gc.plan(2), only=["memory-falls"])) == [f"memory-z{s}" for s in range(4)] + ["memory-falls"]
     left = names(gc.select(gc.plan(2), skip=["memory-z*", "cpu-*"]))
     assert "memory-falls" not in left and "cpu-suite" not in left and "memory-z0" not in left
-    assert len(left) == len(SINGLE + MULTI) - 6
+    assert len(left) == len(SINGLE + MULTI) - 7   # memory-z0..3, memory-falls, cpu-suite, cpu-checkpointing-allgpu
 
 
 def test_visible_maps_plan_indices_through_the_parents_list():
@@ -307,14 +311,20 @@ def run_cli(*args, **kw):
                           text=True, timeout=120, **kw)
 
 
-def test_dry_run_says_no_gpu_and_runs_nothing(tmp_path):
+@pytest.mark.parametrize("flag_", ["--plan", "--dry-run"])
+def test_plan_on_a_machine_without_gpus_lists_every_check_with_its_commands(tmp_path, flag_):
     out = tmp_path / "report"
-    r = run_cli("--dry-run", "--out", str(out))
+    r = run_cli(flag_, "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert "no GPU found" in r.stdout
+    assert "no GPU found" in r.stdout and "the plan for 8 GPUs" in r.stdout
+    listed = re.findall(r"^\[\s*\d+\] (\S+): (.*)$", r.stdout, re.M)
+    assert sorted(name for name, _ in listed) == sorted(SINGLE + MULTI)
+    assert not [name for name, what in listed if what.startswith("SKIP")]
+    assert r.stdout.count("\n     $ ") >= len(SINGLE + MULTI) - 5   # commands (memory-falls, compare-z* read files)
+    assert not out.exists()
+    r = run_cli(flag_, "--gpus", "0", "--out", str(out))                 # asked for: the plan for 0 GPUs
     listed = re.findall(r"^\[\s*\d+\] (\S+): SKIP: no GPU found$", r.stdout, re.M)
     assert sorted(listed) == sorted(SINGLE + MULTI)
-    assert not out.exists()
 
 
 def test_a_plan_for_gpus_this_machine_lacks_is_one_line_without_dry_run(tmp_path, capsys, monkeypatch):
@@ -405,3 +415,94 @@ def test_offload_checks_run_the_tutorials_step5_config_and_the_cuda_offload_test
             assert flag(p.argv, "--model") == "tutorial-24"
         assert "--resume" in resumed.argv and ("--nproc-per-node" in straight.argv) == (nproc > 1)
     assert flag(procs(by_name(2, quick=True)["offload-step5-1gpu"])[0].argv, "--model") == "tiny"
+
+
+# ----------------------------------------------------------------------------- issue 25's checks
+
+def test_memory_checks_run_zero3_with_prefetch_and_reuse_at_0():
+    # At DeepSpeed's default reuse distance ZeRO-3 keeps every unit gathered from forward to
+    # backward, and memory-falls would fail for a config reason.
+    from minizero.config import load_config
+    for stage in range(4):
+        p = procs(by_name(2)[f"memory-z{stage}"])[0]
+        path = ROOT / flag(p.argv, "--config")
+        with open(path) as f:
+            cfg = json.load(f)
+        z = load_config(cfg, 2).zero
+        assert (z.stage3_prefetch_bucket_size, z.stage3_max_reuse_distance) == (0, 0)
+        assert flag(p.argv, "--stage") == str(stage)
+        # otherwise the trainer's default config
+        from minizero.train_args import DEFAULT_CONFIG
+        assert {k: v for k, v in cfg.items() if k != "zero_optimization"} == \
+            {k: v for k, v in DEFAULT_CONFIG.items() if k != "zero_optimization"}
+
+
+def test_every_check_config_is_a_valid_config():
+    from minizero.config import load_config
+    for path in sorted((ROOT / "launch" / "gpu_check_configs").glob("*.json")):
+        with open(path) as f:
+            load_config(json.load(f), 2)
+
+
+def test_consolidate_and_sync_debug_verdicts():
+    good = {"master_on_host": True, "own_slice_is_master": True, "finite": True}
+    assert gc.consolidate_verdict([dict(good, rank=r) for r in range(2)]).status == "PASS"
+    bad = gc.consolidate_verdict([dict(good, rank=0), dict(good, rank=1, own_slice_is_master=False)])
+    assert bad.status == "FAIL" and "rank 1: own slice != its master" in bad.reason
+    assert gc.sync_debug_verdict([{"rank": r, "documented_syncs": 1, "loss": 2.0} for r in range(2)]).status == "PASS"
+    two = gc.sync_debug_verdict([{"rank": 0, "documented_syncs": 2, "loss": 2.0}])
+    assert two.status == "FAIL" and "[2]" in two.reason
+
+
+def test_user_command_verdict_falls_back_to_synthetic_only_when_cifar_cannot_be_fetched():
+    done = {"status": "completed", "world_size": 8, "steps": 781, "final_loss": 2.5, "samples_per_s": 9000.0}
+    assert gc.user_command_verdict(done, "", None).numbers.startswith("CIFAR-10: world 8")
+    offline = "python -m minizero.train: error: CIFAR-10 not found in /data: fetching it failed (URLError: ...)"
+    r = gc.user_command_verdict(None, offline, done)
+    assert r.status == "PASS" and r.numbers.startswith("CIFAR-10 unreachable here, synthetic")
+    assert gc.user_command_verdict(None, offline, None).status == "FAIL"
+    crash = "Traceback (most recent call last):\n  ...\n[rank0]: RuntimeError: NCCL error"
+    r = gc.user_command_verdict(None, crash, done)
+    assert r.status == "FAIL" and "NCCL error" in r.reason
+
+
+def test_a_fallback_runs_only_when_the_command_it_stands_in_for_failed(tmp_path):
+    for first_rc, want in ((1, ["first", "fallback"]), (0, ["first"])):
+        out = tmp_path / str(first_rc)
+        log = lambda name: gc.Proc([gc.PY, "-c", f"import sys; print('{name}'); sys.exit({first_rc if name == 'first' else 0})"],
+                                   f"{name}.log", may_fail=name == "first",
+                                   fallback_for="first.log" if name == "fallback" else None)
+        check = gc.Check("fb", "a fallback", steps=[[log("first")], [log("fallback")]])
+        (out / "logs").mkdir(parents=True)
+        assert gc.run_check(check, out, out / "logs").status == "PASS"
+        assert sorted(p.stem for p in (out / "logs").iterdir()) == sorted(want)
+
+
+def _rows_of_docs():
+    """The check names (patterns: <S> a stage, <dtype> a dtype) of docs/gpu.md's table."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    table = text[text.index("| check | needs | asserts |"):]
+    names = []
+    for line in table.splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        names += re.findall(r"`([^`]+)`", line.split("|")[1])
+    return [re.compile("^" + re.escape(n).replace("<S>", "[0-3]").replace("<dtype>", "(fp16|bf16|fp32)") + "$")
+            for n in names]
+
+
+def test_docs_gpu_md_lists_every_check():
+    rows = _rows_of_docs()
+    missing = [c.name for c in gc.plan(8) if not any(r.match(c.name) for r in rows)]
+    assert not missing, f"docs/gpu.md's table lacks {missing}"
+
+
+def _consolidate_on_gloo():
+    from tests import engine_runs
+    return engine_runs.consolidate_offload_run(2)
+
+
+def test_the_consolidate_driver_runs_on_cpu_ranks():
+    from tests.launcher import run_ranks
+    for r in run_ranks(_consolidate_on_gloo, world_size=2, timeout=180):
+        assert r["master_on_host"] and r["own_slice_is_master"] and r["finite"], r
