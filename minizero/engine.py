@@ -199,9 +199,9 @@ class Engine(torch.nn.Module):
         """Skip this step? fp16: every rank has voted (`voted`: the all-reduce MAX of "I
         overflowed", fp16.overflow_vote), so all ranks skip together by construction, and
         the loss scale updates. bf16 (with bf16.check_grad_overflow) and fp32: skip when
-        the norm is inf/NaN rather than write
-        NaN into every weight (docs/deepspeed.md, "A non-finite gradient norm skips the step
-        in every dtype"); the norm is the same on every rank, so no vote is needed."""
+        the norm is inf/NaN rather than write NaN into every weight (docs/deepspeed.md, "A
+        non-finite gradient norm skips the step in every dtype"); the norm is the same on
+        every rank, so no vote is needed."""
         finite = math.isfinite(norm_sq)
         if self.loss_scaler is not None:
             overflow = voted > 0
