@@ -19,6 +19,7 @@ the first place that reads a value out of a meta tensor (`.item()`, `.cpu()`): e
 up to there is checked. Object collectives (broadcast_object, all_gather_object, barrier)
 still run for real; they pick their device themselves.
 """
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -203,3 +204,53 @@ def test_bench_collectives_all_reduces_its_timings_on_the_device():
     for log, stopped in run_ranks(_bench_collectives_timings_strict, world_size=2, timeout=120):
         assert log == [("all_reduce", ["meta"])]
         assert "meta tensor" in stopped   # the check ended at .tolist(), after the all-reduce
+
+
+# ----------------------------------------------------------------------------- a whole step, every stage
+
+class _ReachedTheSync(Exception):
+    pass
+
+
+def _step_strict(stage: int, dtype: str):
+    """One training step of the micro GPT on the injected device. On meta every read of a
+    device value raises, so the run stops at the first host read; engine.read_on_host (the
+    step's one documented sync) is replaced by a marker, so reaching it proves that forward,
+    backward, the gradient reduction, the norm and the fp16 vote read nothing on the host."""
+    import minizero
+    from minizero import engine as engine_module
+    from tests.harness import SyntheticBatches, make_config, make_model
+
+    reached = []
+
+    def read_on_host(norm_sq, vote):
+        reached.append([str(norm_sq.device)] + ([] if vote is None else [str(vote.device)]))
+        raise _ReachedTheSync()
+
+    def step():
+        torch.manual_seed(0)
+        model = make_model("micro", "gpt").to(comm.get_device())
+        cfg = make_config(stage, dtype, micro_batch=2, lr=1e-3, zero={"stage3_param_persistence_threshold": 0})
+        engine, *_ = minizero.initialize(model=model, config=cfg, model_parameters=model.configure_param_groups(0.1))
+        batches = SyntheticBatches(model.config.vocab_size, model.config.block_size, 2)
+        x, y = (t.to(comm.get_device()) for t in batches(0, 0, comm.get_rank(), comm.get_world_size()))
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        try:
+            engine.step()
+        except _ReachedTheSync:
+            pass
+    real, engine_module.read_on_host = engine_module.read_on_host, read_on_host
+    try:
+        log, stopped = strict_collectives(step)
+    finally:
+        engine_module.read_on_host = real
+    return sorted({name for name, _ in log}), stopped, reached
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "bf16"), (1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")])
+def test_a_step_at_every_stage_keeps_collectives_on_the_device_and_reads_nothing_before_its_sync(stage, dtype):
+    for ops, stopped, reached in run_ranks(_step_strict, world_size=2, args=(stage, dtype), timeout=180):
+        assert stopped is None, stopped                  # no meta read before the documented sync
+        assert reached == [["meta"] if dtype != "fp16" else ["meta", "meta"]], reached   # the norm (and vote) on the device
+        assert "broadcast" in ops and ("all_gather_into_tensor" in ops) == (stage == 3), ops
