@@ -140,6 +140,10 @@ def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str |
                 open(os.path.join(save_dir, probe), "w").close()
         except RunDirError as e:
             err = str(e)
+        except OSError as e:   # rank 0 alone: raising here would leave the others waiting below
+            if lock is not None:
+                lock.release()
+            err = f"cannot write into {save_dir}: {e.strerror or e}; pick a writable --save-dir"
     err, probe = comm.broadcast_object((err, probe))
     if err is not None:
         raise RunDirError(err)

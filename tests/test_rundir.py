@@ -83,3 +83,27 @@ def test_one_shared_folder_is_claimed_and_the_probe_removed(tmp_path):
     from tests.launcher import run_ranks
     folder = str(tmp_path / "shared")
     assert run_ranks(_claim, world_size=2, args=([folder, folder],), timeout=120) == [("claimed", [])] * 2
+
+
+def _claim_unwritable(folder):
+    import os
+    real_open = open
+
+    def refusing_open(path, *a, **k):
+        if os.path.basename(str(path)).startswith(".minizero.probe"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *a, **k)
+    import builtins
+    builtins.open = refusing_open
+    try:
+        return _claim([folder, folder])
+    finally:
+        builtins.open = real_open
+
+
+def test_a_folder_rank_0_cannot_write_into_is_one_line_on_every_rank(tmp_path):
+    # rank 0 alone fails to create the probe: it must not leave the other ranks waiting
+    from tests.launcher import run_ranks
+    out = run_ranks(_claim_unwritable, world_size=2, args=(str(tmp_path / "ro"),), timeout=120)
+    assert [o[0] for o in out] == ["refused", "refused"], out
+    assert "cannot write into" in out[0][1] and "Permission denied" in out[0][1] and out[0][1] == out[1][1]
