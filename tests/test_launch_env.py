@@ -59,9 +59,16 @@ def test_srun_without_torchrun_or_master_addr_is_refused_in_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "r" / "metrics.csv")
 
 
+def _clear_env(monkeypatch, *names):
+    """Unset `names` for this test, and restore them after it even where the code under test
+    sets them (monkeypatch restores only what it saw change: set first, then delete)."""
+    for k in names:
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+
+
 def _slurm_env(monkeypatch, **env):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(k, raising=False)
+    _clear_env(monkeypatch, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 
@@ -144,7 +151,7 @@ def test_deterministic_mode_alone_sets_the_cublas_workspace(monkeypatch):
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: calls.append(on))
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     monkeypatch.setenv("MINIZERO_DETERMINISTIC", "1")
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    _clear_env(monkeypatch, "CUBLAS_WORKSPACE_CONFIG")
     train.deterministic_from_env()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and calls == [True]
     assert torch.backends.cudnn.benchmark is False
