@@ -307,8 +307,8 @@ class CollectivesConfig(Section):
     docs/deepspeed.md, "Unknown top-level config keys are ignored", so the config still runs
     under DeepSpeed). check: the desync check before every collective (also on with
     MINIZERO_DEBUG_COLLECTIVES=1); timeout_s: how long a collective may wait before the run
-    ends naming it (None: 60 s with the check, else the process group's own, 1800 s when
-    minizero started it). docs/debugging.md."""
+    ends naming it (None: the process group's own, 1800 s when minizero started it, with
+    the check on or off; on NCCL it is named only with the check on). docs/debugging.md."""
     check: bool = key(False, boolean)
     timeout_s: Optional[float] = key(None, optional(real(lo=1)))
 
