@@ -927,6 +927,9 @@ def probe() -> dict:
     GPU 0 would sit there through every check)."""
     try:
         r = subprocess.run([PY, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        if r.returncode != 0:   # e.g. this python has no torch: say so, not what failed to parse
+            lines = r.stderr.strip().splitlines()
+            return {"count": 0, "names": [], "error": f"{PY}: {lines[-1] if lines else f'exit {r.returncode}'}"}
         return json.loads(r.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
         return {"count": 0, "names": [], "error": f"{type(e).__name__}: {e}"}
