@@ -77,7 +77,7 @@ def run_op(op: str, full: list, part: list, async_op: bool):
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    from minizero.process_group import single_host_env
+    from minizero.runtime.process_group import single_host_env
     os.environ.update(single_host_env(rank, world, port))
     import warnings
 

@@ -65,7 +65,7 @@ for _p in (str(ROOT), str(ROOT / "launch")):   # `python launch/bench_overlap.py
         sys.path.insert(0, _p)
 
 import bench_offload as bo  # noqa: E402  (its launching, timing and table helpers)
-from minizero.compare import machine  # noqa: E402
+from minizero.compare.compare import machine  # noqa: E402
 
 LIBS = ("minizero", "deepspeed")
 DTYPES = ("fp32", "bf16")
@@ -145,7 +145,7 @@ def zero_section(stage: int, knobs: str) -> dict:
 
 def make_config(stage: int, dtype: str, knobs: str, args) -> dict:
     """minizero.train's default CPU config (minGPT play_image's AdamW), sized by the flags."""
-    from minizero.train_args import DEFAULT_CONFIG
+    from minizero.train.train_args import DEFAULT_CONFIG
     cfg = copy.deepcopy(DEFAULT_CONFIG)
     cfg.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=args.gas,
                steps_per_print=10 ** 9, zero_optimization=zero_section(stage, knobs))

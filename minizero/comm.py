@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import desync
+from .observe import desync
 # The setup lives in process_group.py; its names are re-exported so every caller (and a
 # test's monkeypatch) says comm.get_rank(), comm.init_distributed(), ...
-from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
+from .runtime.process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
                             get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
 
 # torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
@@ -112,7 +112,7 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
     summary = comms_logger.summary()
     straggler = comms_logger.straggler() if show_straggler else None
     if get_rank() == 0:
-        from .comms_logger import format_straggler_table, format_table
+        from .observe.comms_logger import format_straggler_table, format_table
         print(format_table(summary))
         if straggler is not None:
             print(format_straggler_table(straggler))

@@ -27,11 +27,12 @@ import math
 
 import torch
 
-from . import checkpointing, comm, desync, trace
-from .comms_logger import CommsLogger
-from .config import ignored_knobs_note, load_config
+from . import checkpointing, comm
+from .observe import desync, trace
+from .observe.comms_logger import CommsLogger
+from .runtime.config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_across_ranks
-from .lr_schedules import build_scheduler
+from .runtime.lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
 from .offload import HostOffload
 from .sharded_optimizer import ShardedOptimizer, build_optimizer
@@ -255,7 +256,7 @@ class Engine(torch.nn.Module):
         """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
         Must be called at a gradient-accumulation boundary. Returns the tag's folder
         (DeepSpeed returns True)."""
-        from . import checkpoint_io
+        from .checkpoint import checkpoint_io
         return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
@@ -263,7 +264,7 @@ class Engine(torch.nn.Module):
         """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
         (as DeepSpeed does). `path` is the tag's folder (DeepSpeed returns the path of the
         model-states file inside it)."""
-        from . import checkpoint_io
+        from .checkpoint import checkpoint_io
         path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")

@@ -554,8 +554,8 @@ def side_by_side(model_name: str, worlds: Iterable[int], gpus_per_node: int = 8)
     """DeepSpeed's estimate beside minizero's exact bytes per rank (bf16, computed from the
     layout plans by minizero.memory_table; ZeRO-3 with every parameter partitioned)."""
     from minizero.memory import total as state_total
-    from minizero.memory_table import compute
-    from minizero.model import GPT, get_preset
+    from minizero.observe.memory_table import compute
+    from minizero.gpt.model import GPT, get_preset
 
     torch.manual_seed(0)
     model = GPT(get_preset(model_name))   # real storage: model_to_params tells parameters apart by data_ptr
@@ -588,7 +588,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="tutorial")
     ap.add_argument("--world-size", type=int, nargs="+", default=[8, 64, 1024])
     args = ap.parse_args(argv)
-    from minizero.model import PRESETS
+    from minizero.gpt.model import PRESETS
     if args.model not in PRESETS:
         ap.error(f"unknown --model {args.model!r}: choose one of {', '.join(PRESETS)}")
     bad = [n for n in args.world_size if n < 1 or n % min(n, 8)]

@@ -153,7 +153,7 @@ COUNTER = CommCounter().install()   # before `import deepspeed` (see the class d
 import deepspeed  # noqa: E402
 
 from minizero import comm  # noqa: E402
-from minizero import train as mtrain  # noqa: E402
+from minizero.train import train as mtrain  # noqa: E402
 from reference.ds_run import _loss_scale, patch_cpu_fp16, prepare_ds_config  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from minizero.model import get_preset  # noqa: E402
+from minizero.gpt.model import get_preset  # noqa: E402
 from tests import harness  # noqa: E402
 from tests.harness import (SyntheticBatches, max_abs_diff, max_list_diff,  # noqa: E402,F401
                            run_minizero)

@@ -67,7 +67,7 @@ def build(spec, cfg):
 
 
 def batches_of(spec) -> PatternBatches:
-    from minizero.model import get_preset
+    from minizero.gpt.model import get_preset
     return PatternBatches(get_preset(spec["preset"]).vocab_size, spec["seq"], spec["global_batch"],
                           spec["gas"], spec["perm"])
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from minizero.config import ActivationCheckpointingConfig
+from minizero.runtime.config import ActivationCheckpointingConfig
 from reference.ds_run import (SyntheticBatches, build_model, get_batch,  # noqa: F401
                               prepare_ds_config, run_deepspeed, train_steps)
 from tests import probes
@@ -97,7 +97,7 @@ class GPTWithUnused(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        from minizero.model import GPT
+        from minizero.gpt.model import GPT
         self.gpt = GPT(cfg)
         self.extra = nn.ModuleList([nn.Linear(cfg.n_embd, cfg.n_embd)])
         self.side = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -117,7 +117,7 @@ class GPTWithUnused(nn.Module):
 def make_model(preset: str, kind: str = "gpt", **overrides) -> nn.Module:
     """A GPT of this preset (`kind` "gpt") or GPTWithUnused around one ("unused").
     Bind the arguments with functools.partial to get a picklable model_fn."""
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     cfg = get_preset(preset, **overrides)
     return GPT(cfg) if kind == "gpt" else GPTWithUnused(cfg)
 

@@ -22,12 +22,12 @@ import os
 import traceback
 
 from minizero.comm import free_port  # noqa: F401  (tests import it from here too)
-from minizero.process_group import single_host_env
+from minizero.runtime.process_group import single_host_env
 
 # torch._dynamo: torch.optim's constructor imports it (sympy and more), ~2.5 s per rank
 # per run if the forkserver has not already paid for it.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minizero", "minizero.engine",
-            "minizero.model", "tests.launcher"]
+            "minizero.gpt.model", "tests.launcher"]
 try:  # deepspeed is an optional (dev) dependency
     import importlib.util
 

@@ -131,7 +131,7 @@ def test_the_config_is_the_tutorials_plus_torch_adam():
 
 
 def test_model_is_tutorial_24_shrunk_in_width_and_sequence_only():
-    from minizero.model import get_preset
+    from minizero.gpt.model import get_preset
     full, used = get_preset("tutorial-24"), get_preset("tutorial-24", **SHRINK)
     assert (used.n_layer, used.n_head, used.vocab_size) == (full.n_layer, full.n_head, full.vocab_size) == (24, 8, 512)
     assert used.embd_pdrop == used.resid_pdrop == used.attn_pdrop == 0.0

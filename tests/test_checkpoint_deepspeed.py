@@ -30,8 +30,8 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore")
 deepspeed = pytest.importorskip("deepspeed")
 
-from minizero.checkpoint_folder import CheckpointError  # noqa: E402
-from minizero.deepspeed_checkpoint import (assign_groups, open_source, zero3_partition_numel,  # noqa: E402
+from minizero.checkpoint.checkpoint_folder import CheckpointError  # noqa: E402
+from minizero.checkpoint.deepspeed_checkpoint import (assign_groups, open_source, zero3_partition_numel,  # noqa: E402
                                            zero12_offsets, zero12_partition_numel, zero12_tail_padding)
 from reference.ds_run import SyntheticBatches, build_model, prepare_ds_config  # noqa: E402
 from tests import harness  # noqa: E402
@@ -141,7 +141,7 @@ def _ds_moments(engine) -> dict:
 def _both_ways(stage: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from minizero.export_deepspeed import export, open_checkpoint
+    from minizero.checkpoint.export_deepspeed import export, open_checkpoint
 
     cfg = make_config(stage)
     batches = SyntheticBatches(62, 63, 2, seed=5)
@@ -360,7 +360,7 @@ def _stage0_and_fp16(root: str) -> dict:
     rewritten folder and take 2 more steps."""
     import torch.distributed as dist
 
-    from minizero.export_deepspeed import export
+    from minizero.checkpoint.export_deepspeed import export
     from reference.ds_run import patch_cpu_fp16
 
     patch_cpu_fp16()
@@ -423,7 +423,7 @@ def test_fp16_loss_scaler_carries_through_a_rewritten_folder(ds_to_ds):
 # ----------------------------------------------------------------------------- the command line
 
 def test_export_command_line(runs, tmp_path, capsys):
-    from minizero.export_deepspeed import main
+    from minizero.checkpoint.export_deepspeed import main
 
     mz = str(runs[1][0] / "mz")
     assert main([mz, str(tmp_path / "out"), "--stage", "3", "--world-size", "4"]) == 0
@@ -492,7 +492,7 @@ def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs,
     ZeRO's optimizer state partitioning with a new world size is not currently supported");
     export_deepspeed rewrites it: 2 ranks at ZeRO-3 -> 1 rank at ZeRO-1, state bit for bit,
     and DeepSpeed continues it as minizero continues the original."""
-    from minizero.export_deepspeed import main
+    from minizero.checkpoint.export_deepspeed import main
 
     original = runs[3][0] / "ds"
     assert main([str(original), str(tmp_path / "one"), "--stage", "1", "--world-size", "1"]) == 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import minizero
-from minizero.checkpoint_folder import CheckpointError
+from minizero.checkpoint.checkpoint_folder import CheckpointError
 from tests.launcher import run_ranks
 
 MB = 4  # micro-batch per rank
@@ -27,7 +27,7 @@ def checkpoint_config(stage, dtype, zero=(), torch_adam=True):
 
 
 def checkpoint_engine(stage, dtype, preset="micro", config=None, **overrides):
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     torch.manual_seed(0)
     model = GPT(get_preset(preset, **overrides))
     engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1),
@@ -88,7 +88,7 @@ def _consolidate_check(stage, d):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_consolidate_equals_live_weights_and_loads_into_plain_gpt(tmp_path, stage):
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     live = run_ranks(_consolidate_check, 2, (stage, str(tmp_path)))[0]
     sd = minizero.consolidate(str(tmp_path))
     assert set(sd) == set(live)
@@ -97,7 +97,7 @@ def test_consolidate_equals_live_weights_and_loads_into_plain_gpt(tmp_path, stag
     model = GPT(get_preset("micro"))
     model.load_state_dict(sd)  # strict: every parameter present, shapes right
     # and the command-line form writes the same thing
-    from minizero.zero_to_fp32 import main
+    from minizero.checkpoint.zero_to_fp32 import main
     out = tmp_path / "full.pt"
     assert main([str(tmp_path), str(out)]) == 0
     again = torch.load(out)
@@ -131,7 +131,7 @@ def test_no_checkpoint_returns_none(tmp_path):
 
 
 def test_crash_mid_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path, monkeypatch):
-    from minizero import checkpoint_io as checkpoint
+    from minizero.checkpoint import checkpoint_io as checkpoint
     engine = checkpoint_engine(1, "fp32")
     engine.save_checkpoint(str(tmp_path), tag="good")
     real_save = torch.save
@@ -151,7 +151,7 @@ def test_crash_mid_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path, m
 
 
 def test_save_inside_an_accumulation_window_is_refused_and_load_drops_held_grads(tmp_path):
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     torch.manual_seed(0)
     model = GPT(get_preset("micro"))
     cfg = dict(checkpoint_config(1, "fp32"), gradient_accumulation_steps=2)
@@ -169,7 +169,7 @@ def test_save_inside_an_accumulation_window_is_refused_and_load_drops_held_grads
 
 def test_empty_param_group_keeps_its_lr_and_comm_stats_are_per_engine():
     from minizero import comm
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     model = GPT(get_preset("micro"))
     groups = [{"params": list(model.parameters()), "lr": 1e-2}, {"params": [], "lr": 5e-3}]
     comm.all_reduce(torch.zeros(3), label="someone-else")      # traffic before the engine exists
@@ -196,7 +196,7 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
     killed before the k-th rename / delete / link of the publish, for every k: `latest`
     must name a complete checkpoint holding A or B, and the next save must clean up."""
     import shutil
-    from minizero.checkpoint_folder import complete_tags
+    from minizero.checkpoint.checkpoint_folder import complete_tags
     engine, checker = checkpoint_engine(1, "fp32"), checkpoint_engine(1, "fp32")
     base = str(tmp_path / "base")
     for s in range(2):     # WarmupLR: the first two steps have lr 0

@@ -44,7 +44,7 @@ def run_compare(out, stages, zero=()):
     added to zero_optimization."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("matplotlib")
-    from minizero.train_args import DEFAULT_CONFIG
+    from minizero.train.train_args import DEFAULT_CONFIG
 
     cfg = copy.deepcopy(DEFAULT_CONFIG)
     cfg["gradient_clipping"] = 0.0
@@ -115,7 +115,7 @@ def test_losses_agree_fp32(report):
 
 def test_memory_columns(report):
     out, _ = report
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
 
     results = json.loads((out / "results.json").read_text())
     rows = {r["stage"]: r for r in results["rows"]}
@@ -142,8 +142,8 @@ def test_memory_at_the_same_moments(report):
     the same bytes in every category at both moments. fp32 ZeRO-3: padding, DeepSpeed's
     second fp32 master (4S) and, after the step, its kept gradient partition (4S fp32), each
     named in the report to the byte; minizero holds no gradient after the step."""
-    from minizero import compare_memory
-    from minizero.model import GPT, get_preset
+    from minizero.compare import compare_memory
+    from minizero.gpt.model import GPT, get_preset
 
     out, _ = report
     results = json.loads((out / "results.json").read_text())
@@ -184,8 +184,8 @@ def test_comms_summaries_side_by_side(report):
     so their bytes per step are the ledger's wire bytes x N/(N-1); DeepSpeed's ZeRO-3
     reduce-scatters one bucket (the whole model here: reduce_bucket_size 5e5 > Ψ) of its
     per-parameter padded partitions, N x S fp32 elements, once per step."""
-    from minizero import compare_comms
-    from minizero.model import GPT, get_preset
+    from minizero.compare import compare_comms
+    from minizero.gpt.model import GPT, get_preset
 
     out, _ = report
     results = json.loads((out / "results.json").read_text())
@@ -223,7 +223,7 @@ def comms_record(size, count, latency=1.0):
 def test_comms_table_explains_zero12_all_reduce_from_a_hand_written_summary():
     """ZeRO-1 (not in the end-to-end run): DeepSpeed all-reduces the gradient bucket where
     minizero reduce-scatters it; equal rows say so; scalars are named by size."""
-    from minizero import compare_comms
+    from minizero.compare import compare_comms
     mz = {"reduce_scatter_tensor": {"396648": comms_record(396648, 3)},
           "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
           "all_reduce": {"8": comms_record(8, 3)}}
@@ -247,7 +247,7 @@ def test_comms_table_explains_zero12_all_reduce_from_a_hand_written_summary():
 def test_comms_logger_switch_in_the_shared_config():
     """On: the section with enabled true goes to both libraries. Off: no section at all
     (DeepSpeed logs whenever the section is present, even with "enabled": false)."""
-    from minizero import compare
+    from minizero.compare import compare
     args, _ = compare.parse_args(["--stages", "0"])
     args.comms_logger = True
     assert compare.base_config(args)["comms_logger"] == {"enabled": True}
@@ -259,7 +259,7 @@ def test_own_knobs_leaves_the_when_knobs_to_the_config():
     """By default compare pins ZeRO-3's prefetch / reuse / live knobs to 0 (the paper's
     algorithm in both libraries); --own-knobs leaves them to the config (DeepSpeed's defaults),
     and a config's own value is kept either way."""
-    from minizero import compare
+    from minizero.compare import compare
     args, _ = compare.parse_args(["--stages", "3"])
     zero = compare.base_config(args)["zero_optimization"]
     assert all(zero[k] == 0 for k in compare.WHEN_KNOBS)
@@ -286,7 +286,7 @@ def test_table_and_picture_show_host_bytes_when_a_run_offloads(tmp_path):
     r0 for both libraries; the memory picture gets a host panel (twice as wide)."""
     from PIL import Image
 
-    from minizero import compare
+    from minizero.compare import compare
     zero = dict.fromkeys(("params", "grads", "master_params", "optimizer_states"), 0)
     on_device = placed_entry({**zero, "params": 1000, "grads": 1000, "master_params": 2000,
                               "optimizer_states": 4000}, zero)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from minizero import cifar10, codebook, comm, data
-from minizero.images import DataConfigError, resize_images
-from minizero.synthetic_images import synthetic_images
+from minizero.gpt import cifar10, codebook, data
+from minizero import comm
+from minizero.gpt.images import DataConfigError, resize_images
+from minizero.gpt.synthetic_images import synthetic_images
 from tests.launcher import run_ranks
 
 

@@ -86,7 +86,7 @@ def test_comms_logger_bandwidths_and_reduce_scatter_message_size(monkeypatch):
     from deepspeed.comm.utils import get_msg_size_from_args
     from deepspeed.utils.comms_logging import calc_bw_log
 
-    from minizero.comms_logger import OP_NAMES, calc_bw
+    from minizero.observe.comms_logger import OP_NAMES, calc_bw
     for n in (2, 4, 8):
         monkeypatch.setattr(ds_dist, "get_world_size", lambda *a, _n=n, **k: _n)
         for op in OP_NAMES.values():
@@ -473,7 +473,7 @@ def test_zero3_replaces_f_linear_for_the_rest_of_the_process(seen):
 
 
 def test_checkpoint_folder_layout(seen):
-    from minizero.checkpoint_folder import complete_tags
+    from minizero.checkpoint.checkpoint_folder import complete_tags
 
     z2, z3 = _get(seen, "zero12")[2]["checkpoint"], _get(seen, "zero3")["defaults"]["checkpoint"]
     z2_bf16 = _get(seen, "zero2_bf16_checkpoint")

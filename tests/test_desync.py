@@ -154,7 +154,7 @@ def test_environment_switch_and_a_rank_left_alone_in_the_check():
 
 
 def test_config_key_is_parsed_and_checked():
-    from minizero.config import ConfigError, load_config
+    from minizero.runtime.config import ConfigError, load_config
     cfg = load_config({"train_batch_size": 2, "minizero_collectives": {"check": True, "timeout_s": 30}}, 1)
     assert (cfg.collectives.check, cfg.collectives.timeout_s) == (True, 30.0)
     default = load_config({"train_batch_size": 2}, 1).collectives
@@ -167,8 +167,9 @@ def test_config_key_is_parsed_and_checked():
 
 @pytest.mark.parametrize("rank, printed", [(0, True), (1, False)])
 def test_train_prints_a_mismatch_once_from_rank_0_as_one_line(monkeypatch, capsys, rank, printed):
-    from minizero import comm, desync
-    from minizero import train as train_cli
+    from minizero import comm
+    from minizero.observe import desync
+    from minizero.train import train as train_cli
 
     def out_of_step(args, lib):
         raise desync.CollectiveMismatch("ranks issued different collectives: rank 0: ...; rank 1: ...")
@@ -184,8 +185,9 @@ def test_train_prints_a_mismatch_once_from_rank_0_as_one_line(monkeypatch, capsy
 
 
 def test_train_prints_a_timeout_on_the_rank_that_waited(monkeypatch, capsys):
-    from minizero import comm, desync
-    from minizero import train as train_cli
+    from minizero import comm
+    from minizero.observe import desync
+    from minizero.train import train as train_cli
 
     def waited(args, lib):
         raise desync.CollectiveError("rank 1: all_gather 'root.g0.fwd' (5 x float32), 40 bytes, ... did not complete")

@@ -22,8 +22,9 @@ still run for real; they pick their device themselves.
 import torch
 import torch.distributed as dist
 
-from minizero import codebook, comm
-from minizero.synthetic_images import synthetic_images
+from minizero.gpt import codebook
+from minizero import comm
+from minizero.gpt.synthetic_images import synthetic_images
 from tests.launcher import run_ranks
 
 INJECTED = torch.device("meta")

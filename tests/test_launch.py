@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.config import load_config
+from minizero.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from minizero import lr_schedules as mz
-from minizero.config import ConfigError, load_config
+from minizero.runtime import lr_schedules as mz
+from minizero.runtime.config import ConfigError, load_config
 
 ds = pytest.importorskip("deepspeed.runtime.lr_schedules")
 

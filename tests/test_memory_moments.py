@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from minizero.compare_memory import CATEGORIES, MOMENTS, memory_differences
+from minizero.compare.compare_memory import CATEGORIES, MOMENTS, memory_differences
 from reference.ds_memory import zero12_grad_partition_numel, zero12_padded_numel, zero3_partition_numel
 from tests import agreement as A
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from minizero import memory, memory_table
+from minizero import memory
+from minizero.observe import memory_table
 from tests import engine_runs as er
 
 # (stage, dtype, zero_optimization extras, --offload): extras the plan must see too
@@ -123,7 +124,7 @@ def test_deepspeed_estimators_beside_minizero(capsys):
         if r["offload"] == "none":
             extra = 4 * psi / n if r["stage"] == 2 else 2 * psi / n + 4 * big
             assert 0 <= (r["gpu"] - mz) - (extra - pad) <= pad + 1, r
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     model = GPT(get_preset("tutorial"))
     for fn, stage in ((estimate_zero2_model_states_mem_needs_all_live, 2),
                       (estimate_zero3_model_states_mem_needs_all_live, 3)):

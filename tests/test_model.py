@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minizero.model import (GPT, PRESETS, GPTConfig, ModelConfigError, SequenceTooLongError,
+from minizero.gpt.model import (GPT, PRESETS, GPTConfig, ModelConfigError, SequenceTooLongError,
                             UnknownPresetError, get_preset, sample)
 
 

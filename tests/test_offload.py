@@ -174,7 +174,7 @@ def test_offload_param_copies_each_gather(runs):
 
 
 def test_bad_offload_configs_are_one_line_errors():
-    from minizero.config import ConfigError, load_config
+    from minizero.runtime.config import ConfigError, load_config
     base = {"train_batch_size": 8}
     for zero, needle in [({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "CPU memory only"),
                          ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs stage 3"),
@@ -293,7 +293,7 @@ def test_memory_table_prints_device_and_host(capsys):
     """`python -m minizero.memory_table --offload both`: stage 0 holds everything on the device;
     at stages 1-3 the host holds the optimizer shard (12Ψ/N with padding), and at stage 3
     the parameter shard too; device + host = total on every row."""
-    from minizero import memory_table
+    from minizero.observe import memory_table
     memory_table.main(["--model", "micro", "--nproc", "2", "--offload", "both"])
     rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |")]
     num = lambda c: int(c.strip().split(" ")[0].replace(",", ""))

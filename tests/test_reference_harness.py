@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
 
-from minizero.model import get_preset  # noqa: E402
+from minizero.gpt.model import get_preset  # noqa: E402
 from reference.ds_run import (PortableTensorDict, SyntheticBatches, default_weight_decay,  # noqa: E402
                               get_batch, prepare_ds_config, run_deepspeed)
 from tests.harness import NO_DROPOUT, make_config, make_model, max_abs_diff  # noqa: E402

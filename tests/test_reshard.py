@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import minizero
-from minizero.checkpoint_folder import CheckpointError, complete_tags, optim_file
-from minizero.zero_to_fp32 import consolidate
+from minizero.checkpoint.checkpoint_folder import CheckpointError, complete_tags, optim_file
+from minizero.checkpoint.zero_to_fp32 import consolidate
 from minizero.partition import padded_numel, param_offsets, params_in_range, shard_range, shards_holding
 from tests.launcher import run_ranks
 from tests.test_checkpoint_io import _one_step, checkpoint_config, checkpoint_engine, train_checkpointed
@@ -241,7 +241,7 @@ def _offline_equals_load_time(offline, original, stage):
 
 
 def test_reshard_cli_round_trip_equals_load_time_reshard(saved, tmp_path, capsys):
-    from minizero.reshard import main
+    from minizero.checkpoint.reshard import main
     d, full, carried = saved[1]
     out = str(tmp_path / "four")
     assert main([d, out, "--world-size", "4", "--stage", "3"]) == 0
@@ -262,7 +262,7 @@ def test_reshard_cli_round_trip_equals_load_time_reshard(saved, tmp_path, capsys
 
 
 def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch):
-    from minizero.reshard import main
+    from minizero.checkpoint.reshard import main
     d = saved[2][0]
     copy = str(tmp_path / "copy")
     shutil.copytree(d, copy)
@@ -273,7 +273,7 @@ def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch)
     foreign.mkdir(parents=True)
     torch.save({"module": {}, "ds_config": {}}, str(foreign / "mp_rank_00_model_states.pt"))
     (tmp_path / "ds" / "latest").write_text("global_step1")
-    monkeypatch.setitem(sys.modules, "minizero.deepspeed_checkpoint", None)   # as if it were not there
+    monkeypatch.setitem(sys.modules, "minizero.checkpoint.deepspeed_checkpoint", None)   # as if it were not there
     cases = [
         ([str(tmp_path / "nope"), str(tmp_path / "o1"), "--world-size", "2"], "no such directory"),
         ([d, str(tmp_path / "o2"), "--world-size", "0"], "--world-size must be a whole number >= 1, got 0"),
@@ -345,7 +345,7 @@ def test_damaged_shard_is_one_line_on_every_rank_of_another_world_size(saved, tm
 
 
 def test_foreign_folders_are_one_line(tmp_path, monkeypatch):
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     d = str(tmp_path / "two_groups")
     engine = checkpoint_engine(1, "fp32")           # minGPT's two param groups
     _one_step(engine, 0)
@@ -358,7 +358,7 @@ def test_foreign_folders_are_one_line(tmp_path, monkeypatch):
     ds = tmp_path / "ds" / "global_step1"           # DeepSpeed's ZeRO-3 names, no reader
     ds.mkdir(parents=True)
     torch.save({"module": None}, str(ds / "zero_pp_rank_0_mp_rank_00_model_states.pt"))
-    monkeypatch.setitem(sys.modules, "minizero.deepspeed_checkpoint", None)
+    monkeypatch.setitem(sys.modules, "minizero.checkpoint.deepspeed_checkpoint", None)
     with pytest.raises(CheckpointError, match="looks like DeepSpeed's: reading DeepSpeed checkpoints is not available"):
         checkpoint_engine(2, "fp32").load_checkpoint(str(tmp_path / "ds"), tag="global_step1")
 
@@ -366,7 +366,7 @@ def test_foreign_folders_are_one_line(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the trainer's --resume
 
 def _train_main(argv):
-    from minizero import train
+    from minizero.train import train
     train.main(argv)
 
 
@@ -388,7 +388,9 @@ def test_data_position_at_another_world_size(monkeypatch):
     m' go on at floor(b*m*N / (m'*M)); --epochs still ends after its last epoch."""
     from types import SimpleNamespace
 
-    from minizero import checkpoint_io, comm, runsetup
+    from minizero.checkpoint import checkpoint_io
+    from minizero import comm
+    from minizero.train import runsetup
 
     def run_at(world, micro, saved, state, spe, gas=1, epochs=None, max_steps=None):
         monkeypatch.setattr(checkpoint_io, "saved_batch", lambda path: saved)

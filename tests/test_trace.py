@@ -179,7 +179,7 @@ def test_comms_logger_counts_and_table():
     r = run_ranks(_run, 2, args=(1, None), kwargs=dict(comms_logger=True))[0]
     s = r["summary"]
     total = {op: sum(r["per_step"][k][op]["calls"] for k in r["per_step"]) for op in OPS}
-    from minizero.comms_logger import OP_NAMES
+    from minizero.observe.comms_logger import OP_NAMES
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
         assert sum(v["count"] for v in s[OP_NAMES[op]].values()) == total[op]
     # the initial broadcast of the weights came before the first step
@@ -189,7 +189,7 @@ def test_comms_logger_counts_and_table():
 def test_calc_bw_is_deepspeeds():
     """The bandwidth formulas, checked against numbers worked by hand from DeepSpeed's
     calc_bw_log: S bytes in t ms at N ranks, Gbps = bytes/ms * 8 / 1e6."""
-    from minizero.comms_logger import calc_bw, convert_size, format_table, trim_mean
+    from minizero.observe.comms_logger import calc_bw, convert_size, format_table, trim_mean
     assert calc_bw("all_gather_into_tensor", 1000, 2.0, 4) == (4000 / 2.0 * 8 / 1e6, 4000 / 2.0 * 0.75 * 8 / 1e6)
     assert calc_bw("reduce_scatter_tensor", 1000, 2.0, 4)[0] == 4000 / 2.0 * 8 / 1e6
     assert calc_bw("all_reduce", 1000, 2.0, 4) == (2000 / 2.0 * 8 / 1e6, 500 * 1.5 * 8 / 1e6)
@@ -204,8 +204,8 @@ def test_calc_bw_is_deepspeeds():
 
 
 def test_comms_logger_config_errors():
-    from minizero.config import load_config
-    from minizero.errors import ConfigError
+    from minizero.runtime.config import load_config
+    from minizero.runtime.errors import ConfigError
     base = {"train_micro_batch_size_per_gpu": 1}
     with pytest.raises(ConfigError, match="minizero issues only"):
         load_config(dict(base, comms_logger={"prof_ops": ["all_to_all"]}), 1)
@@ -219,7 +219,7 @@ def test_without_matplotlib_the_trace_is_written_and_the_picture_is_skipped(tmp_
     """A base install (`pip install -e .`) has no matplotlib: the trace files are written, the
     run goes on, and one line says how to draw timeline.png later."""
     import minizero
-    from minizero import timeline
+    from minizero.observe import timeline
 
     monkeypatch.setattr(timeline, "has_matplotlib", lambda: False)
     engine, *_ = minizero.initialize(model=make_model("micro"), config=make_config(0, micro_batch=2, lr=1e-2))

@@ -104,7 +104,7 @@ def test_diverged_run_stops_with_one_line_and_keeps_its_results(diverged, dtype)
 def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("finished")
     save = str(tmp / "run")
-    from minizero.train_args import DEFAULT_CONFIG
+    from minizero.train.train_args import DEFAULT_CONFIG
     cfg = tmp / "print3.json"
     cfg.write_text(json.dumps(dict(DEFAULT_CONFIG, steps_per_print=3)))
     rc, out, err = _finish(_start([*BASE, "--config", str(cfg), "--max-steps", "6", "--save-every", "3",
@@ -134,7 +134,7 @@ def test_existing_run_is_never_overwritten(finished):
 
 
 def test_folder_in_use_is_refused(tmp_path):
-    from minizero.rundir import RunDirLock
+    from minizero.train.rundir import RunDirLock
     save = str(tmp_path / "busy")
     with RunDirLock(save):           # a run that is still going (this process holds the lock)
         rc, out, err = _finish(_start([*BASE, "--max-steps", "2", "--save-dir", save]))

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from minizero.comm import free_port
-from minizero.model import GPT, PRESETS
-from minizero.train_args import build_parser, check_args, model_config
+from minizero.gpt.model import GPT, PRESETS
+from minizero.train.train_args import build_parser, check_args, model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

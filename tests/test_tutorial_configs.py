@@ -63,7 +63,7 @@ def test_launch_file_is_the_tutorials_config(name):
 def _train_two_steps(config_path):
     import minizero
     from minizero import checkpointing, comm
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     torch.manual_seed(0)
     model = GPT(get_preset("micro"))
     engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1),
