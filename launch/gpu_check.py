@@ -151,7 +151,7 @@ def plan(n_gpus: int, quick: bool = False) -> list:
         judge=judge_pytest(allow_skips=True)))
     checks.append(Check(
         "cuda-checkpointing", "the CUDA-only activation-checkpointing tests (pinned host copies, side stream)",
-        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_checkpointing.py",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/core/test_checkpointing.py",
                       "-k", "cuda"], "cuda-checkpointing.log", {"MINIZERO_TEST_CUDA": "1"},   # else conftest hides CUDA
                      timeout=600, may_fail=True)]],
         judge=judge_pytest(allow_skips=False)))
@@ -159,7 +159,7 @@ def plan(n_gpus: int, quick: bool = False) -> list:
     checks.append(Check(
         "cuda-offload", "the CUDA-only ZeRO-Offload tests in tests/test_offload.py (pinned host masters and shards, "
                         "copies counted each way, one step within Adam's rounding of the GPU step)",
-        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_offload.py",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/core/test_offload.py",
                       "-k", "cuda"], "cuda-offload.log", {"MINIZERO_TEST_CUDA": "1"}, timeout=600, may_fail=True)]],
         judge=judge_pytest(allow_skips=False)))
 
@@ -823,7 +823,7 @@ def overflow_rank(stage: int, path: str) -> None:
     import torch.distributed as dist
 
     from minizero import comm
-    from tests import engine_runs
+    from tests.support import engine_runs
 
     comm.init_distributed()
     try:

@@ -1,0 +1,141 @@
+"""Every tensor handed to a collective lives on the rank's device.
+
+Under NCCL a collective takes only GPU tensors: a CPU tensor fails every multi-rank GPU
+run ("No backend type associated with device type cpu"), while gloo, which the tests use,
+takes CPU tensors happily. So on a CPU a misplaced tensor is invisible: the rank's device
+*is* the CPU. `strict_collectives` makes it visible.
+
+The technique: make the device the code asks for different from the CPU. In one rank,
+`comm.get_device()` returns `torch.device("meta")` (a real device type that holds shapes
+and no data), and torch.distributed's tensor collectives (all_reduce, broadcast,
+all_gather_into_tensor, reduce_scatter_tensor; minizero.comm's wrappers call them, and so
+does code that calls torch.distributed directly) are replaced by a check that every
+tensor they get is on that device. A tensor the code placed with `comm.get_device()` (or
+with an engine's `.device`, which comes from it) arrives on meta and passes; one made on
+the CPU and never moved arrives on the CPU and raises `Misplaced`, naming the collective.
+
+Meta tensors hold no data, so the checked collectives move nothing, and the run ends at
+the first place that reads a value out of a meta tensor (`.item()`, `.cpu()`): everything
+up to there is checked. Object collectives (broadcast_object, all_gather_object, barrier)
+still run for real; they pick their device themselves.
+"""
+import torch
+import torch.distributed as dist
+
+from minizero.gpt import codebook
+from minizero import comm
+from minizero.gpt.synthetic_images import synthetic_images
+from tests.support.launcher import run_ranks
+
+INJECTED = torch.device("meta")
+TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+class Misplaced(AssertionError):
+    """A collective was handed a tensor that is not on comm.get_device()."""
+
+
+def strict_collectives(fn, *args, **kwargs):
+    """Run fn(*args, **kwargs) in this rank with comm.get_device() = meta and every tensor
+    collective checked (see the module docstring). Returns (log, stopped): log lists
+    (collective, [device of each tensor argument]) in call order; stopped is the message of
+    the meta-tensor read that ended the run, or None if fn returned. Call it on every rank.
+    To check an engine, build its model on comm.get_device() before taking its parameters:
+    moving a module to meta gives it new Parameter objects."""
+    log = []
+
+    def checked(name):
+        def collective(*a, **k):
+            tensors = [x for x in (*a, *k.values()) if torch.is_tensor(x)]
+            log.append((name, [str(t.device) for t in tensors]))
+            for t in tensors:
+                if t.device != INJECTED:
+                    raise Misplaced(f"{name} was handed a tensor on {t.device}, not on comm.get_device() "
+                                    f"(here {INJECTED}): under NCCL this collective would fail")
+        return collective
+
+    real_get_device, real = comm.get_device, {n: getattr(dist, n) for n in TENSOR_COLLECTIVES}
+    comm.get_device = lambda: INJECTED
+    for n in TENSOR_COLLECTIVES:
+        setattr(dist, n, checked(n))
+    try:
+        fn(*args, **kwargs)
+        return log, None
+    except (NotImplementedError, RuntimeError) as e:
+        if "meta tensor" not in str(e):
+            raise
+        return log, str(e)
+    finally:
+        comm.get_device = real_get_device
+        for n, f in real.items():
+            setattr(dist, n, f)
+
+
+# ----------------------------------------------------------------------------- the check catches
+
+def _misplaced_all_reduce():
+    return strict_collectives(lambda: comm.all_reduce(torch.ones(2), label="forgot_the_device"))
+
+
+def _placed_all_reduce():
+    return strict_collectives(lambda: comm.all_reduce(torch.ones(2, device=comm.get_device())))
+
+
+def test_the_check_catches_a_cpu_tensor_and_passes_a_placed_one():
+    try:
+        run_ranks(_misplaced_all_reduce, world_size=2, timeout=120)
+    except RuntimeError as e:
+        assert "Misplaced: all_reduce was handed a tensor on cpu" in str(e)
+    else:
+        raise AssertionError("a CPU tensor handed to all_reduce was not caught")
+    assert run_ranks(_placed_all_reduce, world_size=2, timeout=120) == [([("all_reduce", ["meta"])], None)] * 2
+
+
+# ----------------------------------------------------------------------------- minizero.codebook
+
+def _codebook_strict():
+    images = synthetic_images(40, 8, seed=3)
+    return strict_collectives(codebook.compute_codebook, images, ncluster=16, niter=4)
+
+
+def test_codebook_broadcast_is_on_the_device():
+    for log, stopped in run_ranks(_codebook_strict, world_size=2, timeout=120):
+        assert log == [("broadcast", ["meta"])]
+        assert "meta tensor" in stopped  # the check ended at .cpu(), after the broadcast
+
+
+# ----------------------------------------------------------------------------- reference.ds_run
+
+class _Engine:
+    """Just enough of a DeepSpeed engine for reference.ds_run.train_steps; its device is
+    what DeepSpeed's would be, the rank's accelerator (here: the injected one)."""
+
+    def __init__(self):
+        self.device = comm.get_device()
+
+    def gradient_accumulation_steps(self):
+        return 1
+
+    def train(self):
+        pass
+
+    def __call__(self, x, y):
+        return None, torch.tensor(2.0)
+
+    def backward(self, loss):
+        pass
+
+    def step(self):
+        pass
+
+
+def _loss_bookkeeping_strict():
+    from reference.ds_run import SyntheticBatches, train_steps
+
+    return strict_collectives(lambda: train_steps(_Engine(), SyntheticBatches(8, 4, 2), 1, lambda e: 1.0))
+
+
+def test_ds_run_loss_all_reduce_is_on_the_engines_device():
+    for log, stopped in run_ranks(_loss_bookkeeping_strict, world_size=2, timeout=120):
+        assert log == [("all_reduce", ["meta"])]
+        assert "meta tensor" in stopped  # the check ended at .item(), after the all-reduce
