@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages of 1, 2, 3")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks (default 2; on a GPU machine min(2, GPUs))")
-    p.add_argument("--model", default="tutorial-24", help="GPT preset (minizero/model.py PRESETS)")
+    p.add_argument("--model", default="tutorial-24", help="GPT preset (minizero/gpt/model.py PRESETS)")
     p.add_argument("--n-layer", type=int, help="override the preset's depth")
     p.add_argument("--n-embd", type=int, default=64, help="width (default 64; the preset's 256 is slow on a CPU)")
     p.add_argument("--n-head", type=int, help="heads (default: the preset's, or 4 when it does not divide --n-embd)")

@@ -157,7 +157,7 @@ def plan(n_gpus: int, quick: bool = False) -> list:
         judge=judge_pytest(allow_skips=False)))
 
     checks.append(Check(
-        "cuda-offload", "the CUDA-only ZeRO-Offload tests in tests/test_offload.py (pinned host masters and shards, "
+        "cuda-offload", "the CUDA-only ZeRO-Offload tests in tests/core/test_offload.py (pinned host masters and shards, "
                         "copies counted each way, one step within Adam's rounding of the GPU step)",
         steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/core/test_offload.py",
                       "-k", "cuda"], "cuda-offload.log", {"MINIZERO_TEST_CUDA": "1"}, timeout=600, may_fail=True)]],
@@ -208,7 +208,7 @@ def plan(n_gpus: int, quick: bool = False) -> list:
                       "buckets): losses bit for bit", min_gpus=2, steps=[[runs["on"]], [runs["off"]]],
                 judge=judge_same_losses("{dir}/on", "{dir}/off")))
 
-    # fp16 overflow on one rank only: the vote makes every rank skip (tests/test_overflow.py's run).
+    # fp16 overflow on one rank only: the vote makes every rank skip (tests/core/test_overflow.py's run).
     world = max([w for w in (2, 4, 8) if w <= n_gpus] or [2])   # its global batch of 8 rows must split evenly
     for stage in STAGES:
         checks.append(Check(
@@ -403,7 +403,7 @@ def memory_falls_verdict(peaks: dict) -> Result:
 
 
 def overflow_verdict(ranks: list) -> Result:
-    """tests/test_overflow.py's claims, on the GPUs: steps 1 and 2 skipped on every rank (weights
+    """tests/core/test_overflow.py's claims, on the GPUs: steps 1 and 2 skipped on every rank (weights
     unchanged, counted, gradients dropped), scale kept then halved (hysteresis 2), step 3 trains,
     OVERFLOW logged by rank 0 only, every rank ends with the same weight changes."""
     bad = []

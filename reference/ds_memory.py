@@ -114,7 +114,7 @@ gradient-reduction dtype); scalars listed in `details` only (category "scalars")
 `_global_grad_norm` (4 or 8 bytes), ZeRO-3's `inf_or_nan_tracker` (1 byte) and, with
 offload, `norm_for_param_grads` (one 4-byte norm per parameter, from backward to step).
 
-Time (same machine, 2 cores): one 3-step run under tests.launcher is 3-15 s wall, of
+Time (same machine, 2 cores): one 3-step run under tests.support.launcher is 3-15 s wall, of
 which deepspeed.initialize is 1.6-13.7 s (noisy; stage 3 and fp16 slowest). Steps:
 fp32 ~20 ms (stage 0), ~40 (1/2), ~100-130 (3); bf16 ~100 (0), ~65-75 (1/2), ~140-200
 (3); fp16 ~115 (2), ~200 (3).
@@ -394,7 +394,7 @@ def layout_elements(engine) -> Dict[str, int]:
 
 def held_bytes(engine) -> Dict[str, Any]:
     """deepspeed_model_state_bytes plus layout_elements (as "elements"): what reference/train.py
-    reads at the memory moments (minizero.runlog.MemoryMoments), shaped like minizero's
+    reads at the memory moments (minizero.train.runlog.MemoryMoments), shaped like minizero's
     memory.held_bytes."""
     return {**deepspeed_model_state_bytes(engine), "elements": layout_elements(engine)}
 

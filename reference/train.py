@@ -1,4 +1,4 @@
-"""The same training run as minizero/train.py, under real DeepSpeed (the reference).
+"""The same training run as minizero/train/train.py, under real DeepSpeed (the reference).
 
     python reference/train.py --max-steps 30                       # one process
     torchrun --nproc-per-node 2 reference/train.py --stage 3

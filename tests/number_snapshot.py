@@ -12,7 +12,7 @@ of every optimizer-state tensor. Runs: a matrix of engine configurations on gloo
 (stages 0-3 x fp32/bf16/fp16 x gradient accumulation 1/2, clipping off, fp16 overflows,
 activation checkpointing, a model with unused parameters, small ZeRO-2 buckets, ZeRO-3
 persistence thresholds, world sizes 1/2/4), plus every minizero run of the agreement tests
-(tests/agreement.py ALL_MZ_KEYS).
+(tests/support/agreement.py ALL_MZ_KEYS).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bytes held for backward: a measuring tool, not part of the checkpointing mechanism.
 
 Used to compare what minizero.checkpointing keeps for backward with no checkpointing and
-with DeepSpeed (tests/test_checkpointing*.py, reference/activation_bytes.py). It counts the
+with DeepSpeed (tests/core/test_checkpointing*.py, reference/activation_bytes.py). It counts the
 distinct storages autograd saves, via torch.autograd.graph.saved_tensors_hooks; DeepSpeed
 keeps its checkpoint inputs on ctx.deepspeed_saved_tensors, which the hooks never see, so
 those are counted by hand there. Also importable from minizero.checkpointing.

@@ -6,7 +6,7 @@ a process: the model is built on the meta device (shapes, no storage), each stag
 plan (buckets.bucket_plan, zero3.unit_plan: the very functions the stages
 build their FlatParams from) lists its FlatParams, and memory.expected_bytes pads each to a
 multiple of N. The plan does not depend on N, so N = 1024 costs what N = 2 does. Equal byte
-for byte to `engine.memory_breakdown()` of real engines (tests/test_memory_table.py).
+for byte to `engine.memory_breakdown()` of real engines (tests/tools/test_memory_table.py).
 
 `--nproc 2 4` instead builds the real engine at every stage on N gloo ranks (CPU is fine:
 nothing is trained, only laid out) and prints each rank's `engine.memory_breakdown()`: the

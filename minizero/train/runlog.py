@@ -1,4 +1,4 @@
-"""What both training scripts (minizero/train.py and reference/train.py) share besides
+"""What both training scripts (minizero/train/train.py and reference/train.py) share besides
 the model and the data: memory readout, the metrics line and files, comm-byte windows,
 the test loss, minGPT's image sampling, and the files written at the end of a run.
 
@@ -10,7 +10,7 @@ call torch.distributed directly, see mean_across_ranks.
 Files a run writes (rank 0, into its save dir):
 
     metrics.csv   one row per logged step, columns METRICS_COLUMNS
-    summary.json  one JSON object, keys SUMMARY_KEYS (see minizero/train.py); memory_moments
+    summary.json  one JSON object, keys SUMMARY_KEYS (see minizero/train/train.py); memory_moments
                   is MemoryMoments.result(): each rank's model states at the end of the
                   last step's backward and after that step, measured alike in both libraries
     samples.png   a grid of images sampled from the model

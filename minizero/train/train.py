@@ -8,10 +8,10 @@
 The same script, with the same flags and output files, runs under real DeepSpeed as
 reference/train.py (it imports this module's parser and loop, and swaps the engine).
 Read train_loop first: one optimizer step in a dozen lines, like nanoGPT's; the rest is
-named helpers. What comes before the first step is in minizero/runsetup.py, the command
-line and the config dict in minizero/train_args.py, the non-finite-loss guard in
-minizero/divergence.py, and what both scripts share (test loss, sampling, metrics and
-summary files) in minizero/runlog.py.
+named helpers. What comes before the first step is in minizero/train/runsetup.py, the command
+line and the config dict in minizero/train/train_args.py, the non-finite-loss guard in
+minizero/train/divergence.py, and what both scripts share (test loss, sampling, metrics and
+summary files) in minizero/train/runlog.py.
 
 A run writes into --save-dir (default runs/minizero-<stage>-<dtype>), on rank 0:
 

@@ -1,4 +1,4 @@
-"""The command line of minizero/train.py (and reference/train.py, which reuses it): the
+"""The command line of minizero/train/train.py (and reference/train.py, which reuses it): the
 flags, their checks and CPU/GPU defaults, the DeepSpeed config dict a run uses
 (--config or DEFAULT_CONFIG, plus the flags that override it), and the model's GPTConfig
 (the --model preset, sized by --image-size, --ncluster, --n-embd and --n-head).
@@ -36,7 +36,7 @@ DEFAULT_CONFIG = {
 # What --checkpoint-activations adds when the config has no such section (DeepSpeed's defaults).
 ACTIVATION_CHECKPOINTING = ActivationCheckpointingConfig().to_dict()
 
-# The --help description: the first line of minizero/train.py's docstring.
+# The --help description: the first line of minizero/train/train.py's docstring.
 DESCRIPTION = "Train minGPT's image GPT with minizero: the whole run in one readable loop."
 
 

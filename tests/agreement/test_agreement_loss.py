@@ -3,7 +3,7 @@
 World size 2 (gloo), "tiny" GPT (108,801 params, dropout 0.1 on), 20 steps, micro-batch 4,
 torch.optim.AdamW (lr 1e-3, weight decay 0.01 on the decay group) via `torch_adam`,
 gradient_clipping = DeepSpeed's default 1.0, reduce_bucket_size 2e4,
-stage3_param_persistence_threshold 0, ZeRO-3 memory_efficient_linear off (tests/agreement.py).
+stage3_param_persistence_threshold 0, ZeRO-3 memory_efficient_linear off (tests/support/agreement.py).
 
 Asserted BITWISE (docs/agreement.md has the table and the list of every tolerance):
 minizero equals DeepSpeed -- losses and final fp32 master weights -- at every stage in fp32
@@ -121,7 +121,7 @@ def test_stage0_low_precision_minizero_equals_its_stage1_and_deepspeed_quirk_is_
           f"vs minizero stage 0 with DeepSpeed's stage-0 arithmetic: "
           f"{A.max_list_diff(quirk['losses'], ds0['losses']):.3e}")
     # Tolerance 0, and no noise bound needed: minizero's stage 0 given DeepSpeed's stage-0
-    # arithmetic in the harness (tests/probes.py: ds_stage0_arithmetic -- the zero-gradient
+    # arithmetic in the harness (tests/support/probes.py: ds_stage0_arithmetic -- the zero-gradient
     # AdamW step at init, fp16's unscaled backward, sum-then-divide all-reduce) reproduces
     # DeepSpeed's stage 0 bitwise. So the stage-0 difference is exactly these quirks, on any
     # CPU. When DeepSpeed fixes them this fails: then compare stage 0 directly.
@@ -172,7 +172,7 @@ def test_grad_norm_matches_to_fp32_rounding(stage, dtype):
 def test_clipping_active_bitwise_with_deepspeeds_norm_arithmetic(stage, dtype):
     """gradient_clipping 0.5: the first 10 steps clip, so the norm arithmetic above reaches the weights.
 
-    The harness (tests/probes.py: patch_clip "ds_norm", ds_grad_norm, ds_clip_scale)
+    The harness (tests/support/probes.py: patch_clip "ds_norm", ds_grad_norm, ds_clip_scale)
     gives minizero DeepSpeed's norm and clip-factor arithmetic for this stage -- its
     per-rank pieces, its fp32 (ZeRO-1/2) or fp64 (ZeRO-3) sums, its group combine -- and
     nothing else. Tolerance 0: then both sides run the same ops in the same order, so the
@@ -204,7 +204,7 @@ def test_clipping_active_loss_within_norm_rounding_noise(stage, dtype):
     (2^-8 relative), and over the following steps that spreads like any other rounding
     difference: the size is chaotic, but its scale is not. noise = max over JITTER_SEEDS
     runs of minizero with the clip factor moved by a random whole number of fp32 ulps in
-    [-3, 3] on every clipping step (tests/probes.py: patch_clip "jitter<k>"), against
+    [-3, 3] on every clipping step (tests/support/probes.py: patch_clip "jitter<k>"), against
     minizero unmoved. minizero's stages are bitwise equal to each other, so the stage-1
     runs serve both stages. Bound: gap <= 2 * noise + ulp(loss). The gap and the 6
     samples are draws of the same kind; the gap exceeds their maximum with probability
@@ -245,7 +245,7 @@ def test_deepspeed_unscales_by_the_grown_loss_scale():
     divided by 2S: that step's gradient is halved. minizero unscales by the scale the
     backward used. With a window of 4: both agree bitwise through step 4 (the scale grows
     at the end of step index 4), then differ; the scale trajectories stay identical.
-    Tolerance 0 throughout: minizero given the quirk in the harness (tests/probes.py:
+    Tolerance 0 throughout: minizero given the quirk in the harness (tests/support/probes.py:
     unscale_by_updated_scale) equals DeepSpeed bitwise on every step, so the difference
     after step 4 is exactly the quirk (no noise threshold)."""
     from reference.ds_run import run_deepspeed

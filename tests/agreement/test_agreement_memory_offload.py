@@ -388,5 +388,5 @@ def offload_table(when: str = "after_backward") -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":   # DS_ACCELERATOR=cpu .venv/bin/python -m tests.test_agreement_memory_offload
+if __name__ == "__main__":   # DS_ACCELERATOR=cpu .venv/bin/python -m tests.agreement.test_agreement_memory_offload
     print(offload_table())

@@ -1,5 +1,5 @@
-"""DeepSpeed's checkpoints into minizero and back (minizero/deepspeed_checkpoint.py,
-minizero/export_deepspeed.py), against DeepSpeed 0.19.8 itself.
+"""DeepSpeed's checkpoints into minizero and back (minizero/checkpoint/deepspeed_checkpoint.py,
+minizero/checkpoint/export_deepspeed.py), against DeepSpeed 0.19.8 itself.
 
 2 gloo ranks, bf16, ZeRO-1 and ZeRO-3, a GPT of 2 layers and width 12 without dropout
 (DeepSpeed saves no RNG state, so a resumed run must not draw random numbers), AdamW with
@@ -15,7 +15,7 @@ WarmupLR. One pair of processes per stage runs everything:
      steps 5-9.
 
 Tolerance 0 for the losses: minizero and DeepSpeed agree bitwise at stages 1-3 in bf16 on
-these settings (tests/test_agreement_loss.py::test_low_precision_loss_and_weights_bitwise,
+these settings (tests/agreement/test_agreement_loss.py::test_low_precision_loss_and_weights_bitwise,
 the agreement tolerance), and a checkpoint carries every number a step reads (fp32 masters,
 moments, Adam's step, the lr schedule), so the resumed runs are the same arithmetic again.
 """
@@ -245,7 +245,7 @@ def test_zero12_links_adam_state_of_the_first_param_group_only(runs, stage):
 
 def test_reading_deepspeed_checkpoints_does_not_import_deepspeed(runs):
     root = runs[3][0]
-    code = ("import sys; from minizero.deepspeed_checkpoint import open_source; "
+    code = ("import sys; from minizero.checkpoint.deepspeed_checkpoint import open_source; "
             f"s = open_source({str(root / 'ds' / _tag(root / 'ds'))!r}); "
             "[s.read(k, n) for n in s.names for k in ('master', 'exp_avg')]; "
             "assert not any(m == 'deepspeed' or m.startswith('deepspeed.') for m in sys.modules), 'imported'")

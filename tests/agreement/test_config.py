@@ -1,4 +1,4 @@
-"""minizero.config against DeepSpeed 0.19.8's own config parser (runtime/config.py)."""
+"""minizero.runtime.config against DeepSpeed 0.19.8's own config parser (runtime/config.py)."""
 import json
 import types
 from pathlib import Path

@@ -44,7 +44,7 @@ SAVE_DIRS = ("stage2", "stage3")
 
 @pytest.fixture
 def ds_parse(monkeypatch):
-    """DeepSpeedConfig(config) on one rank with no process group (as tests/test_config.py):
+    """DeepSpeedConfig(config) on one rank with no process group (as tests/agreement/test_config.py):
     DeepSpeedConfig asks deepspeed.comm for rank and world size, so stub those two."""
     def parse(config, world_size=1):
         monkeypatch.setattr(ds_config_mod, "dist", types.SimpleNamespace(

@@ -1,4 +1,4 @@
-"""minizero.lr_schedules against deepspeed.runtime.lr_schedules: identical lr, step for step."""
+"""minizero.runtime.lr_schedules against deepspeed.runtime.lr_schedules: identical lr, step for step."""
 import math
 
 import pytest

@@ -5,8 +5,8 @@ step, category by category, equal up to DeepSpeed's named overheads, to the byte
 minizero's side is memory.held_bytes (the engine's live buffers, runlog.MemoryMoments in the
 trainer) taken by reference/ds_run.train_steps at both moments, the loop DeepSpeed's runs go
 through too; DeepSpeed's side is reference/ds_memory's walker at the same two moments of the
-agreement runs (tests/agreement.py: tiny GPT, reduce_bucket_size 2e4, persistence 0), shared
-with test_agreement_memory. The differences are cut by minizero.compare_memory.memory_differences,
+agreement runs (tests/support/agreement.py: tiny GPT, reduce_bucket_size 2e4, persistence 0), shared
+with test_agreement_memory. The differences are cut by minizero.compare.compare_memory.memory_differences,
 the function that writes the compare report's memory section, and every part is checked here
 against its own arithmetic:
 

@@ -91,7 +91,7 @@ def test_the_check_catches_a_cpu_tensor_and_passes_a_placed_one():
     assert run_ranks(_placed_all_reduce, world_size=2, timeout=120) == [([("all_reduce", ["meta"])], None)] * 2
 
 
-# ----------------------------------------------------------------------------- minizero.codebook
+# ----------------------------------------------------------------------------- minizero.gpt.codebook
 
 def _codebook_strict():
     images = synthetic_images(40, 8, seed=3)

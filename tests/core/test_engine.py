@@ -1,6 +1,6 @@
 """The engine, end to end on gloo CPU ranks: every ZeRO stage trains the same model.
 
-Runs come from tests/engine_runs.py (cached per spec, shared with the other engine test
+Runs come from tests/support/engine_runs.py (cached per spec, shared with the other engine test
 files). Model: the "micro" GPT (15,099 params; dropout off), learnable synthetic rows,
 AdamW lr 1e-2, eps 1e-6, 10 optimizer steps, global batch 8 rows of 16 tokens.
 

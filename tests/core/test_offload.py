@@ -187,7 +187,7 @@ def test_bad_offload_configs_are_one_line_errors():
 # ----------------------------------------------------------------------------- checkpoints
 
 def _save_then_resume(stage, dtype, saved, resumed, d, torch_adam=True):
-    """tests/test_checkpoint_io.py's run (micro GPT, dropout on, WarmupLR, fp16 with a moving
+    """tests/tools/test_checkpoint_io.py's run (micro GPT, dropout on, WarmupLR, fp16 with a moving
     scale) with offload `saved` while saving at step 3 and `resumed` when resuming."""
     from tests.tools.test_checkpoint_io import checkpoint_config, train_checkpointed
     cfg = lambda offload: checkpoint_config(stage, dtype, zero=offload, torch_adam=torch_adam)

@@ -1,5 +1,5 @@
 """The configurations of the agreement tests (minizero against DeepSpeed, number for
-number) and their session cache. The runs themselves are tests/harness.py's: `run_minizero`
+number) and their session cache. The runs themselves are tests/support/harness.py's: `run_minizero`
 mirrors reference/ds_run.py's `run_deepspeed`.
 
 Same model (`torch.manual_seed(seed)` right before `model_fn()`), same param groups with
@@ -11,7 +11,7 @@ micro-batches, fp64 all_reduce, divided by the world size).
 The test modules share one cache (`cached_ds`, `cached_mz`, a dict in this module that
 lives for the whole pytest session), so each configuration is trained once per library.
 
-    DS_ACCELERATOR=cpu .venv/bin/python -m tests.agreement      # prints docs/agreement.md's tables
+    DS_ACCELERATOR=cpu .venv/bin/python -m tests.support.agreement      # prints docs/agreement.md's tables
 """
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ returns plain Python / CPU tensors. `get(spec)` caches results per spec in the p
 process, so one run feeds every assertion (in any test file) that needs it.
 
 A spec is a dict (see DEFAULTS); `config_of`, `build` and `batches_of` turn it into
-tests/harness.py's config, model and batches. The data are learnable PatternBatches rows,
+tests/support/harness.py's config, model and batches. The data are learnable PatternBatches rows,
 so the loss really falls, and a single process (world 1) sees exactly the same rows per
 optimizer step as N ranks do. Dropout is off, so ranks and world sizes compute the same
 function.
-What the runs read inside the engine comes from tests/probes.py.
+What the runs read inside the engine comes from tests/support/probes.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One harness that trains minizero or DeepSpeed on the same inputs, for every test that
-compares runs (tests/engine_runs.py, tests/agreement.py, tests/test_reference_harness.py).
+compares runs (tests/support/engine_runs.py, tests/support/agreement.py, tests/agreement/test_reference_harness.py).
 
 The same inputs means four things, each built here once:
 
@@ -14,7 +14,7 @@ The same inputs means four things, each built here once:
 
 `run(lib, ...)` trains either library on one rank with the same loop
 (reference/ds_run.py's `train_steps`) and returns the same keys. Run it on N gloo ranks
-with tests/launcher.py's `run_ranks`.
+with tests/support/launcher.py's `run_ranks`.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     plus `comm` (the ledger's by_label since initialize, before the final-state gather) and
     `layout` (one dict per FlatParam).
 
-    `variant` (test harness only; the patches are in tests/probes.py): "minizero", the
+    `variant` (test harness only; the patches are in tests/support/probes.py): "minizero", the
     engine as it is; "ds_norm", the clip factor from DeepSpeed's norm arithmetic for this
     stage (`patch_clip`; `ds_grad_norms` holds the norms); "jitter<k>", minizero's clip
     factor moved by a random whole number of fp32 ulps in [-3, 3] on every step that clips

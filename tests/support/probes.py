@@ -141,7 +141,7 @@ def grads_left(engine) -> int:
 # ----------------------------------------------------------------------------- DeepSpeed's arithmetic, patched in
 
 def apply_variant(engine, variant: str) -> Optional[List[float]]:
-    """Patch `engine` for one of run_minizero's variants (tests/agreement.py); return the
+    """Patch `engine` for one of run_minizero's variants (tests/support/agreement.py); return the
     list the "ds_norm" variant fills with DeepSpeed's norms, else None."""
     ds_norms = patch_clip(engine, variant)
     if variant == "ds_stage0":

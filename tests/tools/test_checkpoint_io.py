@@ -12,7 +12,7 @@ MB = 4  # micro-batch per rank
 
 
 def checkpoint_config(stage, dtype, zero=(), torch_adam=True):
-    """The config of these tests; `zero`: more zero_optimization keys (tests/test_offload.py
+    """The config of these tests; `zero`: more zero_optimization keys (tests/core/test_offload.py
     adds offload), torch_adam False: the Adam minizero picks without it."""
     params = {"lr": 1e-3, **({"torch_adam": True} if torch_adam else {})}
     cfg = {"train_micro_batch_size_per_gpu": MB,
@@ -114,7 +114,7 @@ def _load_into(stage, d, preset, overrides):
 
 
 def test_load_into_another_model_is_a_clear_error_another_world_size_loads(tmp_path):
-    """Another world size is resharded (tests/test_reshard.py); another model is one line."""
+    """Another world size is resharded (tests/tools/test_reshard.py); another model is one line."""
     d = str(tmp_path)
     run_ranks(train_checkpointed, 2, (2, "fp32", 1, d, 1))
     assert run_ranks(_load_into, 1, (2, d, "micro", {}), env={"MINIZERO_FORCE_PG": "1"})[0] is None

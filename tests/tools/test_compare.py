@@ -7,7 +7,7 @@ difference named) and the side-by-side comms summaries (every differing row expl
 
 The config is train.py's default with gradient_clipping 0 (off). minizero and DeepSpeed
 differ in one piece of arithmetic, the gradient norm, which reaches the weights only
-through clipping (tests/test_agreement_loss.py: test_clipping_active_*); with it off both
+through clipping (tests/agreement/test_agreement_loss.py: test_clipping_active_*); with it off both
 libraries run the same ops in the same order, so the losses must agree BITWISE, on any CPU.
 (With clipping on, as by default, this run measured 1-2 fp32 ulps of the loss.)"""
 import copy

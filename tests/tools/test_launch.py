@@ -65,7 +65,7 @@ def test_sbatch_directives_match_header_defaults():
 @pytest.fixture
 def ds_parse(monkeypatch):
     """DeepSpeedConfig as if in a world of `world_size` ranks, no process group needed
-    (the same stub as tests/test_config.py: DeepSpeedConfig asks deepspeed.comm for both)."""
+    (the same stub as tests/agreement/test_config.py: DeepSpeedConfig asks deepspeed.comm for both)."""
     pytest.importorskip("deepspeed")
     import deepspeed.runtime.config as ds_config_mod
 

@@ -170,7 +170,7 @@ def test_relative_markdown_links_point_to_existing_files_and_headings():
     assert not bad, "broken relative links:\n" + "\n".join(bad)
 
 
-TEST_REF = re.compile(r"\b(tests/\w+\.py)::(\w+)")
+TEST_REF = re.compile(r"\b(tests/(?:\w+/)*\w+\.py)::(\w+)")
 
 
 def test_docs_name_tests_that_exist():
@@ -191,36 +191,56 @@ def test_docs_name_tests_that_exist():
 
 # ----------------------------------------------------------------------------- import cycles
 
+def module_name(path: Path) -> str:
+    """minizero/engine.py -> "engine", minizero/runtime/config.py -> "runtime.config",
+    minizero/checkpointing/__init__.py -> "checkpointing"; the package itself is "__init__"."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
 def _package_imports(path: Path, modules: set[str]) -> list[tuple[str, int]]:
-    """(imported minizero module, line) for every import in `path`, at any depth."""
+    """(imported minizero module, line) for every import in `path`, at any depth, relative
+    imports resolved against the file's own package."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    package = [] if name == "__init__" else package
+
+    def known(dotted: list[str]) -> str:
+        """The longest prefix of `dotted` that is a module ("__init__" for the package)."""
+        for n in range(len(dotted), 0, -1):
+            if ".".join(dotted[:n]) in modules:
+                return ".".join(dotted[:n])
+        return "__init__"
+
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "minizero":
-                    out.append((parts[1] if len(parts) > 1 else "__init__", node.lineno))
+                    out.append((known(parts[1:]), node.lineno))
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 parts = (node.module or "").split(".")
                 if parts[0] != "minizero":
                     continue
-                sub = parts[1:]
-            elif node.level == 1:       # the package itself: minizero/ is flat
-                sub = node.module.split(".") if node.module else []
+                base = parts[1:]
             else:
-                continue
-            if sub:
-                out.append((sub[0], node.lineno))
-            else:                       # from minizero import x / from . import x
-                for alias in node.names:
-                    out.append((alias.name if alias.name in modules else "__init__", node.lineno))
+                up = len(package) - (node.level - 1)
+                if up < 0:
+                    continue
+                base = package[:up] + (node.module.split(".") if node.module else [])
+            for alias in node.names:     # from minizero.runtime import config: the module config
+                out.append((known(base + [alias.name]), node.lineno))
     return [(m, line) for m, line in out if m in modules]
 
 
 def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {module it imports: first line of such an import}, inside minizero/."""
-    files = {p.stem: p for p in sorted(PACKAGE.glob("*.py"))}
+    """module -> {module it imports: first line of such an import}, inside minizero/ and
+    every subpackage."""
+    files = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     graph: dict[str, dict[str, int]] = {}
     for name, path in files.items():
         edges: dict[str, int] = {}
@@ -229,6 +249,14 @@ def import_graph() -> dict[str, dict[str, int]]:
                 edges.setdefault(target, line)
         graph[name] = edges
     return graph
+
+
+def _path_of(module: str) -> str:
+    """The file of a module name of import_graph, for messages."""
+    if module == "__init__":
+        return "minizero/__init__.py"
+    path = PACKAGE.joinpath(*module.split("."))
+    return str((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(ROOT))
 
 
 def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -287,11 +315,11 @@ def test_import_cycle_finder_finds_a_deferred_cycle():
 
 def test_no_import_cycle_inside_minizero():
     graph = import_graph()
-    assert {"engine", "config", "zero0"} <= set(graph), "minizero/ not found where expected"
+    assert {"engine", "runtime.config", "zero0"} <= set(graph), "minizero/ not found where expected"
     cycles = import_cycles(graph)
     lines = []
     for cyc in cycles:
-        steps = ", ".join(f"minizero/{a}.py:{graph[a][b]} imports {b}" for a, b in zip(cyc, cyc[1:]))
+        steps = ", ".join(f"{_path_of(a)}:{graph[a][b]} imports {b}" for a, b in zip(cyc, cyc[1:]))
         lines.append(f"{' -> '.join(cyc)}  ({steps})")
     assert not cycles, ("import cycles inside minizero/ (imports inside functions count; move what both "
                         "modules need into a third one):\n" + "\n".join(lines))

@@ -1,4 +1,4 @@
-"""The timeline trace (minizero/trace.py) and DeepSpeed's comms summary (comms_logger.py).
+"""The timeline trace (minizero/observe/trace.py) and DeepSpeed's comms summary (comms_logger.py).
 
 Checked on 2 gloo ranks, a 2-block GPT, at every stage:
 - every collective of a traced step is one event, and the events' payload and wire bytes

@@ -131,7 +131,7 @@ def test_torchrun_two_ranks(stage, tmp_path, data_dir):
     if stage >= 1:
         assert comm["all_gather"] > 0
     # --trace: step 2 by default, one file per rank, the merged file and the picture; each
-    # op's events sum to the ledger's bytes over that step (tests/test_trace.py checks the
+    # op's events sum to the ledger's bytes over that step (tests/tools/test_trace.py checks the
     # ledger against engine.comm_stats())
     assert sorted(os.listdir(trace)) == ["rank0.json", "rank1.json", "timeline.png", "trace.json"]
     for rank in (0, 1):

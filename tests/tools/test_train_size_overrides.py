@@ -1,5 +1,5 @@
 """--n-embd / --n-head / --image-size: a large preset shrunk for a CPU, the same flags in
-minizero.train and reference/train.py (one parser, minizero.train_args), one printed line
+minizero.train and reference/train.py (one parser, minizero.train.train_args), one printed line
 naming the preset and every size changed, and one clear line for a size that cannot be.
 
 The end-to-end case is the tutorial's step 5 as issue 11 asks for it on a CPU: the step-5
