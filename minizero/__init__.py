@@ -29,6 +29,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config is a DeepSpeed JSON dict or path; it may also come from `args.deepspeed_config`.
     """
     from .engine import Engine
+    from .observe import switches
 
     if model is None:
         raise ValueError("minizero.initialize: pass model=<your nn.Module>")
@@ -41,6 +42,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("minizero.initialize: no config; pass config=<dict or path to a DeepSpeed JSON file>")
+    switches.subscribe()   # the tools the config may switch on watch the engine (observe/switches.py)
     engine = Engine(model, model_parameters=model_parameters, config=config, lr_scheduler=lr_scheduler)
     loader = None
     if training_data is not None:

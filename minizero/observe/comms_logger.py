@@ -43,6 +43,8 @@ import time
 
 import torch
 
+from .. import comm
+
 # minizero's op -> the name DeepSpeed's logger gives the same collective
 OP_NAMES = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
             "all_reduce": "all_reduce", "broadcast": "broadcast"}
@@ -88,8 +90,25 @@ def trim_mean(data: list[float], trim_percent: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
+current: "CommsLogger | None" = None   # this process's logger, while an engine's config enables it
+
+
+def start(engine) -> None:
+    """DeepSpeed's comms logger when the engine's config enables it: every collective timed,
+    the table printed by comm.log_summary(). One per process, as DeepSpeed's: the newest
+    engine's config decides. Called as the engine starts, before the weights' broadcast,
+    which DeepSpeed's logger times too."""
+    global current
+    if current in comm.observers:
+        comm.observers.remove(current)
+    current = None
+    if engine.config.comms_logger.enabled:
+        current = CommsLogger(engine.config.comms_logger, engine.world_size, engine.global_rank, engine.device)
+        comm.observers.append(current)
+
+
 class CommsLogger:
-    """A comm.py watcher: one record per (op name, message size): count and the latencies."""
+    """A comm.py observer: one record per (op name, message size): count and the latencies."""
 
     def __init__(self, section, world_size: int, rank: int, device: torch.device):
         self.prof_all, self.prof_ops = section.prof_all, list(section.prof_ops)
@@ -103,8 +122,8 @@ class CommsLogger:
             return None
         return f"{name} | [Caller Func: {label}]" if self.debug and label else name
 
-    # ---------------------------------------------------------------- comm.py watcher
-    def begin(self, op: str, label: str | None):
+    # ---------------------------------------------------------------- comm.py's observer hook
+    def begin(self, op: str, label: str | None, tensor, nbytes: int, group):
         if self._name(op, label) is None:
             return None
         if self.device.type == "cuda":
@@ -146,6 +165,21 @@ class CommsLogger:
 
     def table(self) -> str:
         return format_table(self.summary())
+
+    def log_summary(self, show_straggler: bool = False, return_dict: bool = False):
+        """comm.log_summary (deepspeed.comm.log_summary): rank 0 prints the table; with
+        return_dict, every rank gets {"summary", "straggler_analysis", "metadata"} as DeepSpeed
+        returns it. A collective when show_straggler is set."""
+        summary = self.summary()
+        straggler = self.straggler() if show_straggler else None
+        if self.rank == 0:
+            print(format_table(summary))
+            if straggler is not None:
+                print(format_straggler_table(straggler))
+        if return_dict:
+            return {"summary": summary, "straggler_analysis": straggler,
+                    "metadata": {"world_size": self.world_size, "rank": self.rank}}
+        return None
 
     def straggler(self) -> dict:
         """DeepSpeed's show_straggler breakdown: per op and size, the latencies' MIN over ranks

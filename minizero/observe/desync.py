@@ -2,8 +2,8 @@
 
 When ranks issue different collectives (a module used on one rank only, a different number
 of micro-steps), every rank blocks until the backend's timeout, 30 minutes by default, and
-then a backend error names no module. Two guards, configured by the engine (`configure`)
-and applied by comm.py's wrappers through `run_checked` (docs/debugging.md):
+then a backend error names no module. Two guards, in `DesyncCheck`, an observer of comm.py's
+collectives (`subscribe`), configured from the engine's config as it starts (docs/debugging.md):
 
 1. *A desync check* (`MINIZERO_DEBUG_COLLECTIVES=1`, or the config's
    `minizero_collectives.check`): before each collective, every rank all-gathers a small
@@ -13,7 +13,8 @@ and applied by comm.py's wrappers through `run_checked` (docs/debugging.md):
 2. *A named timeout*: a backend error or timeout inside a wrapper is re-raised as
    `CollectiveError` naming the op, label, bytes and step this rank was waiting on.
 
-Only torch.distributed is used here (comm.py imports this module, not the other way round).
+The check's own all-gather calls torch.distributed directly: it is no collective of the
+step, so it is neither counted in the ledger nor announced to the observers.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import zlib
 
 import torch
 import torch.distributed as dist
+
+from .. import comm
 
 
 DEBUG_ENV = "MINIZERO_DEBUG_COLLECTIVES"
@@ -106,28 +109,44 @@ def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
                              f"modules and the same number of micro-steps (docs/debugging.md)")
 
 
-def run_checked(op: str, label: str | None, t: torch.Tensor, nbytes: int, run, group=None):
-    """Run `run()` (the backend call) on more than one rank and return what it returns (a
-    work handle for an asynchronous op): checked first when the switch is on (on the default
-    group only: a subgroup's ranks are not all of them); a backend error or timeout comes
-    back naming the collective."""
-    try:
-        if guard.check and group is None:
-            check_agreement(op, label, t)   # a rank left alone times out here
+class DesyncCheck:
+    """comm.py's observer: where the engine is, the check before each collective (while the
+    switch is on; on the default group only: a subgroup's ranks are not all of them), and a
+    backend error or timeout named. Copies and world size 1 are no collectives between ranks."""
+
+    def engine_starts(self, engine) -> None:   # before the engine's first collective
+        configure(engine.config.collectives.check, engine.config.collectives.timeout_s)
+        set_phase("setup", 0, 0)
+
+    def phase_begins(self, name: str, engine) -> None:
+        set_phase(name, engine.global_steps, engine.micro_steps)
+
+    def begin(self, op: str, label: str | None, t: torch.Tensor, nbytes: int, group):
+        if op in comm.COPIES or comm.get_world_size() == 1:
+            return None
+        try:
+            if guard.check and group is None:
+                check_agreement(op, label, t)   # a rank left alone times out here
+        except CollectiveMismatch:
+            raise
+        except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
+            raise _named(e, op, label, t, nbytes) from e
         guard.seq += 1
-        return run()
-    except CollectiveMismatch:
-        raise
-    except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
-        raise _named(e, op, label, t, nbytes) from e
+        return None
+
+    def failed(self, e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int):
+        if op in comm.COPIES or comm.get_world_size() == 1:
+            return None
+        return _named(e, op, label, t, nbytes)
 
 
-def wait_checked(work, op: str, label: str | None, t: torch.Tensor, nbytes: int) -> None:
-    """work.wait() of an asynchronous collective; its timeout or error named as run_checked's."""
-    try:
-        work.wait()
-    except RuntimeError as e:
-        raise _named(e, op, label, t, nbytes) from e
+check = DesyncCheck()
+
+
+def subscribe() -> None:
+    """Watch every collective of this process (once; minizero.initialize calls it)."""
+    if check not in comm.observers:
+        comm.observers.insert(0, check)   # first: the check runs before the others time the call
 
 
 def _named(e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int) -> CollectiveError:

@@ -9,8 +9,10 @@ chrome://tracing): one file per rank, rank0.json, rank1.json, ..., and on rank 0
 trace.json (every rank on one timeline) and timeline.png (timeline.py draws it).
 
 Tracks, per rank:
-  step         the step, and the engine's phases: forward, backward, step, and inside the
-               step reduce_gradients, grad_norm, optimizer, after_step (`span`)
+  step         the step, and the engine's phases: forward, backward, step (announced by the
+               engine through comm.py's observer hook), and inside the step
+               reduce_gradients, grad_norm, optimizer, after_step (the four parts of
+               `_take_model_step` the tracer times, PARTS)
   units        each unit's forward, backward, and recompute (activation checkpointing
                re-running a block's forward inside backward). Units are ZeRO-3's: every
                block of the model's outermost ModuleList, and the root (zero3.find_units)
@@ -43,14 +45,17 @@ plus an asynchronous one's wait.
 
 Switch it on with `python -m minizero.train --trace DIR [--trace-steps 2 3]`, the config
 section `"minizero_trace": {"enabled": true, "output_path": DIR, "steps": [2]}`, or around
-code: `with engine.trace(DIR): ...` (every step inside the block).
+code: `with trace.start(engine, DIR): ...` (every step inside the block).
+
+The tracer is an observer of comm.py's hook (the engine imports nothing from here): it hears
+the engine's phases and each collective's begin, blocking wait and end, and it wraps the
+four PARTS of the step on this engine's objects while it is open.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -60,23 +65,18 @@ from .. import checkpointing, comm
 from ..zero3 import on_backward
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
-_active: "Tracer | None" = None                         # the tracer recording the current step
+# The parts of Engine._take_model_step timed on the `step` track: (the engine's attribute, its
+# method, the phase's name).
+PARTS = (("zero", "reduce_gradients", "reduce_gradients"), ("sharded_optimizer", "grad_norm_sq", "grad_norm"),
+         ("sharded_optimizer", "step", "optimizer"), ("zero", "after_step", "after_step"))
 
 
-@contextmanager
-def span(name: str):
-    """A named phase of the step: a profiler range `minizero::<name>` always, and an event
-    on the `step` track while a traced step is recording."""
-    with record_function(f"minizero::{name}"):
-        t = _active
-        if t is None:
-            yield
-            return
-        begin = t.clock.mark()
-        try:
-            yield
-        finally:
-            t.add_phase(name, begin, t.clock.mark())
+def start(engine, out_dir: str, steps=None) -> "Tracer":
+    """Record a timeline of optimizer steps `steps` (1-based; None: every step until the
+    tracer is closed) into out_dir. Use as `with trace.start(engine, DIR): ...`, or keep the
+    tracer and call .close(); with `steps` it closes itself after the last one. A collective
+    at the end of each traced step and at close: call on every rank."""
+    return Tracer(engine, out_dir, steps)
 
 
 class _Clock:
@@ -115,6 +115,8 @@ class Tracer:
 
     def __init__(self, engine, out_dir: str, steps=None):
         from ..zero3 import find_units
+        if getattr(engine, "tracer", None) is not None and not engine.tracer.closed:
+            raise RuntimeError("minizero: this engine is already tracing; close that trace first")
         self.engine, self.out_dir = engine, out_dir
         self.steps = None if steps is None else sorted({int(s) for s in steps})
         self.rank, self.world = comm.get_rank(), comm.get_world_size()
@@ -129,6 +131,14 @@ class Tracer:
             # prepend: the unit's span starts before ZeRO-3's pre_forward gathers its parameters
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward(name), prepend=True))
             self._hooks.append(m.register_forward_hook(self._post_forward(name)))
+        self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
+        self._patched = []                     # (object, attribute, what its __dict__ held)
+        for owner, method, phase in PARTS:
+            obj = getattr(engine, owner)
+            self._patched.append((obj, method, obj.__dict__.get(method)))
+            setattr(obj, method, self._timed(phase, getattr(obj, method)))
+        engine.tracer = self   # the trainer finds it there (and DeepSpeed's engine has none)
+        comm.observers.append(self)
 
     # ---------------------------------------------------------------- steps
     def wants(self, step: int) -> bool:
@@ -136,7 +146,6 @@ class Tracer:
 
     def step_begins(self, step: int) -> None:
         """Called by the engine before the first forward of optimizer step `step` (1-based)."""
-        global _active
         if not self.wants(step):
             return
         if not self.started:   # one axis for all ranks: every rank starts its clock after a barrier
@@ -148,18 +157,14 @@ class Tracer:
         self._open: dict[tuple, tuple] = {}
         self._ledger_before = comm.ledger.snapshot()
         self._step_begin = self.clock.mark()
-        comm.watchers.append(self)
-        _active = self
 
     def step_ends(self, step: int) -> None:
         """Called by the engine after the engine.step() that ended optimizer step `step`."""
-        global _active
         if not self.recording:
             return
         end = self.clock.mark()
         self._close_open_backward(end)
-        comm.watchers.remove(self)
-        _active, self.recording = None, False
+        self.recording = False
         after = comm.ledger.snapshot()
         self.ledger[step] = {op: {k: after[op][k] - self._ledger_before[op][k] for k in after[op]}
                              for op in after}
@@ -169,14 +174,44 @@ class Tracer:
         if self.steps is not None and step >= self.steps[-1]:
             self.close()
 
+    # ---------------------------------------------------------------- comm.py's observer hook
+    def phase_begins(self, name: str, engine) -> None:
+        if engine is not self.engine:
+            return
+        if name == "forward" and engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+            self.step_begins(engine.global_steps + 1)   # the first forward of an optimizer step
+        if self.recording:
+            self._phases[name] = self.clock.mark()
+
+    def phase_ends(self, name: str, engine) -> None:
+        if engine is not self.engine:
+            return
+        if self.recording and name in self._phases:
+            self.add_phase(name, self._phases.pop(name), self.clock.mark())
+        if name == "step":   # the accumulation boundary's step: the optimizer step is done
+            self.step_ends(engine.global_steps)
+
+    def _timed(self, name: str, method):
+        """`method`, one of PARTS, with a profiler range and an event on the `step` track."""
+        def timed(*args, **kwargs):
+            with record_function(f"minizero::{name}"):
+                if not self.recording:
+                    return method(*args, **kwargs)
+                begin = self.clock.mark()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self.add_phase(name, begin, self.clock.mark())
+        return timed
+
     # ---------------------------------------------------------------- what is recorded
     def add_phase(self, name: str, begin, end) -> None:
         self._marks.append(("step", name, begin, end, {}))
         if name == "backward":   # a unit whose inputs get no gradient (the root) ends here
             self._close_open_backward(end)
 
-    def begin(self, op: str, label: str | None):
-        """comm.py watcher: a collective or copy starts. The token: [its start, when this rank
+    def begin(self, op: str, label: str | None, tensor, nbytes: int, group):
+        """comm.py's observer: a collective or copy starts. The token: [its start, when this rank
         began to block on it (an asynchronous one's wait), or None]."""
         return [self.clock.mark(), None] if self.recording else None
 
@@ -293,10 +328,13 @@ class Tracer:
         if self.closed:
             return []
         self.closed = True
-        if self.recording:   # a run that ended inside a traced step: keep what it recorded
-            comm.watchers.remove(self)
-            global _active
-            _active, self.recording = None, False
+        self.recording = False   # a run that ended inside a traced step: keep what it recorded
+        comm.observers.remove(self)
+        for obj, method, held in self._patched:
+            if held is None:
+                del obj.__dict__[method]
+            else:
+                setattr(obj, method, held)
         for h in self._hooks:
             h.remove()
         paths = [self._write(f"rank{self.rank}.json", self.document())]
@@ -324,7 +362,7 @@ class Tracer:
         os.replace(path + ".tmp", path)
         return path
 
-    # ---------------------------------------------------------------- with engine.trace(DIR): ...
+    # ---------------------------------------------------------------- with trace.start(engine, DIR): ...
     def __enter__(self):
         return self
 

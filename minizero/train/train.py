@@ -101,11 +101,11 @@ def _minizero_check_config(cfg, world_size):
 def _minizero_comms_summary(run):
     """minizero's comms logger (the config's comms_logger section): DeepSpeed's log_summary
     numbers and table, this rank's (comms_logger.py); rank 0 prints the table."""
-    if comm.comms_logger is None:
+    from minizero.observe import comms_logger
+    if comms_logger.current is None:
         return None
-    from minizero.observe.comms_logger import format_table
-    summary = comm.comms_logger.summary()
-    table = format_table(summary) + "\n"
+    summary = comms_logger.current.summary()
+    table = comms_logger.format_table(summary) + "\n"
     runlog.log0(f"minizero: comms logger, rank 0 (DeepSpeed's log_summary table; also in "
                 f"{os.path.join(run.save_dir, 'comms_summary.txt')}):\n{table}", end="")
     return summary, table

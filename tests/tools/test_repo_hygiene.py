@@ -323,3 +323,65 @@ def test_no_import_cycle_inside_minizero():
         lines.append(f"{' -> '.join(cyc)}  ({steps})")
     assert not cycles, ("import cycles inside minizero/ (imports inside functions count; move what both "
                         "modules need into a third one):\n" + "\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- the core and its periphery
+
+# What the core may stand on: the runtime (config, LR schedules, process groups), activation
+# checkpointing (a mechanism inside the step, DeepSpeed's public minizero.checkpointing) and
+# model checkpoints (the engine's save_checkpoint/load_checkpoint and minizero.consolidate are
+# DeepSpeed's API). Everything else watches or uses the core, and the core imports none of it.
+STANDS_ON = ("runtime", "checkpointing", "checkpoint")
+
+
+def core_modules(graph: dict[str, dict[str, int]]) -> list[str]:
+    """minizero/*.py but __init__.py, the front door that wires the tools to the engine."""
+    return sorted(m for m in graph if "." not in m and m != "__init__" and not PACKAGE.joinpath(m).is_dir())
+
+
+def periphery_reached(graph: dict[str, dict[str, int]], start: str) -> list[list[str]]:
+    """Every shortest import path from `start`, through the core and what it stands on, to a
+    module outside both."""
+    inside = lambda m: "." not in m and not PACKAGE.joinpath(m).is_dir() or m.split(".")[0] in STANDS_ON
+    prev, frontier, found = {start: None}, [start], []
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w in prev or w == "__init__":
+                    continue
+                prev[w] = v
+                if inside(w):
+                    nxt.append(w)
+                else:
+                    path = [w]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])
+                    found.append(path[::-1])
+        frontier = nxt
+    return found
+
+
+def test_periphery_finder_follows_what_the_core_stands_on():
+    graph = {"engine": {"runtime.config": 3}, "runtime.config": {"observe.trace": 9}, "observe.trace": {},
+             "comm": {}}
+    assert periphery_reached(graph, "engine") == [["engine", "runtime.config", "observe.trace"]]
+    assert periphery_reached(graph, "comm") == []
+
+
+def test_the_core_imports_no_periphery():
+    """The core (minizero/*.py) and what it stands on import nothing from observe/, compare/,
+    train/, gpt/ or a command package, at any depth: the tools subscribe to comm.py's observer
+    hook instead (observe/switches.py), and the front door, minizero/__init__.py, wires them."""
+    graph = import_graph()
+    core = core_modules(graph)
+    assert {"engine", "comm", "zero3", "flat_param"} <= set(core), core
+    bad = []
+    for m in core:
+        for path in periphery_reached(graph, m):
+            steps = ", ".join(f"{_path_of(a)}:{graph[a][b]} imports {b}" for a, b in zip(path, path[1:]))
+            bad.append(f"{' -> '.join(path)}  ({steps})")
+    assert not bad, "the core imports the periphery (announce through comm.observers instead):\n" + "\n".join(
+        sorted(set(bad)))
+    front = {t for t in graph["__init__"] if not (t in core or t.split(".")[0] in STANDS_ON)}
+    assert front == {"observe.switches"}, front

@@ -16,6 +16,7 @@ import os
 
 import pytest
 
+from minizero.observe import trace
 from tests.support.harness import NO_DROPOUT, PatternBatches, make_config, make_model, micro_engine, train_step
 from tests.support.launcher import run_ranks
 
@@ -41,7 +42,7 @@ def _run(stage: int, out_dir: str | None, dtype: str = "fp32", gas: int = 2, ckp
     if comms_logger:
         cfg["comms_logger"] = {"enabled": True}
     engine, _ = micro_engine(cfg, **NO_DROPOUT)
-    tracer = engine.trace(out_dir, steps=TRACED) if out_dir else None
+    tracer = trace.start(engine, out_dir, steps=TRACED) if out_dir else None
     batches = PatternBatches(62, 16, global_batch=2 * 2 * gas, gas=gas)
     losses, per_step = [], {}
     for step in range(1, STEPS + 1):
@@ -150,7 +151,7 @@ def test_trace_shows_offload_copies(tmp_path):
 
 
 def test_engine_trace_context_manager_single_rank(tmp_path):
-    """One process: `with engine.trace(DIR)` records every step inside the block."""
+    """One process: `with trace.start(engine, DIR)` records every step inside the block."""
     import minizero
 
     cfg = make_config(0, micro_batch=2, lr=1e-2)
@@ -158,7 +159,7 @@ def test_engine_trace_context_manager_single_rank(tmp_path):
     engine, *_ = minizero.initialize(model=model, config=cfg)
     batches = PatternBatches(62, 8, global_batch=2)
     out = str(tmp_path / "t")
-    with engine.trace(out):
+    with trace.start(engine, out):
         for step in (1, 2):
             x, y = batches(step, 0, 0, 1)
             _, loss = engine(x, y)
@@ -169,8 +170,8 @@ def test_engine_trace_context_manager_single_rank(tmp_path):
     assert doc["otherData"]["steps"] == [1, 2]
     assert os.path.exists(os.path.join(out, "timeline.png"))
     with pytest.raises(RuntimeError, match="already tracing"):
-        engine.trace(out, steps=[5])
-        engine.trace(out, steps=[6])
+        trace.start(engine, out, steps=[5])
+        trace.start(engine, out, steps=[6])
 
 
 # ----------------------------------------------------------------------------- comms logger
@@ -224,7 +225,7 @@ def test_without_matplotlib_the_trace_is_written_and_the_picture_is_skipped(tmp_
     monkeypatch.setattr(timeline, "has_matplotlib", lambda: False)
     engine, *_ = minizero.initialize(model=make_model("micro"), config=make_config(0, micro_batch=2, lr=1e-2))
     out = str(tmp_path / "t")
-    with engine.trace(out):
+    with trace.start(engine, out):
         x, y = PatternBatches(62, 8, global_batch=2)(1, 0, 0, 1)
         _, loss = engine(x, y)
         engine.backward(loss)
