@@ -122,7 +122,7 @@ class DesyncCheck:
         set_phase(name, engine.global_steps, engine.micro_steps)
 
     def begin(self, op: str, label: str | None, t: torch.Tensor, nbytes: int, group):
-        if op in comm.COPIES or comm.get_world_size() == 1:
+        if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         try:
             if guard.check and group is None:
@@ -135,7 +135,7 @@ class DesyncCheck:
         return None
 
     def failed(self, e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int):
-        if op in comm.COPIES or comm.get_world_size() == 1:
+        if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         return _named(e, op, label, t, nbytes)
 

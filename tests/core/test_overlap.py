@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import probes
 from tests.support.harness import NO_DROPOUT, PatternBatches, make_config, make_model, micro_engine, train_step
 from tests.support.launcher import run_ranks
 
@@ -27,16 +28,15 @@ def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False
            zero_extra=None, branch_step=None, evaluate: bool = False):
     """Train the micro GPT with unused parameters (GPTWithUnused: `side` used on even steps
     only) for `steps` steps. Returns losses, norms, a hash of the final fp32 state, the
-    ledger by label of the last step, and FlatParam's peak of live gathered elements."""
+    ledger by label of the last step, and the peak of live gathered elements."""
     from minizero import comm
-    from minizero.flat_param import FlatParam
 
     zero = {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0, **knobs, **(zero_extra or {})}
     cfg = make_config(stage, dtype, micro_batch=2, lr=1e-2, gas=gas, ckpt=ckpt, zero=zero)
     engine, model = micro_engine(cfg, "unused", **NO_DROPOUT)
     batches = PatternBatches(62, 16, global_batch=2 * comm.get_world_size() * gas, gas=gas)
     losses, norms = [], []
-    FlatParam.reset_live()
+    live = probes.watch_live_numel()
     for step in range(1, steps + 1):
         model.use_side = step % 2 == 0 if branch_step is None else step == branch_step
         before = {k: dict(v) for k, v in comm.ledger.by_label.items()}
@@ -47,13 +47,13 @@ def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False
             with torch.no_grad():
                 _, eval_loss = engine(x, y)
             losses.append(eval_loss.item())
-            assert FlatParam.live_numel == 0, "an evaluation forward left units gathered"
+            assert live["now"] == 0, "an evaluation forward left units gathered"
     last = {k: v["calls"] - before.get(k, {"calls": 0})["calls"] for k, v in comm.ledger.by_label.items()}
     state = engine.full_fp32_state_dict()
     digest = torch.cat([state[k].reshape(-1) for k in sorted(state)])
     return {"losses": losses, "norms": norms, "state": digest, "last_step_calls": {k: v for k, v in last.items() if v},
-            "peak_live": FlatParam.peak_live_numel,
-            "unit_numel": max((u.partitioned_numel() for u in getattr(engine.zero, "buckets", [])
+            "peak_live": live["peak"],
+            "unit_numel": max((u.partitioned_numel for u in getattr(engine.zero, "buckets", [])
                                if hasattr(u, "partitioned_numel")), default=0)}
 
 

@@ -84,6 +84,31 @@ def watch_z3_gathered(engine) -> dict:
     return gathered_fwd
 
 
+def watch_live_numel() -> dict:
+    """ZeRO-3's live parameters, the elements stage3_max_live_parameters bounds: partitioned
+    FlatParams whose full buffer is allocated, in this process. Wraps FlatParam.alloc_full and
+    free_full (where the storage is really allocated and freed) for the rest of the process
+    (a rank of run_ranks); the returned dict's "now" and "peak" follow, from this call on."""
+    from minizero.flat_param import FlatParam
+    live, count = set(), {"now": 0, "peak": 0}
+    alloc, free = FlatParam.alloc_full, FlatParam.free_full
+
+    def alloc_full(f):
+        alloc(f)
+        if not f.keep_full and id(f) not in live:
+            live.add(id(f))
+            count["now"] += f.padded_numel
+            count["peak"] = max(count["peak"], count["now"])
+
+    def free_full(f):
+        if id(f) in live:
+            live.discard(id(f))
+            count["now"] -= f.padded_numel
+        free(f)
+    FlatParam.alloc_full, FlatParam.free_full = alloc_full, free_full
+    return count
+
+
 def after_backward(engine) -> dict:
     """Where the gradients are right after backward: are the parameters' .grad all None,
     how many elements they hold, each FlatParam's reduced-gradient shard size (or None)."""
