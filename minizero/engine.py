@@ -17,8 +17,9 @@ gradients live, which collective moves them, and when), and `self.sharded_optimi
 ZeRO-Offload a third, `self.offload` (offload.py), says what lives in host memory.
 
 The names and semantics of the public members follow DeepSpeed's `DeepSpeedEngine`, so
-one script runs under either library; where DeepSpeed has a bug we do not copy it, and
-docs/deepspeed.md says so.
+one script runs under either library; where they differ (a bug not copied, a more useful
+return value), docs/deepspeed.md says so (what each method returns: docs/deepspeed.md,
+"What the engine's methods return").
 """
 from __future__ import annotations
 
@@ -74,12 +75,12 @@ class Engine(torch.nn.Module):
                 logger.info(self.offload.describe(self.zero.flat_params))
 
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
-            lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed accepts a factory too
+            lr_scheduler = lr_scheduler(self.optimizer)  # a factory of the optimizer
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None else \
             build_scheduler(self.optimizer, self.config.scheduler)
         self.loss_scaler = create_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
 
-        self.global_steps = 0     # optimizer steps, skipped ones included (as DeepSpeed)
+        self.global_steps = 0     # optimizer steps, skipped ones included
         self.skipped_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -228,16 +229,14 @@ class Engine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
         """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
-        Must be called at a gradient-accumulation boundary. Returns the tag's folder
-        (DeepSpeed returns True)."""
+        Must be called at a gradient-accumulation boundary. Returns the tag's folder."""
         from .checkpoint import checkpoint_io
         return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
-        """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
-        (as DeepSpeed does). `path` is the tag's folder (DeepSpeed returns the path of the
-        model-states file inside it)."""
+        """Returns (the tag's folder, client_state), or (None, None) when `load_dir` holds
+        no checkpoint."""
         from .checkpoint import checkpoint_io
         path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
@@ -263,9 +262,8 @@ class Engine(torch.nn.Module):
 
 
 def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:
-    """`model_parameters` as DeepSpeed takes it: None (all of model.parameters()), an
-    iterable of parameters, or an iterable of param-group dicts. Frozen parameters are
-    left out, as DeepSpeed's ZeRO does."""
+    """`model_parameters`: None (all of model.parameters()), an iterable of parameters, or an
+    iterable of param-group dicts. Frozen parameters are left out."""
     if model_parameters is None:
         model_parameters = model.parameters()
     items = list(model_parameters)

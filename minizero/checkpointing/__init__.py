@@ -130,9 +130,8 @@ def reset() -> None:
 
 def in_recompute() -> bool:
     """True while checkpoint's backward is re-running a block's forward and backprop'ing
-    through it. ZeRO-3's hooks can use it to tell the recompute's forward (which runs in
-    the middle of backward) from the real one, e.g. to keep the block's gathered
-    parameters for the backward that immediately follows instead of releasing them."""
+    through it. ZeRO-3 (zero3.Unit.pre_forward) and the trace label what a recompute's
+    forward does (its all-gathers: `.recompute`), which runs in the middle of backward."""
     return _recompute_depth > 0
 
 
