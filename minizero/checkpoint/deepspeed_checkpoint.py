@@ -15,183 +15,35 @@ laid out DeepSpeed's way (docs/checkpoints.md, "DeepSpeed's layout"):
               tensors), and the optimizer files: per sub-group, rank r's piece of every
               parameter, each parameter padded to ceil(n / N) per rank
 
-The arithmetic of both partitionings is in the small functions below (`zero12_*`,
-`zero3_*`; which ranks hold a range is partition.shards_holding, as for minizero's own); `open_source(tag_folder)` checks the folder and returns a
+The arithmetic of both partitionings is in deepspeed_layout.py (`zero12_*`, `zero3_*`;
+which ranks hold a range is partition.shards_holding, as for minizero's own);
+`open_source(tag_folder)` checks the folder and returns a
 `DeepSpeedSource`, which reads a parameter's slice from only the files that hold it,
 mmap'd. What minizero cannot continue from (pipeline or tensor parallelism, MoE, NVMe
 offload, frozen parameters, a damaged file) is one CheckpointError line.
 
 DeepSpeed pickles some of its own classes into these files (the loss scaler, ZeroStageEnum,
-fragment_address). `torch_load` unpickles them as `Foreign` stand-ins that keep their
-attributes, so nothing here imports deepspeed; export_deepspeed.py writes them back the
-same way.
+fragment_address). `torch_load` (deepspeed_pickle.py) unpickles them as `Foreign` stand-ins
+that keep their attributes, so nothing here imports deepspeed; export_deepspeed.py writes
+them back the same way.
 """
 from __future__ import annotations
 
-import copyreg
 import math
 import os
-import pickle
 import re
-import types
 
 import torch
 
 from .checkpoint_folder import CheckpointError, _why
 from .checkpoint_state import CheckpointSource
+# DeepSpeed's file names and partition arithmetic, and its pickled classes read without it:
+# imported from here by export_deepspeed.py and the tests too.
+from .deepspeed_layout import (DS_MODEL_KEYS, DTYPES, KINDS, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE,  # noqa: F401
+                               assign_groups, zero3_partition_numel, zero12_offsets, zero12_partition_numel,
+                               zero12_tail_padding)
+from .deepspeed_pickle import Foreign, foreign_class, foreign_object, torch_load, torch_save  # noqa: F401
 from ..partition import shards_holding
-
-MODEL_FILE = "mp_rank_00_model_states.pt"
-ZERO3_MODEL_FILE = "zero_pp_rank_{r}_mp_rank_00_model_states.pt"
-OPTIM_FILE = "zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-# The model-states entries DeepSpeed writes itself; every other top-level key is the
-# client_state the user passed to save_checkpoint (engine.py: _load_checkpoint).
-DS_MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                 "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
-                 "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-                 "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
-
-
-# ----------------------------------------------------------------------------- DeepSpeed's classes, without deepspeed
-
-class Foreign:
-    """Stands in for an object of a DeepSpeed class in a pickle: keeps its constructor
-    arguments (an Enum's value) and its attributes. `module`/`name` say which class."""
-    module = name = ""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __setstate__(self, state):
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-    def __int__(self):   # ZeroStageEnum(1) -> 1
-        return int(self.args[0])
-
-    def __reduce_ex__(self, protocol):
-        # object.__new__(cls) and then its attributes: how DeepSpeed's own objects are pickled
-        return copyreg._reconstructor, (type(self), object, None), dict(self.__dict__)
-
-    def __repr__(self):
-        return f"Foreign({self.module}.{self.name}, {getattr(self, 'args', None) or self.__dict__})"
-
-
-_FOREIGN: dict = {}
-
-
-def foreign_class(module: str, name: str) -> type:
-    key = (module, name)
-    if key not in _FOREIGN:
-        _FOREIGN[key] = type(name, (Foreign,), {"module": module, "name": name})
-    return _FOREIGN[key]
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            return foreign_class(module, name)
-        return super().find_class(module, name)
-
-
-class _Pickler(pickle._Pickler):
-    """Writes a Foreign class as the DeepSpeed global it stands for (without importing it)."""
-
-    def save_global(self, obj, name=None):
-        if isinstance(obj, type) and issubclass(obj, Foreign) and obj is not Foreign:
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
-
-
-def foreign_object(module: str, name: str, attrs: dict) -> Foreign:
-    """An object that pickles as DeepSpeed's `module.name` with these attributes."""
-    cls = foreign_class(module, name)
-    obj = cls.__new__(cls)
-    obj.__dict__.update(attrs)
-    return obj
-
-
-PICKLE = types.ModuleType("minizero_deepspeed_pickle")
-PICKLE.Unpickler, PICKLE.Pickler = _Unpickler, _Pickler
-PICKLE.load, PICKLE.dump = pickle.load, pickle.dump
-
-
-def torch_load(path: str, mmap: bool = True):
-    """torch.load a DeepSpeed file (its DeepSpeed objects as Foreign); a failure is one line."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=PICKLE)
-    except Exception as e:
-        raise CheckpointError(f"{path}: damaged or incomplete checkpoint file ({_why(path, e)})") from None
-
-
-def torch_save(obj, path: str) -> None:
-    torch.save(obj, path, pickle_module=PICKLE)
-
-
-# ----------------------------------------------------------------------------- the arithmetic
-
-def zero12_partition_numel(numel: int, world_size: int) -> int:
-    """ZeRO-1/2 pad a param group's flat buffer to a multiple of 2N (nccl_start_alignment_factor
-    2 times the world size), then cut it into N equal partitions (stage_1_and_2.py)."""
-    align = 2 * world_size
-    return math.ceil(numel / align) * align // world_size
-
-
-def zero12_tail_padding(numel: int, world_size: int, rank: int) -> int:
-    """Padding elements inside rank's partition (`groups_padding`): DeepSpeed saves the
-    fp32 master partition without them, Adam's moments with them."""
-    p = zero12_partition_numel(numel, world_size)
-    return min(p, max(0, (rank + 1) * p - numel))
-
-
-def zero12_offsets(numels, alignment_paddings=None) -> list[int]:
-    """Offset of each parameter in its group's flat buffer: laid end to end, each followed
-    by its `param_alignment_paddings` entry (zeros unless parameter_alignment is on)."""
-    pads = alignment_paddings or [0] * len(numels)
-    out, off = [], 0
-    for n, pad in zip(numels, pads):
-        out.append(off)
-        off += n + pad
-    return out
-
-
-def zero3_partition_numel(numel: int, world_size: int) -> int:
-    """ZeRO-3 pads each parameter on its own to ceil(n / N) elements per rank."""
-    return math.ceil(numel / world_size)
-
-
-def assign_groups(names, shapes: dict, group_shapes: list[list]) -> list[list[str]]:
-    """Stage 0 saves no parameter names with the optimizer: torch numbers its state by group,
-    each group in the order it was given. Given the module's names in order and each group's
-    shapes in order, find the names of each group, supposing each group lists its parameters
-    in module order (as model.configure_param_groups does). Unique or None."""
-    found = []
-
-    def walk(i, heads, taken):
-        if len(found) > 1:
-            return
-        if i == len(names):
-            if all(h == len(gs) for h, gs in zip(heads, group_shapes)):
-                found.append([list(t) for t in taken])
-            return
-        for g, gs in enumerate(group_shapes):
-            if heads[g] < len(gs) and tuple(gs[heads[g]]) == tuple(shapes[names[i]]):
-                heads[g] += 1
-                taken[g].append(names[i])
-                walk(i + 1, heads, taken)
-                taken[g].pop()
-                heads[g] -= 1
-
-    if sum(map(len, group_shapes)) == len(names):
-        walk(0, [0] * len(group_shapes), [[] for _ in group_shapes])
-    return found[0] if len(found) == 1 else None
 
 
 # ----------------------------------------------------------------------------- the source
