@@ -26,7 +26,7 @@ A run writes into --save-dir (default runs/minizero-<stage>-<dtype>), on rank 0:
                   memory_moments (per rank: the model states held at the end of the last
                   step's backward and after that step, runlog.MemoryMoments), config
     comms_summary.json / .txt   with a comms_logger section (--comms-logger): DeepSpeed's
-                  log_summary numbers and table (Library.comms_summary)
+                  log_summary numbers and table (library.py: Library.comms_summary)
     samples.png   images sampled from the model, minGPT play_image style
     latest, global_step<N>/   the checkpoint (engine.save_checkpoint), for --resume
 
@@ -47,83 +47,19 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from minizero import comm, memory
+from minizero import comm
 from minizero.observe import desync
 from minizero.train import rundir, runlog
-from minizero.checkpoint.checkpoint_io import CheckpointError
-from minizero.runtime.config import ConfigError, load_config
-from minizero.gpt.cifar10 import DatasetNotFoundError
-from minizero.gpt.data import UnknownDatasetError
 from minizero.train.divergence import NonFiniteGuard, TrainingDiverged, diverged_message, what_diverged
-from minizero.gpt.images import DataConfigError
-from minizero.gpt.model import ModelConfigError, UnknownPresetError
+# What differs between minizero and DeepSpeed in this script: library.py.
+from minizero.train.library import MINIZERO, USER_ERRORS, Library
 # Before the first step (config, save folder, data, model, engine, schedule, resume): runsetup.py.
 from minizero.train.runsetup import Run, setup
 # The command line (flags, checks, CPU/GPU defaults) and the config dict: train_args.py.
 from minizero.train.train_args import UserError, build_parser, check_args
-
-
-# ----------------------------------------------------------------------------- the library
-
-@dataclass
-class Library:
-    """What differs between minizero and DeepSpeed in this script (everything else is shared)."""
-    name: str
-    initialize: Callable            # (model, param_groups, cfg, args) -> engine
-    loss_scale: Callable            # engine -> float
-    model_state_bytes: Callable     # engine -> dict (this rank)
-    comm_snapshot: Callable         # engine -> {op: {"wire_bytes": int, ...}} since start
-    check_config: Callable          # (cfg, world_size) -> cfg as the engine will use it
-    user_errors: tuple = field(default_factory=tuple)   # exception types that mean bad input
-    held_bytes: Callable | None = None   # engine -> dict: what it holds right now (runlog.MemoryMoments)
-    # run -> (summary dict, printed table) of the comms logger, or None when it is off; called
-    # by runlog.finish on every rank when all are there (DeepSpeed's log_summary is collective)
-    comms_summary: Callable | None = None
-
-
-def _minizero_initialize(model, param_groups, cfg, args):
-    import minizero
-    # minizero applies an activation_checkpointing section itself (GPT.checkpoint_fn).
-    engine, _, _, _ = minizero.initialize(model=model, model_parameters=param_groups, config=cfg)
-    return engine
-
-
-def _minizero_check_config(cfg, world_size):
-    load_config(cfg, world_size)   # unknown keys / bad values -> ConfigError naming the key
-    return cfg
-
-
-def _minizero_comms_summary(run):
-    """minizero's comms logger (the config's comms_logger section): DeepSpeed's log_summary
-    numbers and table, this rank's (comms_logger.py); rank 0 prints the table."""
-    from minizero.observe import comms_logger
-    if comms_logger.current is None:
-        return None
-    summary = comms_logger.current.summary()
-    table = comms_logger.format_table(summary) + "\n"
-    runlog.log0(f"minizero: comms logger, rank 0 (DeepSpeed's log_summary table; also in "
-                f"{os.path.join(run.save_dir, 'comms_summary.txt')}):\n{table}", end="")
-    return summary, table
-
-
-MINIZERO = Library(
-    name="minizero",
-    initialize=_minizero_initialize,
-    loss_scale=lambda engine: float(engine.loss_scale),
-    model_state_bytes=lambda engine: engine.memory_breakdown(),
-    comm_snapshot=lambda engine: engine.comm_stats(),
-    check_config=_minizero_check_config,
-    held_bytes=memory.held_bytes,
-    comms_summary=_minizero_comms_summary,
-)
-
-USER_ERRORS = (UserError, ConfigError, DataConfigError, DatasetNotFoundError, UnknownDatasetError,
-               ModelConfigError, UnknownPresetError, CheckpointError)
 
 
 # ----------------------------------------------------------------------------- the run
