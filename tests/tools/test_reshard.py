@@ -296,7 +296,7 @@ def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch)
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "o6"))
 
 
-@pytest.mark.parametrize("module", ["minizero.reshard", "minizero.export_deepspeed"])
+@pytest.mark.parametrize("module", ["minizero.checkpoint.reshard", "minizero.checkpoint.export_deepspeed"])
 def test_a_pickle_that_is_no_checkpoint_is_one_line(module, tmp_path, capsys):
     """Both commands that rewrite a checkpoint share one error path (checkpoint_folder.command_error):
     a model file that unpickles but holds no usable checkpoint is one line naming SRC, not a traceback."""
