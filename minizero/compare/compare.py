@@ -34,7 +34,7 @@ from minizero.compare.compare_memory import (CATEGORIES, LIBS, MOMENT_TITLES, MO
                                      moment_entries, moments_section, moments_step, offloaded, placed_bytes,
                                      state_bytes, state_entries)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # minizero/compare/ -> the repository
 STAGES = (0, 1, 2, 3)
 # So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
 # (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
