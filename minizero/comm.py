@@ -117,7 +117,9 @@ def announce(event: str, *args) -> None:
 
 def observed(phase: str):
     """Decorates an engine method: a profiler range `minizero::<phase>` around it, and
-    phase_begins/phase_ends(phase, engine) for the observers."""
+    phase_begins/phase_ends(phase, engine) for the observers. A phase that raises does not
+    announce its end: an observer may issue a collective there (the trace, at a step's end),
+    which the other ranks, not failing, would never join."""
     def decorate(method):
         @functools.wraps(method)
         def run(engine, *args, **kwargs):
@@ -125,10 +127,9 @@ def observed(phase: str):
                 if not observers:
                     return method(engine, *args, **kwargs)
                 announce("phase_begins", phase, engine)
-                try:
-                    return method(engine, *args, **kwargs)
-                finally:
-                    announce("phase_ends", phase, engine)
+                out = method(engine, *args, **kwargs)
+                announce("phase_ends", phase, engine)
+                return out
         return run
     return decorate
 
