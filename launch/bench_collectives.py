@@ -88,7 +88,7 @@ def slowest_median_ms(times: list, device) -> float:
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    from minizero.process_group import single_host_env
+    from minizero.runtime.process_group import single_host_env
     os.environ.update(single_host_env(rank, world, port))
     import warnings
 

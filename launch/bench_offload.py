@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:      # `python launch/bench_offload.py` from anywhere: minizero, reference
     sys.path.insert(0, str(ROOT))
 
-from minizero.compare import COMPARE_DEFAULTS, machine  # noqa: E402  (standard library only)
+from minizero.compare.compare import COMPARE_DEFAULTS, machine  # noqa: E402  (standard library only)
 
 LIBS = ("minizero", "minizero-fused", "deepspeed")
 DEFAULT_LIBS = "minizero,deepspeed"
@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages of 1, 2, 3")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks (default 2; on a GPU machine min(2, GPUs))")
-    p.add_argument("--model", default="tutorial-24", help="GPT preset (minizero/model.py PRESETS)")
+    p.add_argument("--model", default="tutorial-24", help="GPT preset (minizero/gpt/model.py PRESETS)")
     p.add_argument("--n-layer", type=int, help="override the preset's depth")
     p.add_argument("--n-embd", type=int, default=64, help="width (default 64; the preset's 256 is slow on a CPU)")
     p.add_argument("--n-head", type=int, help="heads (default: the preset's, or 4 when it does not divide --n-embd)")
@@ -156,7 +156,7 @@ def check_launch(args, cuda: bool | None, gpus: int | None, at_least_one, at_lea
     or a model the size flags cannot build."""
     import importlib.util
 
-    from minizero.model import ModelConfigError, UnknownPresetError, get_preset
+    from minizero.gpt.model import ModelConfigError, UnknownPresetError, get_preset
     if cuda is None:
         import torch
         cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
@@ -236,7 +236,7 @@ def jobs_for(args) -> list[list[dict]]:
 # ----------------------------------------------------------------------------- one rank
 
 def build_gpt(preset: str, overrides: dict):
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     return GPT(get_preset(preset, **overrides))
 
 
@@ -325,7 +325,7 @@ def bench_job(job: dict, args_d: dict) -> dict:
 
 def make_batches(args_d: dict, steps: int, gas: int, rank: int, device):
     """Random tokens (reference.ds_run.SyntheticBatches), made before the clock starts."""
-    from minizero.model import get_preset
+    from minizero.gpt.model import get_preset
     from reference.ds_run import SyntheticBatches
     vocab = get_preset(args_d["model"], **args_d["model_kw"]).vocab_size
     gen = SyntheticBatches(vocab, args_d["seq"], args_d["micro_batch"], seed=args_d["seed"] + 1)
@@ -448,7 +448,7 @@ def mib(nbytes) -> str:
 
 def _rank_main(rank, world, port, launch, args_d, queue):
     """One rank of one launch: every job of the launch in turn, then the results to the parent."""
-    from minizero.process_group import single_host_env
+    from minizero.runtime.process_group import single_host_env
     os.environ.update(single_host_env(rank, world, port))
     os.dup2(2, 1)     # library chatter to stderr: stdout carries the report only
     import logging
@@ -562,7 +562,7 @@ def adam_table(numel: int, device: str, steps: int, warmup: int = 2, seed: int =
 # ----------------------------------------------------------------------------- report
 
 def model_numbers(args) -> dict:
-    from minizero.model import GPT, get_preset
+    from minizero.gpt.model import GPT, get_preset
     cfg = get_preset(args.model, **args.model_kw)
     psi = sum(p.numel() for p in GPT(cfg).parameters())
     return {"psi": psi, "psi_per_rank": math.ceil(psi / args.world_size),

@@ -30,7 +30,7 @@ samples/s comes from the median step. `--reps` repetitions, interleaved: every r
 every cell once, libraries alternating which goes first, so a change in the load of a shared
 machine hits both. A cell shows the median over repetitions and the spread (min-max).
 
-minizero's runs of the first repetition also trace one step (its timeline, minizero/trace.py,
+minizero's runs of the first repetition also trace one step (its timeline, minizero/observe/trace.py,
 written under --trace-dir): the last warm-up step but one (step 2 by default). From the
 trace, per stage and knob setting: the share of the step the rank spent blocked in
 communication (a synchronous collective's whole span, an asynchronous one's wait) and, of
@@ -65,7 +65,7 @@ for _p in (str(ROOT), str(ROOT / "launch")):   # `python launch/bench_overlap.py
         sys.path.insert(0, _p)
 
 import bench_offload as bo  # noqa: E402  (its launching, timing and table helpers)
-from minizero.compare import machine  # noqa: E402
+from minizero.compare.compare import machine  # noqa: E402
 
 LIBS = ("minizero", "deepspeed")
 DTYPES = ("fp32", "bf16")
@@ -145,7 +145,7 @@ def zero_section(stage: int, knobs: str) -> dict:
 
 def make_config(stage: int, dtype: str, knobs: str, args) -> dict:
     """minizero.train's default CPU config (minGPT play_image's AdamW), sized by the flags."""
-    from minizero.train_args import DEFAULT_CONFIG
+    from minizero.train.train_args import DEFAULT_CONFIG
     cfg = copy.deepcopy(DEFAULT_CONFIG)
     cfg.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=args.gas,
                steps_per_print=10 ** 9, zero_optimization=zero_section(stage, knobs))
@@ -195,7 +195,7 @@ def trace_shares(trace_dir: str) -> dict | None:
 
       blocked  time the rank could not compute because of a collective: a synchronous
                collective's whole event, an asynchronous one's wait only ("async": true;
-               minizero/trace.py), as the union of those spans (a synchronous collective can
+               minizero/observe/trace.py), as the union of those spans (a synchronous collective can
                run while asynchronous ones are in flight; nothing is counted twice)
       skew     of that, the synchronous collectives' wait for the last rank to arrive: time
                lost to the ranks being out of step, not to the wire

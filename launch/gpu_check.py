@@ -154,15 +154,15 @@ def plan(n_gpus: int, quick: bool = False) -> list:
         judge=judge_pytest(allow_skips=True)))
     checks.append(Check(
         "cuda-checkpointing", "the CUDA-only activation-checkpointing tests (pinned host copies, side stream)",
-        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_checkpointing.py",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/core/test_checkpointing.py",
                       "-k", "cuda"], "cuda-checkpointing.log", {"MINIZERO_TEST_CUDA": "1"},   # else conftest hides CUDA
                      timeout=600, may_fail=True)]],
         judge=judge_pytest(allow_skips=False)))
 
     checks.append(Check(
-        "cuda-offload", "the CUDA-only ZeRO-Offload tests in tests/test_offload.py (pinned host masters and shards, "
+        "cuda-offload", "the CUDA-only ZeRO-Offload tests in tests/core/test_offload.py (pinned host masters and shards, "
                         "copies counted each way, one step within Adam's rounding of the GPU step)",
-        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_offload.py",
+        steps=[[Proc([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/core/test_offload.py",
                       "-k", "cuda"], "cuda-offload.log", {"MINIZERO_TEST_CUDA": "1"}, timeout=600, may_fail=True)]],
         judge=judge_pytest(allow_skips=False)))
 
@@ -211,7 +211,7 @@ def plan(n_gpus: int, quick: bool = False) -> list:
                       "buckets): losses bit for bit", min_gpus=2, steps=[[runs["on"]], [runs["off"]]],
                 judge=judge_same_losses("{dir}/on", "{dir}/off")))
 
-    # fp16 overflow on one rank only: the vote makes every rank skip (tests/test_overflow.py's run).
+    # fp16 overflow on one rank only: the vote makes every rank skip (tests/core/test_overflow.py's run).
     world = max([w for w in (2, 4, 8) if w <= n_gpus] or [2])   # its global batch of 8 rows must split evenly
     for stage in STAGES:
         checks.append(Check(
@@ -484,7 +484,7 @@ def memory_falls_verdict(peaks: dict) -> Result:
 
 
 def overflow_verdict(ranks: list) -> Result:
-    """tests/test_overflow.py's claims, on the GPUs: steps 1 and 2 skipped on every rank (weights
+    """tests/core/test_overflow.py's claims, on the GPUs: steps 1 and 2 skipped on every rank (weights
     unchanged, counted, gradients dropped), scale kept then halved (hysteresis 2), step 3 trains,
     OVERFLOW logged by rank 0 only, every rank ends with the same weight changes."""
     bad = []
@@ -968,13 +968,13 @@ def report_md(command: str, info: dict, rows: list, rehearsal: bool) -> str:
 # ----------------------------------------------------------------------------- the overflow driver
 
 def overflow_rank(stage: int, path: str) -> None:
-    """Started by torchrun on every rank: tests/engine_runs.overflow_run on this rank's GPU
+    """Started by torchrun on every rank: tests/support/engine_runs.overflow_run on this rank's GPU
     (NCCL), every rank's log gathered to rank 0, which writes them to `path` as JSON."""
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
 
     from minizero import comm
-    from tests import engine_runs
+    from tests.support import engine_runs
 
     comm.init_distributed()
     try:
@@ -993,11 +993,11 @@ DRIVERS = {"consolidate": ("consolidate_offload_run", (int,)), "sync-debug": ("s
 
 def rank_driver(argv: list) -> None:
     """`--rank-driver NAME ARGS... JSON`, on every rank (torchrun, or one plain process):
-    tests/engine_runs.<function>(*ARGS) on this rank's GPU, every rank's result gathered to
+    tests/support/engine_runs.<function>(*ARGS) on this rank's GPU, every rank's result gathered to
     rank 0, which writes them to JSON. A failure raises (the check's log has the traceback)."""
     sys.path.insert(0, str(ROOT))
     from minizero import comm
-    from tests import engine_runs
+    from tests.support import engine_runs
 
     name, *args, path = argv
     fn, types = DRIVERS[name]

@@ -9,7 +9,7 @@ checkpointing.configure/checkpoint), so one script runs under either:
 import logging as _logging
 import os as _os
 
-from .version import __version__  # noqa: F401
+from .runtime.version import __version__  # noqa: F401
 
 _log = _logging.getLogger("minizero")
 if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's logger)
@@ -29,6 +29,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config is a DeepSpeed JSON dict or path; it may also come from `args.deepspeed_config`.
     """
     from .engine import Engine
+    from .observe import switches
 
     if model is None:
         raise ValueError("minizero.initialize: pass model=<your nn.Module>")
@@ -41,6 +42,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("minizero.initialize: no config; pass config=<dict or path to a DeepSpeed JSON file>")
+    switches.subscribe()   # the tools the config may switch on watch the engine (observe/switches.py)
     engine = Engine(model, model_parameters=model_parameters, config=config, lr_scheduler=lr_scheduler)
     loader = None
     if training_data is not None:
@@ -54,5 +56,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 def consolidate(checkpoint_dir, tag=None, kind="master"):
     """Full fp32 state dict from a sharded minizero checkpoint (DeepSpeed's zero_to_fp32);
     kind "exp_avg" / "exp_avg_sq": Adam's moments, laid out the same way."""
-    from .zero_to_fp32 import consolidate as _consolidate
+    from .checkpoint.zero_to_fp32 import consolidate as _consolidate
     return _consolidate(checkpoint_dir, tag, kind=kind)

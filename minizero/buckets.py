@@ -44,16 +44,20 @@ class Bucket:
         self.arrived = 0        # gradients landed in this backward
         self.reduced = False    # reduction issued in this backward
 
+    def post_backward(self) -> None:
+        """Its reduction is issued: nothing more for a bucket (ZeRO-3's Unit frees its
+        parameters here, zero3.py)."""
+
 
 class GradBuckets:
     """The hooks and the issue/wait bookkeeping of bucketed gradient reduction.
 
     reduce(flat, async_op) -> an in-flight reduction (with .wait()) or None: the stage's
-    collective on one FlatParam (all-reduce or reduce-scatter, flat_param.py). on_reduced(bucket):
-    what the stage does right after issuing a bucket (ZeRO-3: reshard its unit)."""
+    collective on one FlatParam (FlatParam.all_reduce_grad or .reduce_scatter_grad). After
+    issuing a bucket's reduction, its post_backward (ZeRO-3: the unit reshards)."""
 
-    def __init__(self, buckets: list[Bucket], reduce, *, every_micro_step: bool, overlap: bool, on_reduced=None):
-        self.buckets, self.reduce, self.on_reduced = buckets, reduce, on_reduced
+    def __init__(self, buckets: list[Bucket], reduce, *, every_micro_step: bool, overlap: bool):
+        self.buckets, self.reduce = buckets, reduce
         self.every_micro_step, self.overlap = every_micro_step, overlap
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
         self.in_flight: list = []
@@ -83,8 +87,7 @@ class GradBuckets:
             if in_flight is not None:
                 self.in_flight.append(in_flight)
         bucket.reduced = True
-        if self.on_reduced is not None:
-            self.on_reduced(bucket)
+        bucket.post_backward()
 
     def finish_backward(self) -> None:
         """After backward: reduce the buckets that never completed, then wait for all."""

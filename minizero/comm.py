@@ -25,16 +25,14 @@ Offload (offload.py) adds a second kind of traffic, between the rank's device an
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
 same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network).
 
-Each collective and copy runs through `_issue`, which also tells the *watchers*: the timeline
-trace (trace.py: when each call ran and how long it waited) and DeepSpeed's comms logger
-(comms_logger.py: latency and bandwidth per op and message size), each only when switched on.
-
-Every backend call goes through `desync.run_checked`: with the debug switch on, ranks first
-check that they are about to issue the same collective; a backend timeout comes back naming
-the collective that waited (desync.py, docs/debugging.md).
+Each collective and copy runs through `_issue`, which also announces it to the *observers*
+(`observers`, below): tools in minizero/observe/ (the desync check, the timeline trace,
+DeepSpeed's comms logger) subscribe there; this file imports none of them, and with none
+subscribed a collective costs one empty-list check.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import defaultdict
 
@@ -42,10 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import desync
 # The setup lives in process_group.py; its names are re-exported so every caller (and a
 # test's monkeypatch) says comm.get_rank(), comm.init_distributed(), ...
-from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
+from .runtime.process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
                             get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
 
 # torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
@@ -94,59 +91,108 @@ def _label(op: str, label: str | None):
     return record_function(name)
 
 
-# Who else watches each collective and copy: the timeline trace (trace.py) and DeepSpeed's
-# comms logger (comms_logger.py), each only while switched on. A watcher has
-# begin(op, label) -> token, end(token, op, label, nbytes, wire_bytes, msg_bytes), and
-# blocking(token): an asynchronous collective's wait() is about to block on it.
-watchers: list = []
-comms_logger = None   # a comms_logger.CommsLogger while an engine's config enables it
+# ----------------------------------------------------------------------------- the observer hook
+# The one seam between the core and the tools that watch it (minizero/observe/). The engine
+# announces its phases, the wrappers below each collective and copy; an observer implements
+# the events it cares about, each optional:
+#   engine_starts(engine)           the engine has its config, before its first collective
+#   engine_ready(engine)            the engine is built
+#   phase_begins(name, engine)      "forward", "backward", "step" (the accumulation boundary's)
+#   phase_ends(name, engine)
+#   begin(op, label, tensor, nbytes, group) -> token   a collective or copy is about to be issued
+#   blocking(token)                 an asynchronous one's wait() is about to block on it
+#   end(token, op, label, nbytes, wire_bytes, msg_bytes)   it is done
+#   failed(error, op, label, tensor, nbytes) -> Exception | None   the backend raised: a better error
+#   log_summary(show_straggler, return_dict)   deepspeed.comm.log_summary (the comms logger's)
+observers: list = []
 
 
-def log_summary(show_straggler: bool = False, return_dict: bool = False):
-    """deepspeed.comm.log_summary: rank 0 prints the comms logger's table (DeepSpeed's format,
-    comms_logger.py); with return_dict, every rank gets {"summary": ..., "straggler_analysis":
-    ..., "metadata": ...} as DeepSpeed returns it. A collective when show_straggler is set."""
-    if comms_logger is None:
-        raise RuntimeError("minizero: the comms logger is off; enable it with the config section "
-                           "\"comms_logger\": {\"enabled\": true}")
-    summary = comms_logger.summary()
-    straggler = comms_logger.straggler() if show_straggler else None
-    if get_rank() == 0:
-        from .comms_logger import format_straggler_table, format_table
-        print(format_table(summary))
-        if straggler is not None:
-            print(format_straggler_table(straggler))
-    if return_dict:
-        return {"summary": summary, "straggler_analysis": straggler,
-                "metadata": {"world_size": get_world_size(), "rank": get_rank()}}
+def announce(event: str, *args) -> None:
+    """Tell every observer that has a method `event`."""
+    for o in list(observers):
+        method = getattr(o, event, None)
+        if method is not None:
+            method(*args)
+
+
+def observed(phase: str):
+    """Decorates an engine method: a profiler range `minizero::<phase>` around it, and
+    phase_begins/phase_ends(phase, engine) for the observers. A phase that raises does not
+    announce its end: an observer may issue a collective there (the trace, at a step's end),
+    which the other ranks, not failing, would never join."""
+    def decorate(method):
+        @functools.wraps(method)
+        def run(engine, *args, **kwargs):
+            with record_function(f"minizero::{phase}"):
+                if not observers:
+                    return method(engine, *args, **kwargs)
+                announce("phase_begins", phase, engine)
+                out = method(engine, *args, **kwargs)
+                announce("phase_ends", phase, engine)
+                return out
+        return run
+    return decorate
+
+
+def _failure(e: RuntimeError, op: str, label: str | None, tensor: torch.Tensor, nbytes: int) -> Exception | None:
+    """The first observer's better error for a backend error (the desync check names the
+    collective and the step), or None."""
+    for o in list(observers):
+        method = getattr(o, "failed", None)
+        named = method(e, op, label, tensor, nbytes) if method is not None else None
+        if named is not None:
+            return named
     return None
 
 
+def log_summary(show_straggler: bool = False, return_dict: bool = False):
+    """deepspeed.comm.log_summary: rank 0 prints the comms logger's table (DeepSpeed's format);
+    with return_dict, every rank gets {"summary": ..., "straggler_analysis": ..., "metadata":
+    ...} as DeepSpeed returns it. The comms logger (observe/comms_logger.py) answers; a
+    collective when show_straggler is set."""
+    for o in list(observers):
+        if hasattr(o, "log_summary"):
+            return o.log_summary(show_straggler, return_dict)
+    raise RuntimeError("minizero: the comms logger is off; enable it with the config section "
+                       "\"comms_logger\": {\"enabled\": true}")
+
+
 def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_bytes: int | None = None,
-           async_op: bool = False, check: tuple | None = None) -> "Pending | None":
-    """Run one collective or copy (`call`) inside its profiler range, tell the watchers, count it.
+           async_op: bool = False, check: tuple = (), group=None) -> "Pending | None":
+    """Run one collective or copy (`call`) inside its profiler range, announce it, count it.
 
     nbytes / wire_bytes: the ledger's two counts (module docstring). msg_bytes: the size
     DeepSpeed's comms logger records, the tensor its wrapper reads (all_gather: the input
     shard; the others: `tensor`), default nbytes. async_op: `call` returned the backend's work
-    handle; the collective is counted now and finishes (for the watchers too) at Pending.wait().
-    check: (tensor, keep) for Pending: what to name on a timeout, what to keep alive."""
+    handle; the collective is counted now and finishes (for the observers too) at Pending.wait().
+    check: (tensor, keep): the tensor that names the collective (on a timeout, for the desync
+    check), and for Pending what to keep alive."""
     msg = nbytes if msg_bytes is None else msg_bytes
-    watching = list(watchers)
+    tensor = check[0] if check else None
+    watching = list(observers)
     with _label(op, label):
-        tokens = [w.begin(op, label) for w in watching]
-        work = call()
+        tokens = [w.begin(op, label, tensor, nbytes, group) if hasattr(w, "begin") else None for w in watching]
+        try:
+            work = call()
+        except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
+            named = _failure(e, op, label, tensor, nbytes) if watching else None
+            if named is None:
+                raise
+            raise named from e
     ledger.record(op, nbytes, wire_bytes, label)
 
     def finish() -> None:
         for w, token in zip(watching, tokens):
-            w.end(token, op, label, nbytes, wire_bytes, msg)
+            if hasattr(w, "end"):
+                w.end(token, op, label, nbytes, wire_bytes, msg)
 
     def blocking() -> None:
         for w, token in zip(watching, tokens):
-            w.blocking(token)
+            if hasattr(w, "blocking"):
+                w.blocking(token)
     if not async_op:
-        finish()
+        if watching:
+            finish()
         return None
     return Pending(op, label, work, finish, nbytes, *check, blocking=blocking)
 
@@ -163,7 +209,7 @@ class Pending:
     """
 
     def __init__(self, op: str, label: str | None, work, finish, nbytes: int, tensor: torch.Tensor, keep: tuple,
-                 blocking=None):
+                 blocking):
         self.op, self.label, self.work, self._finish, self._blocking = op, label, work, finish, blocking
         self.nbytes, self.tensor, self.keep = nbytes, tensor, keep
         self.done = False
@@ -172,10 +218,15 @@ class Pending:
         if self.done:
             return
         with record_function(f"minizero::wait::{self.op}" + (f"::{self.label}" if self.label else "")):
-            if self._blocking is not None:
-                self._blocking()   # the watchers note when this rank starts to wait on it
+            self._blocking()   # the observers note when this rank starts to wait on it
             if self.work is not None:
-                desync.wait_checked(self.work, self.op, self.label, self.tensor, self.nbytes)
+                try:
+                    self.work.wait()
+                except RuntimeError as e:
+                    named = _failure(e, self.op, self.label, self.tensor, self.nbytes)
+                    if named is None:
+                        raise
+                    raise named from e
             self._finish()
         self.done, self.work, self.keep, self.tensor = True, None, (), None
 
@@ -185,6 +236,12 @@ class Pending:
 # name and the ledger's per-label breakdown, and async_op: False (the default) returns when
 # the collective is done; True returns a Pending to wait() on before touching the tensors.
 
+def _ranks() -> int:
+    """How many ranks the (default) group has: what process_group.get_world_size says, read
+    here without a call out of this file, as every collective asks."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _done(_) -> None:
     """One rank: the collective was a local copy, done already; no work handle."""
     return None
@@ -193,59 +250,51 @@ def _done(_) -> None:
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str | None = None,
                            group=None, async_op: bool = False):
     """output (N*n elements) <- concatenation of every rank's `shard` (n elements), rank order."""
-    n = get_world_size()
+    n = _ranks()
     assert output.numel() == shard.numel() * n, (output.numel(), shard.numel(), n)
     if n == 1:
         call = lambda: _done(output.copy_(shard.view_as(output)))
     else:
-        call = lambda: desync.run_checked(
-            "all_gather", label, shard, _nbytes(output),
-            lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op), group)
+        call = lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     pending = _issue("all_gather", label, call, _nbytes(output), _nbytes(output) * (n - 1) // n,
-                     msg_bytes=_nbytes(shard), async_op=async_op, check=(shard, (output, shard)))
+                     msg_bytes=_nbytes(shard), async_op=async_op, check=(shard, (output, shard)), group=group)
     return pending if async_op else output
 
 
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str | None = None,
                           group=None, async_op: bool = False):
     """output (n elements) <- SUM over ranks of chunk `rank` of `full` (N*n elements)."""
-    n = get_world_size()
+    n = _ranks()
     assert full.numel() == output.numel() * n, (full.numel(), output.numel(), n)
     if n == 1:
         call = lambda: _done(output.copy_(full.view_as(output)))
     else:
-        call = lambda: desync.run_checked(
-            "reduce_scatter", label, full, _nbytes(full),
-            lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
-            group)
+        call = lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     pending = _issue("reduce_scatter", label, call, _nbytes(full), _nbytes(full) * (n - 1) // n,
-                     msg_bytes=_nbytes(full), async_op=async_op, check=(full, (output, full)))
+                     msg_bytes=_nbytes(full), async_op=async_op, check=(full, (output, full)), group=group)
     return pending if async_op else output
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
                group=None, async_op: bool = False):
     """In place. `op` is "sum" or "max" (the fp16 overflow vote uses max)."""
-    n = get_world_size()
+    n = _ranks()
     call = lambda: None
     if n > 1:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        call = lambda: desync.run_checked("all_reduce", label, tensor, _nbytes(tensor),
-                                          lambda: dist.all_reduce(tensor, op=red, group=group, async_op=async_op),
-                                          group)
+        call = lambda: dist.all_reduce(tensor, op=red, group=group, async_op=async_op)
     pending = _issue("all_reduce", label, call, _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n,
-                     async_op=async_op, check=(tensor, (tensor,)))
+                     async_op=async_op, check=(tensor, (tensor,)), group=group)
     return pending if async_op else tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, group=None) -> torch.Tensor:
     """In place: every rank's `tensor` becomes rank `src`'s."""
-    n = get_world_size()
+    n = _ranks()
     call = lambda: None
     if n > 1:
-        call = lambda: desync.run_checked("broadcast", label, tensor, _nbytes(tensor),
-                                          lambda: dist.broadcast(tensor, src=src, group=group), group)
-    _issue("broadcast", label, call, _nbytes(tensor), _nbytes(tensor) if n > 1 else 0)
+        call = lambda: dist.broadcast(tensor, src=src, group=group)
+    _issue("broadcast", label, call, _nbytes(tensor), _nbytes(tensor) if n > 1 else 0, check=(tensor, ()), group=group)
     return tensor
 
 

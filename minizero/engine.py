@@ -17,8 +17,9 @@ gradients live, which collective moves them, and when), and `self.sharded_optimi
 ZeRO-Offload a third, `self.offload` (offload.py), says what lives in host memory.
 
 The names and semantics of the public members follow DeepSpeed's `DeepSpeedEngine`, so
-one script runs under either library; where DeepSpeed has a bug we do not copy it, and
-docs/deepspeed.md says so.
+one script runs under either library; where they differ (a bug not copied, a more useful
+return value), docs/deepspeed.md says so (what each method returns: docs/deepspeed.md,
+"What the engine's methods return").
 """
 from __future__ import annotations
 
@@ -27,11 +28,10 @@ import math
 
 import torch
 
-from . import checkpointing, comm, desync, trace
-from .comms_logger import CommsLogger
-from .config import ignored_knobs_note, load_config
+from . import checkpointing, comm
+from .runtime.config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_vote
-from .lr_schedules import build_scheduler
+from .runtime.lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
 from .offload import HostOffload
 from .sharded_optimizer import ShardedOptimizer, build_optimizer
@@ -54,10 +54,7 @@ class Engine(torch.nn.Module):
         self.local_rank, self.device = comm.get_local_rank(), comm.get_device()
         self.config = load_config(config, self.world_size)
         self.dtype = self.config.dtype
-        # before the first collective (the weights' broadcast): the desync check and timeout
-        desync.configure(self.config.collectives.check, self.config.collectives.timeout_s)
-        desync.set_phase("setup", 0, 0)
-        self._start_comms_logger()   # before the weights' broadcast, which DeepSpeed's logger times too
+        comm.announce("engine_starts", self)   # tools the config switches on, before the first collective
         if self.config.optimizer is None:
             raise ValueError("minizero: the config has no \"optimizer\" section; add e.g. "
                              "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}}")
@@ -78,21 +75,19 @@ class Engine(torch.nn.Module):
                 logger.info(self.offload.describe(self.zero.flat_params))
 
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
-            lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed accepts a factory too
+            lr_scheduler = lr_scheduler(self.optimizer)  # a factory of the optimizer
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None else \
             build_scheduler(self.optimizer, self.config.scheduler)
         self.loss_scaler = create_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
 
-        self.global_steps = 0     # optimizer steps, skipped ones included (as DeepSpeed)
+        self.global_steps = 0     # optimizer steps, skipped ones included
         self.skipped_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
         self._global_grad_norm = None
         self._configure_activation_checkpointing()
         self._explain_ignored_performance_knobs()
-        self.tracer = None
-        if self.config.trace.enabled:   # minizero's timeline of chosen steps (trace.py)
-            self.trace(self.config.trace.output_path, self.config.trace.steps)
+        comm.announce("engine_ready", self)
 
     # ------------------------------------------------------------------ config accessors
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -121,15 +116,15 @@ class Engine(torch.nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     # ------------------------------------------------------------------ forward / backward
+    # @comm.observed: a profiler range, and the phase announced to the tools that watch
+    # (comm.py's observer hook); none of them runs in these methods.
+    @comm.observed("forward")
     def forward(self, *args, **kwargs):
         cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
             else (t.to(self.device) if torch.is_tensor(t) else t)
-        desync.set_phase("forward", self.global_steps, self.micro_steps)
-        if self.tracer is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
-            self.tracer.step_begins(self.global_steps + 1)
-        with trace.span("forward"):
-            return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+        return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
 
+    @comm.observed("backward")
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """loss / gradient_accumulation_steps, times the loss scale (fp16), then backward.
 
@@ -141,34 +136,27 @@ class Engine(torch.nn.Module):
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        desync.set_phase("backward", self.global_steps, self.micro_steps)
-        with trace.span("backward"):
-            self.zero.prepare_backward(self.is_gradient_accumulation_boundary())
-            scaled.backward()
-            self.zero.finish_backward()
+        self.zero.prepare_backward(self.is_gradient_accumulation_boundary())
+        scaled.backward()
+        self.zero.finish_backward()
         return loss
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            desync.set_phase("step", self.global_steps, self.micro_steps)
-            with trace.span("step"):
-                self._take_model_step()
+            self._take_model_step()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
-        if self.tracer is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
-            self.tracer.step_ends(self.global_steps)
 
+    @comm.observed("step")
     def _take_model_step(self) -> None:
         opt = self.sharded_optimizer
-        with trace.span("reduce_gradients"):
-            self.zero.reduce_gradients()                                # 1
+        self.zero.reduce_gradients()                                    # 1
         # The scale this step's backward used: unscale by it even after the scaler updates
         # below (DeepSpeed reads the updated one: docs/deepspeed.md, "The step on which the
         # loss scale grows").
         scale = self.loss_scale
-        with trace.span("grad_norm"):
-            norm_sq = opt.grad_norm_sq()                                # 2
+        norm_sq = opt.grad_norm_sq()                                    # 2
         # fp16: every rank votes on overflow (a MAX all-reduce), on the device, before the sync
         vote = overflow_vote(norm_sq) if self.loss_scaler is not None else None
         # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed syncs
@@ -179,10 +167,8 @@ class Engine(torch.nn.Module):
             self.skipped_steps += 1
             self._global_grad_norm = float("inf")
         else:
-            with trace.span("optimizer"):
-                opt.step(norm_sq, scale, self.config.gradient_clipping) # 4
-            with trace.span("after_step"):
-                self.zero.after_step()                                  # 5
+            opt.step(norm_sq, scale, self.config.gradient_clipping)     # 4
+            self.zero.after_step()                                      # 5
             opt.zero_grad()
             # == float(norm) / scale, bit for bit, without a second sync: sqrt is correctly
             # rounded in fp64 on every device, and the fp32 rounding is done on the host.
@@ -238,16 +224,6 @@ class Engine(torch.nn.Module):
         now = comm.ledger.snapshot()
         return {op: {k: now[op][k] - self._comm_start[op][k] for k in now[op]} for op in now}
 
-    def trace(self, out_dir: str, steps=None) -> trace.Tracer:
-        """Record a timeline of optimizer steps `steps` (1-based; None: every step until the
-        tracer is closed) into out_dir (trace.py). Use as `with engine.trace(DIR): ...`, or
-        keep the tracer and call .close(); with `steps` it closes itself after the last one.
-        A collective at the end of each traced step and at close: call on every rank."""
-        if self.tracer is not None and not self.tracer.closed:
-            raise RuntimeError("minizero: this engine is already tracing; close that trace first")
-        self.tracer = trace.Tracer(self, out_dir, steps)
-        return self.tracer
-
     def full_fp32_state_dict(self) -> dict:
         """Every parameter's full fp32 (master) value; a collective: call on every rank."""
         return self.sharded_optimizer.full_fp32_state()
@@ -256,17 +232,15 @@ class Engine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
         """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
-        Must be called at a gradient-accumulation boundary. Returns the tag's folder
-        (DeepSpeed returns True)."""
-        from . import checkpoint_io
+        Must be called at a gradient-accumulation boundary. Returns the tag's folder."""
+        from .checkpoint import checkpoint_io
         return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
-        """Returns (path, client_state), or (None, None) when `load_dir` holds no checkpoint
-        (as DeepSpeed does). `path` is the tag's folder (DeepSpeed returns the path of the
-        model-states file inside it)."""
-        from . import checkpoint_io
+        """Returns (the tag's folder, client_state), or (None, None) when `load_dir` holds
+        no checkpoint."""
+        from .checkpoint import checkpoint_io
         path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
@@ -283,16 +257,6 @@ class Engine(torch.nn.Module):
         checkpointing.configure_from(self.config.activation_checkpointing)
         if hasattr(self.module, "checkpoint_fn"):
             self.module.checkpoint_fn = checkpointing.checkpoint
-
-    def _start_comms_logger(self) -> None:
-        """DeepSpeed's comms logger when the config enables it: every collective timed, the
-        table printed by comm.log_summary() (comms_logger.py). One per process, as DeepSpeed's."""
-        if comm.comms_logger in comm.watchers:   # the newest engine's config decides
-            comm.watchers.remove(comm.comms_logger)
-        comm.comms_logger = None
-        if self.config.comms_logger.enabled:
-            comm.comms_logger = CommsLogger(self.config.comms_logger, self.world_size, self.global_rank, self.device)
-            comm.watchers.append(comm.comms_logger)
 
     def _explain_ignored_performance_knobs(self) -> None:
         note = ignored_knobs_note(self.config)   # overlap/prefetch knobs: accepted, not acted on
@@ -311,9 +275,8 @@ def read_on_host(norm_sq: torch.Tensor, vote: torch.Tensor | None) -> tuple[floa
 
 
 def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:
-    """`model_parameters` as DeepSpeed takes it: None (all of model.parameters()), an
-    iterable of parameters, or an iterable of param-group dicts. Frozen parameters are
-    left out, as DeepSpeed's ZeRO does."""
+    """`model_parameters`: None (all of model.parameters()), an iterable of parameters, or an
+    iterable of param-group dicts. Frozen parameters are left out."""
     if model_parameters is None:
         model_parameters = model.parameters()
     items = list(model_parameters)

@@ -44,17 +44,6 @@ from .partition import FlatPlan, padded_numel, shard_range, unflatten
 
 
 class FlatParam:
-    # Elements of partitioned (ZeRO-3) FlatParams whose full buffer is allocated right now, in
-    # this process, and the most there ever were since reset_live(): the "live parameters"
-    # that stage3_max_live_parameters bounds (prefetch.py). Counted where the storage is
-    # really allocated and freed, so nothing else can drift from it.
-    live_numel = 0
-    peak_live_numel = 0
-
-    @classmethod
-    def reset_live(cls) -> None:
-        cls.peak_live_numel = cls.live_numel
-
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], label: str, *, group: int,
                  num_shards: int, shard_index: int, keep_full: bool = True):
         assert params, "a FlatParam needs at least one parameter"
@@ -72,7 +61,6 @@ class FlatParam:
         self.shard_numel = self.shard_end - self.shard_start
 
         self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        self._live = False   # counted in live_numel (a partitioned FlatParam's gathered buffer)
         self._views = list(unflatten(self.full, names, self.shapes).values())
         for p, view in zip(params, self._views):
             view.copy_(p.detach())
@@ -105,9 +93,6 @@ class FlatParam:
         on NCCL the asynchronous gather writes from its own stream, and the allocator would
         hand the memory to the next tensor under it. Every caller guarantees the wait first
         (prefetch.py: a prefetched unit is waited for before use and drained before free)."""
-        if self._live:
-            FlatParam.live_numel -= self.padded_numel
-            self._live = False
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self._placeholder
@@ -116,10 +101,6 @@ class FlatParam:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         for p, v in zip(self.params, self._views):
             p.data = v
-        if not self.keep_full and not self._live:
-            FlatParam.live_numel += self.padded_numel
-            self._live = True
-            FlatParam.peak_live_numel = max(FlatParam.peak_live_numel, FlatParam.live_numel)
 
     def all_gather(self, label: str = "params", async_op: bool = False):
         """full <- every rank's shard. With keep_full the shard is already in place. A shard
@@ -183,7 +164,7 @@ class FlatParam:
         grad_shard accumulates the micro-steps. async_op (overlap_comm): returns the
         reduction in flight; its wait() does the add. The p.grads are dropped at once either
         way: their values are in the flat buffer, which the Pending keeps until the wait."""
-        full = self.flat_grad(divide_by=comm.get_world_size())
+        full = self.flat_grad(divide_by=self.num_shards)   # N: this FlatParam is cut in one shard per rank
         out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
         pending = comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads", async_op=async_op)
         del full

@@ -23,7 +23,7 @@ which modules fetch their parameters is the same every step, so record it once a
   forward to its backward: ZeRO-3 then moves 2Ψ per step, not the paper's 3Ψ (and holds
   the whole model at the turn, which is what the knob trades).
 - **max live** (`stage3_max_live_parameters`, elements): gathered elements of partitioned
-  units, counted in FlatParam (`FlatParam.live_numel`). minizero never exceeds it: a
+  units (`live_numel`). minizero never exceeds it: a
   prefetch stops before a unit that would, a unit is kept for reuse only within it, and a
   fetch first frees kept, idle units to make room. Only the units being computed may go
   over it together (a unit larger than the limit must still be gathered to run).
@@ -37,6 +37,12 @@ the granularity at which it gathers. Numels count padded FlatParam elements.
 With prefetch 0 and reuse 0, `fetch` gathers and `release` frees: exactly the gathers of
 the paper's 3Ψ, which the communication-volume tests assert. Gathers write the same
 bytes whenever they run, so losses are bit-identical with prefetch on or off.
+
+The Prefetcher only decides; the unit acts (zero3.py, `Unit`). `fetch` answers which
+units to free first, whether to gather this one, and which to prefetch after it; `release`
+whether to free it. Every gather and free goes through these answers, so the Prefetcher
+knows which units are gathered (`gathered`) without asking them. A unit is only its name
+and `partitioned_numel` here.
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ class TraceMode(Enum):
 
 
 class Prefetcher:
-    """Decides when each ZeRO-3 unit is gathered and freed (zero3.py calls fetch / release)."""
+    """Decides when each ZeRO-3 unit is gathered and freed (zero3.Unit asks: fetch / release)."""
 
     def __init__(self, units, prefetch_numel: int, max_live_numel: int, reuse_numel: int):
         self.prefetch_numel, self.max_live_numel, self.reuse_numel = prefetch_numel, max_live_numel, reuse_numel
@@ -59,58 +65,70 @@ class Prefetcher:
         self.mode = TraceMode.RECORD
         self.order: list = []            # the recorded fetch order: units
         self.next = 0                    # index into order of the next fetch
+        self.gathered: set = set()       # units whose partitioned parameters are gathered (or being)
         self.in_flight: dict = {}        # unit -> its Pending all-gathers (prefetched)
         self.active: set = set()         # units fetched and not yet released (being computed)
         self.covered_to: dict = {}       # unit -> furthest trace index a prefetch walk passed it at
 
     # ------------------------------------------------------------------ fetch
-    def fetch(self, unit, why: str) -> None:
-        """The unit is about to run (its pre_forward / pre_backward): make it gathered, then read ahead."""
-        if self.reads_ahead:
-            self._follow_trace(unit)
+    def fetch(self, unit) -> tuple[list, bool, list]:
+        """The unit is about to run (its pre_forward / pre_backward): (units to free first,
+        gather it now?, units to prefetch after it: issue them, then `prefetched`)."""
+        free = self._follow_trace(unit) if self.reads_ahead else []
         self.active.add(unit)
+        gather = False
         if unit in self.in_flight:                       # prefetched: just wait for it
             for pending in self.in_flight.pop(unit):
                 pending.wait()
-        elif unit.is_sharded():
-            self._make_room(unit.partitioned_numel())
-            unit.gather(why)
-        if self.mode is TraceMode.COMPLETE:
-            self._prefetch(why)
+        elif unit not in self.gathered:
+            free += self._make_room(unit.partitioned_numel)
+            self._gather(unit)
+            gather = True
+        ahead = self._prefetch() if self.mode is TraceMode.COMPLETE else []
         self.next += 1
+        return free, gather, ahead
 
-    def _follow_trace(self, unit) -> None:
+    def prefetched(self, unit, pendings: list) -> None:
+        """The unit's asynchronous all-gathers, issued: waited for at its fetch (or a drain)."""
+        self.in_flight[unit] = pendings
+
+    def _follow_trace(self, unit) -> list:
         if self.mode is TraceMode.RECORD:
             self.order.append(unit)
         elif self.mode is TraceMode.COMPLETE and (self.next >= len(self.order) or self.order[self.next] is not unit):
-            self.invalidate()
+            return self.invalidate()
+        return []
 
-    def _prefetch(self, why: str) -> None:
-        """Issue all-gathers for the units after this one in the trace, up to the prefetch
-        bucket and the live limit (DeepSpeed's loop, with the limit never crossed)."""
+    def _prefetch(self) -> list:
+        """The units after this one in the trace to gather now, up to the prefetch bucket and
+        the live limit (DeepSpeed's loop, with the limit never crossed)."""
         budget = min(self.max_live_numel - self.live_numel(), self.prefetch_numel)
-        issued = 0
+        issued, ahead = 0, []
         for i in range(self.next + 1, len(self.order)):
             u = self.order[i]
             self.covered_to[u] = max(self.covered_to.get(u, -1), i)
-            if u in self.in_flight or not u.is_sharded():   # issued already, or gathered
+            if u in self.in_flight or u in self.gathered:   # issued already, or gathered
                 continue
-            numel = u.partitioned_numel()
+            numel = u.partitioned_numel
             if issued + numel > budget:
                 break
-            self.in_flight[u] = u.gather(f"{why}.prefetch", async_op=True)
+            self.in_flight[u] = []   # its Pendings come with `prefetched`
+            self._gather(u)
+            ahead.append(u)
             issued += numel
             if issued >= budget:
                 break
+        return ahead
 
     # ------------------------------------------------------------------ release
-    def release(self, unit) -> None:
-        """The unit is done (its post_forward / post_backward): free it, unless reuse keeps it."""
+    def release(self, unit) -> bool:
+        """The unit is done (its post_forward / post_backward): free it? Not if reuse keeps it."""
         self.active.discard(unit)
         if self.mode is TraceMode.COMPLETE and self._used_again_soon(unit) \
                 and self.live_numel() <= self.max_live_numel:
-            return
-        unit.reshard()
+            return False
+        self.gathered.discard(unit)
+        return True
 
     def _used_again_soon(self, unit) -> bool:
         """Within stage3_max_reuse_distance elements of upcoming fetches (DeepSpeed's
@@ -123,62 +141,75 @@ class Prefetcher:
                 return False
             if u is unit:
                 return True
-            traversed += u.partitioned_numel()
+            traversed += u.partitioned_numel
         return False
 
-    def _make_room(self, numel: int) -> None:
-        """Free kept (gathered, idle, not in flight) units until `numel` more fit under the limit."""
-        live = self.live_numel()
+    def _make_room(self, numel: int) -> list:
+        """Kept (gathered, idle, not in flight) units to free until `numel` more fit under the limit."""
+        live, free = self.live_numel(), []
         for u in self.units:
             if live + numel <= self.max_live_numel:
-                return
-            if u not in self.active and u not in self.in_flight and not u.is_sharded():
-                live -= u.partitioned_numel()
-                u.reshard()
+                break
+            if u not in self.active and u not in self.in_flight and u in self.gathered:
+                live -= u.partitioned_numel
+                self.gathered.discard(u)
+                free.append(u)
+        return free
+
+    def _gather(self, unit) -> None:
+        if unit.partitioned_numel:   # a unit of persistent parameters only is never gathered
+            self.gathered.add(unit)
 
     # ------------------------------------------------------------------ resets
-    def invalidate(self) -> None:
+    def invalidate(self) -> list:
         """Execution left the trace: finish what is in flight, free what was prefetched,
         read nothing ahead until the next micro-step has recorded a new trace."""
-        self._drain()
+        free = self._drain()
         self.mode, self.order = TraceMode.INVALID, []
+        return free
 
-    def end_of_backward(self) -> None:
+    def end_of_backward(self) -> list:
         """A micro-step's forward and backward are over: nothing may stay gathered (the
-        optimizer may write the shards next); the trace starts over (RECORD -> COMPLETE,
-        INVALID -> RECORD)."""
-        self._drain()
-        for u in self.units:
-            if not u.is_sharded():
-                u.reshard()
-        self.active.clear()
+        optimizer may write the shards next): the units to free. The trace starts over
+        (RECORD -> COMPLETE, INVALID -> RECORD)."""
+        free = self._free_all()
         if self.mode is TraceMode.RECORD and self.reads_ahead:
             self.mode = TraceMode.COMPLETE
         elif self.mode is TraceMode.INVALID:
             self.mode, self.order = TraceMode.RECORD, []
         self.next, self.covered_to = 0, {}
+        return free
 
-    def reset(self) -> None:
+    def reset(self) -> list:
         """A pass ended without backward (an evaluation forward), or the optimizer has written
         new shards: finish what is in flight and free every gathered unit, so nothing
         stale or in flight outlives the pass; the next fetch is the trace's first again (a
-        forward-only pass never completes a recording)."""
-        self._drain()
-        for u in self.units:
-            if not u.is_sharded():
-                u.reshard()
-        self.active.clear()
+        forward-only pass never completes a recording). The units to free."""
+        free = self._free_all()
         if self.mode is TraceMode.RECORD:
             self.order = []
         self.next, self.covered_to = 0, {}
+        return free
 
-    def _drain(self) -> None:
+    def _free_all(self) -> list:
+        free = self._drain()
+        free += [u for u in self.units if u in self.gathered]
+        self.gathered.clear()
+        self.active.clear()
+        return free
+
+    def _drain(self) -> list:
+        """Wait for every gather in flight (a buffer may not be freed while a gather writes
+        it); the prefetched units nobody is computing, to free."""
+        free = []
         for u, pendings in list(self.in_flight.items()):
             for pending in pendings:
-                pending.wait()          # a buffer may not be freed while a gather writes it
+                pending.wait()
             if u not in self.active:
-                u.reshard()
+                self.gathered.discard(u)
+                free.append(u)
         self.in_flight.clear()
+        return free
 
     def live_numel(self) -> int:
-        return sum(u.partitioned_numel() for u in self.units if not u.is_sharded())
+        return sum(u.partitioned_numel for u in self.gathered)

@@ -31,36 +31,22 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import GradBuckets, size_buckets
-from .flat_param import all_gather_params
+from .buckets import size_buckets
+from .flat_param import FlatParam, all_gather_params
+from .stage import Stage
 
 
-class Zero1:
+class Zero1(Stage):
+    """Gradients accumulate in p.grad over the micro-steps; with overlap_comm the last
+    micro-step's backward reduce-scatters each bucket as it fills; without, each bucket's
+    flat gradient is reduce-scattered at the boundary: rank r keeps the averaged slice r only."""
     stage = 1
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
         buckets = size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
-        self.flat_params = [f for b in buckets for f in b.flats]
-        self.grads = GradBuckets(buckets, lambda f, async_op: f.reduce_scatter_grad(async_op),
-                                 every_micro_step=False, overlap=bool(zero_cfg.overlap_comm))
-
-    def prepare_backward(self, boundary: bool = True) -> None:
-        """Gradients accumulate in p.grad over the micro-steps; with overlap_comm the last
-        micro-step's backward reduce-scatters each bucket as it fills."""
-        self.grads.prepare_backward(boundary)
-
-    def finish_backward(self) -> None:
-        self.grads.finish_backward()
-
-    def reduce_gradients(self) -> None:
-        """Reduce-scatter each bucket's flat gradient: rank r keeps the averaged slice r
-        only (done already in the last backward with overlap_comm)."""
-        self.grads.reduce_all()
+        super().__init__(buckets, FlatParam.reduce_scatter_grad, every_micro_step=False, zero_cfg=zero_cfg)
 
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters.
         The shard is a view of `full`, so the gather writes straight into the parameters."""
         all_gather_params(self.flat_params)
-
-    def grad_bytes(self) -> int:
-        return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()

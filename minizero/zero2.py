@@ -36,38 +36,24 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import GradBuckets, bucket_plan, size_buckets  # noqa: F401  (bucket_plan: memory_table)
-from .flat_param import all_gather_params
+from .buckets import size_buckets
+from .flat_param import FlatParam, all_gather_params
+from .stage import Stage
 
 
-class Zero2:
+class Zero2(Stage):
+    """Each bucket's gradients are reduce-scattered in every micro-step's backward, as soon
+    as all of them have arrived (buckets.py), asynchronously with overlap_comm; rank r keeps
+    the averaged slice r only, accumulated over the micro-steps."""
     stage = 2
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        self.use_buckets(size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size)), zero_cfg)
-
-    def use_buckets(self, buckets, zero_cfg, on_reduced=None) -> None:
-        """Reduce-scatter each bucket's gradients in every micro-step's backward, as soon as
-        all of them have arrived (buckets.py); asynchronously with overlap_comm."""
-        self.buckets = buckets
-        self.flat_params = [f for b in buckets for f in b.flats]
-        self.grads = GradBuckets(buckets, lambda f, async_op: f.reduce_scatter_grad(async_op),
-                                 every_micro_step=True, overlap=bool(zero_cfg.overlap_comm), on_reduced=on_reduced)
-
-    # ------------------------------------------------------------------ backward
-    def prepare_backward(self, boundary: bool = True) -> None:
-        self.grads.prepare_backward(boundary)
-
-    def finish_backward(self) -> None:
-        """Buckets some of whose parameters got no gradient: reduce them now, zeros for the
-        missing ones, in bucket order so every rank issues the same collectives; then wait
-        for every reduction in flight."""
-        self.grads.finish_backward()
+        buckets = size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
+        super().__init__(buckets, FlatParam.reduce_scatter_grad, every_micro_step=True, zero_cfg=zero_cfg)
 
     def reduce_gradients(self) -> None:
         """Nothing left to do at the boundary: every micro-step was reduced in backward."""
 
-    # ------------------------------------------------------------------ step
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters."""
         all_gather_params(self.flat_params)

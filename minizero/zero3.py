@@ -8,20 +8,21 @@ just before they are used, and frees them right after:
 
 The unit of gathering is a module: each transformer block (every child of an
 `nn.ModuleList`), plus the root for what is left (embeddings, final norm, head). Never
-the whole model at once. Vocabulary follows PyTorch FSDP2:
+the whole model at once. A `Unit` holds one module's parameters and their whole lifecycle,
+as PyTorch FSDP2's FSDPParamGroup does, in FSDP2's vocabulary:
 
     pre_forward    unshard: all-gather the unit's parameters
     post_forward   reshard: free them; hook the outputs so backward can find the unit
     pre_backward   unshard again (backward needs the weights): `on_backward`, an autograd
                    Function placed on the unit's outputs in post_forward
-    post_backward  when every parameter of the unit has its gradient: reduce-scatter the
-                   gradients into this rank's grad shard (ZeRO-2's bucket path), reshard
+    post_backward  when every parameter of the unit has its gradient, ZeRO-2's bucket path
+                   reduce-scatters the gradients (buckets.py) and calls it: reshard
 
 What this file adds to ZeRO-2 (zero2.py), and all it adds:
   1. layout: `module_units` makes one bucket per module (a `Unit`) instead of one per
      reduce_bucket_size elements, and its FlatParams keep only their shard (keep_full=False);
-  2. forward: pre_forward / post_forward hooks gather and free each unit;
-  3. backward: `on_backward` gathers it again; `post_backward` is ZeRO-2's plus a reshard;
+  2. forward and backward: each Unit's four hooks above gather and free it;
+  3. end of backward: nothing stays gathered into the step;
   4. step: `after_step` gathers only the persistent parameters (the rest on next use).
 
 Per optimizer step every parameter is all-gathered twice (forward, backward) and its
@@ -30,7 +31,7 @@ all-reduce (paper, section 7.2.2). The gathers are labelled `.fwd`, `.bwd` and, 
 activation checkpointing recomputes a block inside backward, `.recompute`.
 
 That is with DeepSpeed's knobs at 0. *When* a unit is gathered and freed is prefetch.py's
-decision (the `Prefetcher`): with `stage3_prefetch_bucket_size` the next units' gathers are
+decision (the `Prefetcher`, which the unit asks at each hook and obeys): with `stage3_prefetch_bucket_size` the next units' gathers are
 issued while this one computes (`.prefetch` in the label), and `stage3_max_reuse_distance`
 keeps a unit that is used again soon (DeepSpeed's default keeps every unit from its forward
 to its backward: 2Ψ gathered per step instead of 3Ψ). With `overlap_comm` (DeepSpeed's
@@ -53,11 +54,11 @@ import torch
 from torch import nn
 
 from . import checkpointing, comm
+from .buckets import Bucket
 from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan
-from .buckets import Bucket
 from .prefetch import Prefetcher
-from .zero2 import Zero2
+from .stage import Stage
 
 
 class ShardState(Enum):
@@ -68,25 +69,23 @@ class ShardState(Enum):
 
 
 class Unit(Bucket):
-    """One module's parameters, gathered and freed together; also ZeRO-2's gradient bucket."""
+    """One module's parameters, gathered and freed together, and their lifecycle (module
+    docstring); also ZeRO-2's gradient bucket. The Prefetcher decides when; the unit acts."""
 
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParam]):
         super().__init__(name, flats)
         self.module = module
         self.partitioned = [f for f in flats if not f.keep_full]   # the persistent ones stay gathered
+        self.partitioned_numel = sum(f.padded_numel for f in self.partitioned)   # elements while gathered
+        self.ends_forward = False   # the root: its post_forward ends the model's forward
+        self.prefetcher: Prefetcher | None = None
 
     @property
     def state(self) -> ShardState:
         return ShardState.UNSHARDED if any(f.full_is_allocated() for f in self.partitioned) else ShardState.SHARDED
 
-    def is_sharded(self) -> bool:
-        return self.state is ShardState.SHARDED
-
-    def partitioned_numel(self) -> int:
-        """Elements this unit occupies while gathered (its partitioned FlatParams, padded)."""
-        return sum(f.padded_numel for f in self.partitioned)
-
-    def gather(self, why: str, async_op: bool = False):
+    # ------------------------------------------------------------------ the two moves
+    def unshard(self, why: str, async_op: bool = False):
         """All-gather the partitioned FlatParams (`why`: fwd, bwd, recompute; .prefetch).
         async_op: returns their Pendings, to wait() before the unit runs (prefetch.py)."""
         with torch.profiler.record_function(f"minizero::unshard::{self.name}"):
@@ -97,62 +96,89 @@ class Unit(Bucket):
         for f in self.partitioned:
             f.free_full()
 
+    # ------------------------------------------------------------------ the four hooks
+    def attach(self, prefetcher: Prefetcher) -> None:
+        self.prefetcher = prefetcher
+        self.module.register_forward_pre_hook(self.pre_forward)
+        self.module.register_forward_hook(self.post_forward)
 
-class Zero3(Zero2):
+    def pre_forward(self, module, args) -> None:
+        # label only: a forward inside minizero's activation-checkpointing backward is
+        # a recompute (another library's recompute is labelled "fwd")
+        self._use("recompute" if checkpointing.in_recompute() else "fwd")
+
+    def post_forward(self, module, args, output):
+        self._done()
+        if not torch.is_grad_enabled():
+            if self.ends_forward:   # an evaluation forward: no backward will follow
+                for u in self.prefetcher.reset():
+                    u.reshard()
+            return output
+        return on_backward(output, self.pre_backward)
+
+    def pre_backward(self) -> None:
+        self._use("bwd")
+
+    def post_backward(self) -> None:
+        """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
+        free its parameters. Safe while the reduce-scatter may still run: it reads the flat
+        gradient buffer, which its Pending keeps alive, never the parameters."""
+        self._done()
+
+    def _use(self, why: str) -> None:
+        """The unit is about to run: do what the Prefetcher says (free, gather, read ahead)."""
+        free, gather, ahead = self.prefetcher.fetch(self)
+        for u in free:
+            u.reshard()
+        if gather:
+            self.unshard(why)
+        for u in ahead:
+            self.prefetcher.prefetched(u, u.unshard(f"{why}.prefetch", async_op=True))
+
+    def _done(self) -> None:
+        if self.prefetcher.release(self):
+            self.reshard()
+
+
+class Zero3(Stage):
     stage = 3
 
     def __init__(self, module: nn.Module, param_groups: list[dict], zero_cfg):
         # 1. layout: one Unit per module instead of ZeRO-2's size buckets; its gradients
         #    still take ZeRO-2's path (GradBuckets: hooks, reduce-scatter when complete).
         units = module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold))
-        self.use_buckets(units, zero_cfg, on_reduced=self.post_backward)
-        # When each unit is gathered and freed: on demand, or read ahead from a recorded trace.
+        super().__init__(units, FlatParam.reduce_scatter_grad, every_micro_step=True, zero_cfg=zero_cfg)
+        # 2. forward and backward: each unit's hooks; when it is gathered and freed is the
+        #    Prefetcher's decision: on demand, or read ahead from a recorded trace.
         self.prefetcher = Prefetcher(units, int(zero_cfg.stage3_prefetch_bucket_size),
                                      int(zero_cfg.stage3_max_live_parameters), int(zero_cfg.stage3_max_reuse_distance))
         for u in units:
-            u.module.register_forward_pre_hook(self.pre_forward_hook(u))
-            u.module.register_forward_hook(self.post_forward_hook(u))
+            u.attach(self.prefetcher)
+        units[-1].ends_forward = True   # find_units puts the root last
 
-    # ------------------------------------------------------------------ 2. forward
-    def pre_forward_hook(self, unit: Unit):
-        def pre_forward(module, args):
-            # label only: a forward inside minizero's activation-checkpointing backward is
-            # a recompute (another library's recompute is labelled "fwd")
-            self.prefetcher.fetch(unit, "recompute" if checkpointing.in_recompute() else "fwd")
-        return pre_forward
+    def reduce_gradients(self) -> None:
+        """Nothing left to do at the boundary: every micro-step was reduced in backward."""
 
-    def post_forward_hook(self, unit: Unit):
-        root = self.buckets[-1]   # find_units puts the root last: its forward ends the model's
-        def post_forward(module, args, output):
-            self.prefetcher.release(unit)
-            if not torch.is_grad_enabled():
-                if unit is root:          # an evaluation forward: no backward will follow
-                    self.prefetcher.reset()
-                return output
-            return on_backward(output, lambda: self.prefetcher.fetch(unit, "bwd"))   # pre_backward
-        return post_forward
-
-    # ------------------------------------------------------------------ 3. backward
-    # pre_backward: on_backward below, on the unit's outputs.
-    def post_backward(self, unit: Unit) -> None:
-        """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
-        free its parameters. Safe while the reduce-scatter may still run: it reads the flat
-        gradient buffer, which its Pending keeps alive, never the parameters."""
-        self.prefetcher.release(unit)
-
+    # ------------------------------------------------------------------ 3. end of backward
     def finish_backward(self) -> None:
         super().finish_backward()            # reduce what is left, wait for every reduction
-        self.prefetcher.end_of_backward()    # nothing stays gathered into the step
+        for u in self.prefetcher.end_of_backward():   # nothing stays gathered into the step
+            u.reshard()
 
     # ------------------------------------------------------------------ 4. step
     def after_step(self) -> None:
         """Partitioned parameters were updated in their shards and are gathered on next use
         (none is still gathered: end_of_backward freed them, and reset() makes sure); only the
         persistent (small, always-gathered) ones need an all-gather now."""
-        self.prefetcher.reset()
+        for u in self.prefetcher.reset():
+            u.reshard()
         for f in self.flat_params:
             if f.keep_full:
                 f.all_gather()
+
+    def grad_bytes(self) -> int:
+        return sum(f.shard_numel for f in self.flat_params) * self.flat_params[0].full.element_size()
+
 
 class _OnBackward(torch.autograd.Function):
     """Identity on some tensors whose backward first calls `callback` (once), then passes the

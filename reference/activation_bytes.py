@@ -27,7 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from minizero.checkpointing import checkpoint as mz_checkpoint, count_saved_bytes  # noqa: E402
-from minizero.model import GPT, get_preset  # noqa: E402
+from minizero.gpt.model import GPT, get_preset  # noqa: E402
 
 
 def ds_init_single_process() -> None:

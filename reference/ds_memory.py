@@ -114,7 +114,7 @@ gradient-reduction dtype); scalars listed in `details` only (category "scalars")
 `_global_grad_norm` (4 or 8 bytes), ZeRO-3's `inf_or_nan_tracker` (1 byte) and, with
 offload, `norm_for_param_grads` (one 4-byte norm per parameter, from backward to step).
 
-Time (same machine, 2 cores): one 3-step run under tests.launcher is 3-15 s wall, of
+Time (same machine, 2 cores): one 3-step run under tests.support.launcher is 3-15 s wall, of
 which deepspeed.initialize is 1.6-13.7 s (noisy; stage 3 and fp16 slowest). Steps:
 fp32 ~20 ms (stage 0), ~40 (1/2), ~100-130 (3); bf16 ~100 (0), ~65-75 (1/2), ~140-200
 (3); fp16 ~115 (2), ~200 (3).
@@ -394,7 +394,7 @@ def layout_elements(engine) -> Dict[str, int]:
 
 def held_bytes(engine) -> Dict[str, Any]:
     """deepspeed_model_state_bytes plus layout_elements (as "elements"): what reference/train.py
-    reads at the memory moments (minizero.runlog.MemoryMoments), shaped like minizero's
+    reads at the memory moments (minizero.train.runlog.MemoryMoments), shaped like minizero's
     memory.held_bytes."""
     return {**deepspeed_model_state_bytes(engine), "elements": layout_elements(engine)}
 
@@ -554,8 +554,8 @@ def side_by_side(model_name: str, worlds: Iterable[int], gpus_per_node: int = 8)
     """DeepSpeed's estimate beside minizero's exact bytes per rank (bf16, computed from the
     layout plans by minizero.memory_table; ZeRO-3 with every parameter partitioned)."""
     from minizero.memory import total as state_total
-    from minizero.memory_table import compute
-    from minizero.model import GPT, get_preset
+    from minizero.observe.memory_table import compute
+    from minizero.gpt.model import GPT, get_preset
 
     torch.manual_seed(0)
     model = GPT(get_preset(model_name))   # real storage: model_to_params tells parameters apart by data_ptr
@@ -588,7 +588,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="tutorial")
     ap.add_argument("--world-size", type=int, nargs="+", default=[8, 64, 1024])
     args = ap.parse_args(argv)
-    from minizero.model import PRESETS
+    from minizero.gpt.model import PRESETS
     if args.model not in PRESETS:
         ap.error(f"unknown --model {args.model!r}: choose one of {', '.join(PRESETS)}")
     bad = [n for n in args.world_size if n < 1 or n % min(n, 8)]

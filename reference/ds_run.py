@@ -1,12 +1,12 @@
 """Train a model with real DeepSpeed inside one rank process and report what happened.
 
-This is the DeepSpeed half of minizero's agreement tests (tests/harness.py runs either
+This is the DeepSpeed half of minizero's agreement tests (tests/support/harness.py runs either
 library through it): the same model (same seed, same initial weights), the same batches
 in the same order, the same JSON config, run under `deepspeed.initialize`, so that
 per-step losses, final weights and per-rank memory can be compared with minizero's.
 
 Call `run_deepspeed` from inside an already initialised process group, normally through
-`tests.launcher.run_ranks(run_deepspeed, world_size=2, args=(model_fn, config, batches, steps))`
+`tests.support.launcher.run_ranks(run_deepspeed, world_size=2, args=(model_fn, config, batches, steps))`
 with `DS_ACCELERATOR=cpu` set before deepspeed is imported.
 
 Batch convention (minizero's side uses the same one)
@@ -132,10 +132,10 @@ class PortableTensorDict(dict):
 
     torch registers reducers on multiprocessing's ForkingPickler that send a CPU tensor as
     a shared-memory file descriptor; the receiver then has to fetch the fd from the sender
-    process, which tests/launcher.py's rank process no longer is once it has put its result
+    process, which tests/support/launcher.py's rank process no longer is once it has put its result
     and exited (`ConnectionResetError` in `rebuild_storage_fd`). Pickling this dict writes
     the tensors' bytes (torch.save) instead; it unpickles as a PortableTensorDict of
-    ordinary tensors. (tests/launcher.py now also torch.saves each rank's whole result;
+    ordinary tensors. (tests/support/launcher.py now also torch.saves each rank's whole result;
     this keeps final_state safe for any other multiprocessing transport.)"""
 
     def __reduce__(self):
@@ -239,7 +239,7 @@ def build_model(model_fn, cfg: dict, seed: int, weight_decay=None):
 
 
 def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None) -> dict:
-    """The measured loop, shared by run_deepspeed and tests.harness.run_minizero so both
+    """The measured loop, shared by run_deepspeed and tests.support.harness.run_minizero so both
     libraries see the same batches and report losses the same way: `steps` optimizer
     steps of `gradient_accumulation_steps` micro-batches; per step the mean micro-batch
     loss (local, and averaged over ranks in fp64), loss scale (`loss_scale(engine)`),

@@ -1,4 +1,4 @@
-"""The same training run as minizero/train.py, under real DeepSpeed (the reference).
+"""The same training run as minizero/train/train.py, under real DeepSpeed (the reference).
 
     python reference/train.py --max-steps 30                       # one process
     torchrun --nproc-per-node 2 reference/train.py --stage 3
@@ -153,7 +153,7 @@ COUNTER = CommCounter().install()   # before `import deepspeed` (see the class d
 import deepspeed  # noqa: E402
 
 from minizero import comm  # noqa: E402
-from minizero import train as mtrain  # noqa: E402
+from minizero.train import train as mtrain  # noqa: E402
 from reference.ds_run import _loss_scale, patch_cpu_fp16, prepare_ds_config  # noqa: E402
 
 

@@ -2,7 +2,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The tests import `tests.launcher`; make the repository root importable.
+# The tests import `tests.support.launcher`; make the repository root importable.
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # The suite is a CPU suite on any machine: gloo ranks, the CPU defaults of the training

@@ -12,7 +12,7 @@ of every optimizer-state tensor. Runs: a matrix of engine configurations on gloo
 (stages 0-3 x fp32/bf16/fp16 x gradient accumulation 1/2, clipping off, fp16 overflows,
 activation checkpointing, a model with unused parameters, small ZeRO-2 buckets, ZeRO-3
 persistence thresholds, world sizes 1/2/4), plus every minizero run of the agreement tests
-(tests/agreement.py ALL_MZ_KEYS).
+(tests/support/agreement.py ALL_MZ_KEYS).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from tests.harness import PatternBatches, make_model
-from tests.launcher import run_ranks
+from tests.support.harness import PatternBatches, make_model
+from tests.support.launcher import run_ranks
 
 STEPS, GLOBAL_BATCH, SEQ = 6, 8, 16
 
@@ -122,7 +122,7 @@ def snapshot() -> dict:
         for rank, runs in enumerate(run_ranks(_run_world, world_size=world, args=(world,), timeout=900)):
             for key, rec in runs.items():
                 out[f"engine {key} rank {rank}"] = rec
-    import tests.agreement as A
+    import tests.support.agreement as A
     A.prefetch_mz(A.ALL_MZ_KEYS)
     for k in A.ALL_MZ_KEYS:
         for rank, res in enumerate(A.cached_mz(*k)):

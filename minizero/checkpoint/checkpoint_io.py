@@ -1,0 +1,362 @@
+"""Saving and resuming an engine: each rank writes and reads what it owns (checkpoint_folder.py
+has the folder's names and how a save is published).
+
+Under ZeRO each rank owns 1/N of the optimizer state, so each rank writes its own file,
+in parallel, and nobody ever materialises the full state (DeepSpeed does the same). Stage 0
+holds the same optimizer state everywhere: only rank 0 writes an optimizer file (every
+rank writes its RNG).
+
+Checkpoints are taken at a gradient-accumulation boundary, where no partial gradient
+exists, so gradients are never saved; loading drops any gradient the engine holds.
+
+Every rank writes into the same `<tag>.tmp` folder, so the save folder must be one that
+all ranks see: a shared filesystem on a multi-node job (NFS, Lustre, ...). A node-local
+folder (each node's own /tmp or local disk) is refused with one line before any file is
+written: after rank 0 creates `<tag>.tmp`, every rank looks for it, and one MAX all-reduce
+tells all ranks which hosts cannot see it. (Supporting node-local saving would mean one
+rank per node publishing and `latest` per node; not worth it for a teaching tool.)
+
+Two more things are refused with one line instead of written or loaded half-way:
+
+- Non-finite weights. `save` checks every rank's master and low-precision shards and
+  agrees through one MAX all-reduce: if any rank holds an inf/NaN, every rank raises
+  CheckpointError before anything is written, and `latest` keeps naming the last good
+  checkpoint. (DeepSpeed saves whatever it holds.)
+- Damaged or missing files, and a checkpoint of another model or other param groups:
+  every rank reads and checks its files first, then all agree (`_agree`), so every rank
+  raises the same one-line CheckpointError before the engine is touched.
+
+Resume is bit-exact on a CPU: the shards, Adam's moments and step counts, the LR
+scheduler, the loss scaler, the step counters and every rank's RNG state are restored, and
+the trainer keeps its data position in `client_state`. On a GPU the same state is restored,
+but the resumed run's losses equal the uninterrupted run's bit for bit only with
+deterministic kernels (MINIZERO_DETERMINISTIC=1; otherwise some backward kernels add in a
+scheduling-dependent order and the runs are close, not equal: docs/gpu.md, "What bit-exact
+means on a GPU").
+
+A checkpoint saved at another world size or stage (or with another reduce_bucket_size,
+or by DeepSpeed) is resharded as it loads: each rank builds its own master and moment
+shards from the saved slices it needs (checkpoint_state.py; the arithmetic is in
+partition.py, the walk-through in docs/checkpoints.md). Masters, moments, Adam's step,
+schedule, loss scale and counters carry over exactly; what cannot (the RNG state of ranks
+the saving run did not have, the data order at another world size) is said in one line
+on rank 0. The same layout loads as saved, file for file, as it always did.
+
+Resuming in another dtype is allowed, and said (a warning on rank 0). Every dtype keeps
+fp32 masters and fp32 Adam state, so those are restored exactly; the low-precision
+weights are rounded from the masters (as every step does); the fp16 loss scale starts
+fresh at `initial_scale_power` when the checkpoint has none, and a saved one is dropped
+when the run is not fp16. (DeepSpeed fails or silently changes the loss scaling here:
+docs/deepspeed.md, "Resuming in another dtype".)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+
+import torch
+
+from .. import comm
+from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
+                                optim_file, publish, read_latest, resolve_tag, rng_file)
+from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
+                               fill_missing_hparams, rank_state)
+from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # noqa: F401  (rank_span: reshard.py)
+from ..runtime.version import __version__
+
+logger = logging.getLogger("minizero")
+
+def _layout(engine) -> list[dict]:
+    return [{"label": f.label, "names": f.names, "shapes": [tuple(s) for s in f.shapes],
+             "numel": f.numel, "padded_numel": f.padded_numel, "keep_full": f.keep_full, "group": f.group}
+            for f in engine.zero.flat_params]
+
+
+def _param_names(engine) -> list[str]:
+    """The trained parameters in model order (named_parameters), which the layout does not
+    keep (ZeRO-2/3 order buffers by bucket and by module)."""
+    trained = {n for f in engine.zero.flat_params for n in f.names}
+    return [n for n, _ in engine.module.named_parameters() if n in trained]
+
+
+def _rng_state() -> dict:
+    st = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    if "cpu" not in st:   # a rank the saving run did not have (python -m minizero.reshard writes {})
+        return
+    torch.set_rng_state(st["cpu"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+# ----------------------------------------------------------------------------- save
+
+def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+         save_latest: bool = True) -> str:
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        raise CheckpointError(f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient-"
+                              f"accumulation window of {engine.gradient_accumulation_steps()}: the partial "
+                              f"gradients would be lost; save right after the engine.step() that steps")
+    tag = str(tag or f"global_step{engine.global_steps}")
+    if tag.endswith(".tmp"):
+        raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
+                              f"unfinished saves)")
+    _refuse_non_finite(engine, save_dir, tag)
+    final = os.path.join(save_dir, tag)
+    tmp = final + ".tmp"
+    rank, zero, opt = engine.global_rank, engine.zero, engine.sharded_optimizer
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier()
+    _refuse_unshared(engine, save_dir, tmp)
+    if rank == 0:
+        torch.save({
+            "minizero_version": __version__, "stage": zero.stage, "world_size": engine.world_size,
+            "dtype": str(engine.dtype), "layout": _layout(engine), "param_names": _param_names(engine),
+            "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps, "global_samples": engine.global_samples,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "client_state": client_state or {}, "config": engine.config.raw,
+        }, os.path.join(tmp, MODEL_FILE))
+    if zero.stage > 0 or rank == 0:
+        torch.save({
+            "rank": rank,
+            "masters": [m.detach().cpu().clone() for m in opt.masters],
+            "shards": [f.shard.detach().cpu().clone() for f in zero.flat_params],
+            "optimizer": opt.optimizer.state_dict(),
+            "partition_count": zero.flat_params[0].num_shards,
+        }, os.path.join(tmp, optim_file(rank)))
+    # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
+    torch.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
+    comm.barrier()
+    if rank == 0:
+        publish(save_dir, tag, save_latest)
+    comm.barrier()
+    return final
+
+
+def _refuse_non_finite(engine, save_dir: str, tag: str) -> None:
+    """Collective: every rank checks its own shards; one MAX all-reduce tells all which
+    ranks hold an inf/NaN, and then all of them refuse, before anything is written."""
+    opt = engine.sharded_optimizer
+    bad = any(not bool(torch.isfinite(t).all()) for t in [*opt.masters, *(f.shard for f in opt.flat_params)])
+    flags = torch.zeros(engine.world_size, device=engine.device)
+    flags[engine.global_rank] = float(bad)
+    comm.all_reduce(flags, op="max", label="checkpoint_finite")
+    ranks = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    if ranks:
+        prev = read_latest(save_dir)
+        kept = f"'latest' still names {prev}" if prev is not None else "there is no 'latest' yet"
+        raise CheckpointError(f"refusing to save checkpoint {tag}: the weights are non-finite (inf/NaN) on rank "
+                              f"{', '.join(map(str, ranks))}; nothing was written, {kept}")
+
+
+def _refuse_unshared(engine, save_dir: str, tmp: str) -> None:
+    """Collective: does every rank see the `<tag>.tmp` folder rank 0 just made? If not, the
+    save folder is node-local: every rank raises, and rank 0 removes its folder."""
+    flags = torch.zeros(engine.world_size, device=engine.device)
+    flags[engine.global_rank] = float(not os.path.isdir(tmp))
+    comm.all_reduce(flags, op="max", label="checkpoint_shared")
+    blind = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    if not blind:
+        return
+    hosts = comm.all_gather_object(socket.gethostname())
+    if engine.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
+    raise CheckpointError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the folder rank 0 "
+                          f"(on {hosts[0]}) created in it. Every rank writes its shard into one folder: put "
+                          f"--save-dir on a filesystem all nodes mount (NFS, Lustre, ...)")
+
+
+# ----------------------------------------------------------------------------- load
+
+def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True):
+    """Collective. Returns (tag folder, client_state), or (None, None) when there is no
+    `latest` and no tag. Every file is read and checked on every rank before the engine is
+    touched; a damaged file or an incompatible checkpoint raises CheckpointError on all ranks.
+
+    A minizero checkpoint of this very layout (world size, stage, grouping) is loaded as
+    saved: each rank reads its own file. Any other (another world size or stage, another
+    bucket size, or a DeepSpeed folder) is resharded: each rank builds its shards from the
+    saved slices that it needs (checkpoint_state.py)."""
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        return None, None
+    path = os.path.join(load_dir, tag)
+    rank, zero, opt = engine.global_rank, engine.zero, engine.sharded_optimizer
+    meta = shard_state = rng = source = None
+    err = None
+    try:
+        if not os.path.isdir(path):
+            named = " ('latest' names it)" if tag == read_latest(load_dir) else ""
+            raise CheckpointError(f"{path}: no such checkpoint{named}; {describe_tags(load_dir)}")
+        meta = _minizero_meta(load_dir, tag)
+        if meta is not None and _same_layout(meta, engine):
+            src = rank if zero.stage > 0 else 0
+            shard_state = load_file(load_dir, tag, optim_file(src))
+            # A stage-0 checkpoint may be resumed on more ranks than saved it: those start their own RNG.
+            if rank < meta["world_size"]:
+                rng = load_file(load_dir, tag, rng_file(rank))
+        else:
+            source = open_checkpoint(path, meta)
+            shard_state = _reshard_state(engine, source, path, load_optimizer_states)
+            rng = source.rng_state(rank)
+    except CheckpointError as e:
+        err = str(e)
+    except Exception as e:   # a file that unpickles but is not what it should be: one line, on all ranks
+        logger.debug("reading checkpoint %s", path, exc_info=True)
+        err = unreadable(path, e)
+    _agree(engine, err)
+    if source is not None:
+        return _load_resharded(engine, source, shard_state, rng, path, load_lr_scheduler_states)
+
+    opt.zero_grad()  # a resumed step starts with no gradient, as the saved one did
+    same_dtype = meta["dtype"] == str(engine.dtype)
+    with torch.no_grad():
+        for f, m, saved_m, saved_s in zip(opt.flat_params, opt.masters, shard_state["masters"], shard_state["shards"]):
+            m.copy_(saved_m)
+            # In another dtype the low-precision weights are the masters rounded, as a step makes them.
+            f.shard.copy_(saved_s if same_dtype else m)
+            if f.keep_full and f.num_shards > 1:
+                f.all_gather(label="load")
+    if load_optimizer_states:
+        opt.load_optimizer_state(shard_state["optimizer"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
+    engine.micro_steps, engine.global_samples = meta["micro_steps"], meta["global_samples"]
+    if rng is not None:
+        _set_rng_state(rng)
+    if rank == 0 and meta["world_size"] != engine.world_size:   # stage 0, on another number of ranks
+        logger.warning(_moved_note(path, "minizero", meta["world_size"], meta["stage"], _dtype_name(meta["dtype"]),
+                                   meta["loss_scaler"], engine, has_rng=rng is not None, optimizer=load_optimizer_states,
+                                   how="loaded as saved"))
+    elif not same_dtype and rank == 0:
+        logger.warning(_dtype_change(meta, engine, path))
+    return path, meta["client_state"]
+
+
+def _minizero_meta(load_dir: str, tag: str) -> dict | None:
+    """The model-states file of a minizero tag folder; None for a DeepSpeed one (its
+    model-states file has no layout; at ZeRO-3 it writes one per rank instead). mmap: a
+    DeepSpeed model-states file holds the whole model, only a few small entries are read."""
+    folder = os.path.join(load_dir, tag)
+    if not os.path.exists(os.path.join(folder, MODEL_FILE)) and os.path.exists(os.path.join(folder, DS_ZERO3_MODEL_FILE)):
+        return None
+    meta = load_file(load_dir, tag, MODEL_FILE, mmap=True)
+    return meta if isinstance(meta, dict) and "layout" in meta else None
+
+
+def open_checkpoint(folder: str, meta: dict | None = None):
+    """The CheckpointSource of a tag folder: minizero's, or DeepSpeed's when the folder looks
+    like one (deepspeed_checkpoint.py). `meta`: its model-states file, when already read."""
+    load_dir, tag = os.path.split(os.path.normpath(folder))
+    meta = meta if meta is not None else _minizero_meta(load_dir, tag)
+    return MinizeroSource(folder, meta) if meta is not None else _deepspeed_source(folder)
+
+
+def saved_batch(folder: str) -> tuple[int, int | None]:
+    """(world size, micro-batch per rank) of the run that saved a tag folder; the micro-batch
+    is None when its config does not say. A trainer needs them to carry its data position
+    to another world size (runsetup.py)."""
+    load_dir, tag = os.path.split(os.path.normpath(folder))
+    meta = _minizero_meta(load_dir, tag)
+    if meta is not None:
+        world, cfg = meta["world_size"], meta.get("config") or {}
+    else:
+        src = _deepspeed_source(folder)
+        world, cfg = src.world_size, src.config or {}
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    if micro is None and cfg.get("train_batch_size"):
+        micro = cfg["train_batch_size"] // (world * (cfg.get("gradient_accumulation_steps") or 1))
+    return world, micro
+
+
+def _deepspeed_source(path: str):
+    try:
+        from .deepspeed_checkpoint import open_source
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.deepspeed_checkpoint":
+            raise
+        raise CheckpointError(f"{path} is not a minizero checkpoint and looks like DeepSpeed's: reading DeepSpeed "
+                              f"checkpoints is not available in this minizero") from None
+    return open_source(path)
+
+
+def _same_layout(meta: dict, engine) -> bool:
+    """Does the checkpoint hold exactly the shards this engine has (same FlatParams, same
+    parameters in each, same number of shards)? Stage 0 is not sharded: any world size."""
+    stage = engine.zero.stage
+    if meta["stage"] != stage or (meta["world_size"] != engine.world_size and stage > 0):
+        return False
+    saved = [(list(f["names"]), [tuple(s) for s in f["shapes"]]) for f in meta["layout"]]
+    return saved == [(list(f.names), [tuple(s) for s in f.shapes]) for f in engine.zero.flat_params]
+
+
+def _reshard_state(engine, source, path: str, load_optimizer_states: bool) -> dict:
+    """This rank's masters and Adam state, built from the source for this engine's layout."""
+    flats = engine.zero.flat_params
+    check_same_model(source, {n: tuple(s) for f in flats for n, s in zip(f.names, f.shapes)}, path)
+    groups = [set() for _ in engine.optimizer.param_groups]
+    for f in flats:
+        groups[f.group].update(f.names)
+    check_same_groups(source, groups, path)
+    layout = [{"names": f.names, "shapes": f.shapes, "group": f.group} for f in flats]
+    state = rank_state(source, layout, flats[0].num_shards, flats[0].shard_index, optimizer=load_optimizer_states)
+    if state["optimizer"] is not None:
+        fill_missing_hparams(state["optimizer"], engine.optimizer.param_groups)
+    return state
+
+
+def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, load_lr_scheduler_states: bool):
+    """Put the resharded state into the engine: masters, the low-precision shards rounded
+    from them (as a step does), Adam's moments and step, schedule, loss scale, counters,
+    this rank's RNG when the saving run had this rank."""
+    opt = engine.sharded_optimizer
+    opt.zero_grad()
+    with torch.no_grad():
+        for f, m, new in zip(opt.flat_params, opt.masters, state["masters"]):
+            m.copy_(new)
+            f.shard.copy_(m)
+            if f.keep_full and f.num_shards > 1:
+                f.all_gather(label="load")
+    if state["optimizer"] is not None:
+        opt.load_optimizer_state(state["optimizer"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and source.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(source.lr_scheduler)
+    if engine.loss_scaler is not None and source.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(source.loss_scaler)
+    c = source.counters
+    engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
+    engine.micro_steps, engine.global_samples = c["micro_steps"], c["global_samples"]
+    if rng is not None:
+        _set_rng_state(rng)
+    if engine.global_rank == 0:
+        logger.warning(_moved_note(path, source.library, source.world_size, source.zero_stage, source.dtype,
+                                   source.loss_scaler, engine, has_rng=rng is not None,
+                                   optimizer=state["optimizer"] is not None, how="resharded"))
+    return path, source.client_state
+
+
+def _agree(engine, err: str | None) -> None:
+    """Collective. If any rank failed (err is its message), every rank raises the first
+    failing rank's message, so rank 0, which prints, names the file even when another
+    rank's file is the damaged one, and no rank goes on into a later collective."""
+    flag = torch.tensor([0.0 if err is None else 1.0], device=engine.device)
+    comm.all_reduce(flag, op="max", label="checkpoint_ok")
+    if flag.item() > 0:
+        errs = comm.all_gather_object(err)
+        raise CheckpointError(next(e for e in errs if e is not None))

@@ -1,0 +1,4 @@
+"""`python -m minizero.compare`."""
+from .compare import main
+
+main()

@@ -1,0 +1,391 @@
+"""minizero vs DeepSpeed, side by side: the same config, seed and data, stage by stage.
+
+    python -m minizero.compare --stages 0 1 2 3 --dtype bf16 --nproc 2
+    python -m minizero.compare --stages 3 --dtype fp32 --nproc 2 --max-steps 10 --synthetic-train 256
+
+Per stage: `torchrun ... -m minizero.train`, then `... reference/train.py` (real DeepSpeed)
+with identical flags; unknown flags go to both. Writes into --out (default reports/compare-<dtype>):
+report.md (command, machine, versions, one table row per stage; the model states of both
+libraries at the same two moments of the last step, end of backward and after the step,
+category by category, every byte of difference named as one of DeepSpeed's documented
+overheads; both comms summaries side by side per stage, each differing row explained),
+loss_curves.png, memory.png (rank 0's model states stacked by category, a row of panels per
+moment; with ZeRO-Offload in the config, one panel for the device and one for the host, and
+the table gains device and host columns), results.json (every number, both summaries),
+config.json (the config both got), and <lib>-stage<N>/ (each run's save dir and run.log).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+from minizero.comm import free_port
+from minizero.compare.compare_comms import comms_section
+from minizero.compare.compare_memory import (CATEGORIES, LIBS, MOMENT_TITLES, MOMENTS, PLACES, category_bytes,
+                                     moment_entries, moments_section, moments_step, offloaded, placed_bytes,
+                                     state_bytes, state_entries)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # minizero/compare/ -> the repository
+STAGES = (0, 1, 2, 3)
+# So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
+# (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
+# and, with max_live/reuse_distance at 1e9, keeps a small model gathered from forward into
+# backward (one all-gather per step instead of the paper's two; measured in docs/agreement.md).
+COMPARE_DEFAULTS = {"memory_efficient_linear": False, "stage3_param_persistence_threshold": 0,
+                    "reduce_bucket_size": 500_000, "stage3_max_live_parameters": 0,
+                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+# The knobs of *when* data moves: with --own-knobs the config's own values (or DeepSpeed's
+# defaults, which minizero follows: docs/zero.md, "Hiding communication") run in both libraries.
+WHEN_KNOBS = ("stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size")
+
+
+class CompareError(Exception):
+    """Reported as one line (plus a log tail for a failed run), no traceback."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
+                                epilog="Unknown flags (e.g. --synthetic-train 256) go to both training scripts.")
+    p.add_argument("--stages", nargs="+", default=["0", "1", "2", "3"], help="ZeRO stages to compare")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc-per-node)")
+    p.add_argument("--config", help="DeepSpeed JSON (default: minizero.train's built-in CPU config)")
+    p.add_argument("--model", help="GPT preset (train.py's default: tiny on CPU, tutorial on GPU)")
+    p.add_argument("--dataset", help="cifar10 or synthetic (train.py's default: synthetic on CPU)")
+    p.add_argument("--image-size", type=int, help="8, 16 or 32")
+    p.add_argument("--max-steps", type=int, default=30, help="optimizer steps per run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="report folder (default reports/compare-<dtype>)")
+    p.add_argument("--own-knobs", action="store_true",
+                   help="run both libraries with the config's own prefetch / reuse / live-parameter knobs (DeepSpeed's "
+                        "defaults unless the config sets them) instead of pinning them to 0: overlap and prefetch "
+                        "in both, each moving what DeepSpeed moves")
+    p.add_argument("--comms-logger", action=argparse.BooleanOptionalAction, default=None,
+                   help="time every collective in both libraries (DeepSpeed's comms_logger section) and put both "
+                        "comms summaries in the report. Default: on without a GPU (DeepSpeed's logger then costs "
+                        "0.3-1 ms per collective on a CPU), off on a GPU, where it synchronizes the device after "
+                        "every collective; --no-comms-logger drops the section")
+    return p.parse_known_args(argv)
+
+
+def check_args(args) -> None:
+    if bad := [s for s in args.stages if s not in {str(x) for x in STAGES}]:
+        raise CompareError(f"unknown stage {' '.join(bad)}: choose from {' '.join(map(str, STAGES))}")
+    args.stages = sorted({int(s) for s in args.stages})
+    if args.dtype not in ("fp32", "bf16", "fp16"):
+        raise CompareError(f"unknown --dtype {args.dtype!r}: choose fp32, bf16 or fp16")
+    for name in ("nproc", "max_steps"):
+        if getattr(args, name) < 1:
+            raise CompareError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for mod in ("deepspeed", "matplotlib"):
+        if importlib.util.find_spec(mod) is None:
+            raise CompareError(f"{mod} is not installed: pip install -e .[dev]")
+    if args.comms_logger is None:
+        import torch
+        args.comms_logger = not torch.cuda.is_available()
+    args.out = os.path.abspath(args.out or os.path.join("reports", f"compare-{args.dtype}"))
+    # Never overwrite an earlier comparison (its training runs would refuse their folders anyway).
+    if os.path.isdir(args.out):
+        earlier = sorted(f for f in os.listdir(args.out)
+                         if f in ("report.md", "results.json") or f.startswith(tuple(f"{lib}-stage" for lib in LIBS)))
+        if earlier:
+            raise CompareError(f"{args.out} already holds a comparison ({', '.join(earlier[:3])}"
+                               f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
+
+
+def pinned_knobs(args) -> dict:
+    """COMPARE_DEFAULTS, less the knobs of when data moves with --own-knobs."""
+    own = getattr(args, "own_knobs", False)
+    return {k: v for k, v in COMPARE_DEFAULTS.items() if not (own and k in WHEN_KNOBS)}
+
+
+def base_config(args) -> dict:
+    """The config both libraries get: --config or train.py's default, plus COMPARE_DEFAULTS."""
+    from minizero.train.train_args import DEFAULT_CONFIG, UserError, read_config_file
+    try:
+        cfg = read_config_file(args.config) if args.config else copy.deepcopy(DEFAULT_CONFIG)
+    except UserError as e:   # no such file / not JSON / not an object
+        raise CompareError(str(e)) from None
+    zero = cfg.get("zero_optimization")   # (--stage replaces DeepSpeed's deprecated `true` form)
+    cfg["zero_optimization"] = {**pinned_knobs(args), **(zero if isinstance(zero, dict) else {})}
+    # DeepSpeed logs whenever the section is present, whatever its "enabled" says
+    # (docs/deepspeed.md, "comms_logger is on whenever the section is present"): off means no section.
+    if getattr(args, "comms_logger", False):
+        cfg["comms_logger"] = {**(cfg.get("comms_logger") or {}), "enabled": True}
+    else:
+        cfg.pop("comms_logger", None)
+    return cfg
+
+
+def run_command(lib, stage, args, extra, config_path, save_dir) -> list:
+    script = ["-m", "minizero.train"] if lib == "minizero" else [os.path.join(REPO, "reference", "train.py")]
+    flags = ["--config", config_path, "--stage", str(stage), "--dtype", args.dtype,
+             "--seed", str(args.seed), "--save-dir", save_dir]
+    for name in ("model", "dataset", "image_size", "max_steps"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(args.nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script, *flags, *extra]
+
+
+def run_one(cmd, save_dir, label) -> dict:
+    """Run one training launch, its output into <save_dir>/run.log; return its summary.json."""
+    os.makedirs(save_dir, exist_ok=True)
+    log_path, summary_path = os.path.join(save_dir, "run.log"), os.path.join(save_dir, "summary.json")
+    env = {"OMP_NUM_THREADS": "1", **os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0 or not os.path.isfile(summary_path):
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-15:])
+        raise CompareError(f"{label} run failed (exit {rc}), log {log_path}; its last lines:\n{tail}")
+    with open(summary_path) as f:
+        summary = json.load(f)
+    comms_path = os.path.join(save_dir, "comms_summary.json")
+    if os.path.isfile(comms_path):   # written with a comms_logger section (runlog.write_comms_summary)
+        with open(comms_path) as f:
+            summary["comms_summary"] = json.load(f)
+    return summary
+
+
+def stage_row(stage, mz, ds) -> dict:
+    n = min(len(mz["losses"]), len(ds["losses"]))
+    diffs = [abs(a - b) for a, b in zip(mz["losses"][:n], ds["losses"][:n]) if a is not None and b is not None]
+    row = {"stage": stage, "steps": n, "max_abs_dloss": max(diffs) if diffs else None}
+    for lib, s in zip(LIBS, (mz, ds)):
+        sb = state_bytes(s)
+        where = placed_bytes(state_entries(s)[0])
+        row[lib] = {"final_loss": s["final_loss"], "test_loss": s["test_loss"], "state_bytes_rank0": sb[0],
+                    "device_bytes_rank0": where["device"], "host_bytes_rank0": where["host"],
+                    "state_bytes_max": max(sb), "peak_mem_mb": max(s["peak_mem_mb"]),
+                    "samples_per_s": s["samples_per_s"],
+                    "wire_bytes_per_step": (s["comm_wire_bytes_per_step"] or {}).get("total", 0),
+                    "skipped_steps": s["skipped_steps"]}
+    a, b = row["minizero"]["samples_per_s"], row["deepspeed"]["samples_per_s"]
+    row["speed_ratio"] = a / b if a and b else None
+    return row
+
+
+def machine() -> str:
+    import torch
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return f"CPU: {cpu} ({os.cpu_count()} cores), no GPU"
+
+
+def versions() -> dict:
+    return {"python": platform.python_version(), **{p: importlib.metadata.version(p) for p in ("torch", "deepspeed")}}
+
+
+def fmt(x, kind="g") -> str:
+    if x is None:
+        return "-"
+    return {"loss": "{:.6f}", "bytes": "{:,.0f}", "d": "{:.2e}", "g": "{:.3g}"}[kind].format(x)
+
+
+# (column title, key in each library's part of a row, format); one column per library
+PER_LIB = [("final loss", "final_loss", "loss"), ("state B r0", "state_bytes_rank0", "bytes"),
+           ("state B max", "state_bytes_max", "bytes"), ("peak MB", "peak_mem_mb", "bytes"),
+           ("samples/s", "samples_per_s", "g"), ("wire B/step", "wire_bytes_per_step", "bytes")]
+# with ZeRO-Offload, after "state B r0": where rank 0's model states live
+PLACED = [("device B r0", "device_bytes_rank0", "bytes"), ("host B r0", "host_bytes_rank0", "bytes")]
+
+
+def table(rows) -> str:
+    """The markdown table, one row per stage. Device / host columns appear when a run
+    offloads (some library holds model states in host memory)."""
+    placed = any(r[lib]["host_bytes_rank0"] for r in rows for lib in LIBS if "host_bytes_rank0" in r[lib])
+    columns = PER_LIB[:2] + (PLACED if placed else []) + PER_LIB[2:]
+    speed_at = 2 + 2 * (columns.index(PER_LIB[4]) + 1)   # "mz/DS speed" after the samples/s pair
+    head = ["stage", "max abs dloss/step"] + [f"{t} {lib}" for t, _, _ in columns for lib in ("mz", "DS")]
+    head.insert(speed_at, "mz/DS speed")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["stage"]), fmt(r["max_abs_dloss"], "d")]
+        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in LIBS]
+        cells.insert(speed_at, fmt(r["speed_ratio"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def note(args, offload: bool = False) -> str:
+    agreement = os.path.join(REPO, "docs", "agreement.md")   # relative when the report is inside the repo
+    agreement = os.path.relpath(agreement, args.out) if args.out.startswith(REPO + os.sep) else agreement
+    lines = [
+        f"Known differences (details and sources: [docs/agreement.md]({agreement})):", "",
+        "- Wire bytes: DeepSpeed's ZeRO-1/2 \"reduce-scatter\" is an all-reduce (`average_tensor` pre-divides "
+        "the bucket and calls `all_reduce`; each rank keeps its slice): 2Ψ for gradients plus Ψ for the "
+        "parameter all-gather, 1.5x the paper's 2Ψ that minizero moves. "
+        + ("At ZeRO-3 both libraries run the config's own prefetch and reuse knobs (--own-knobs): with "
+           "DeepSpeed's defaults each keeps every unit gathered from forward into backward and gathers once "
+           "per step (2Ψ), and minizero moves DeepSpeed's bytes (docs/zero.md, \"Hiding communication\")."
+           if getattr(args, "own_knobs", False) else
+           "At ZeRO-3 minizero all-gathers in forward and again in backward (the paper's 3Ψ); so does "
+           "DeepSpeed with the settings below (with its defaults both keep a small model gathered from forward "
+           "into backward and gather once: --own-knobs)."),
+        "- Memory: both libraries are measured at the same two moments of the last step, from the buffers they "
+        "really hold (minizero's `memory.held_bytes`, DeepSpeed's `reference/ds_memory.py` walker): the state "
+        "columns above are the end of backward; the section below has both moments, and names every byte "
+        "that differs. On CPU, peak MB is the process RSS.",
+        f"- This comparison adds {json.dumps(pinned_knobs(args))} "
+        "to `zero_optimization` unless the config sets "
+        "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
+        "in bf16/fp16), keep parameters under 1e5 elements unpartitioned (a small model would show no ZeRO-3 "
+        "saving) and allocate a 5e8-element reduce bucket at init.",
+        "- samples/s: median over logged intervals after the first; noisy (+-30%) on a shared CPU."
+        + (" With the comms logger on, both libraries time every collective; DeepSpeed's wrapper costs 0.3-1 ms "
+           "per collective on a CPU (measured on 2 gloo ranks: an 8 B all-reduce 0.4 -> 0.7-1.4 ms, a 200 KB one "
+           "1.0-1.7 -> 1.9-2.2 ms), so its samples/s drop most at ZeRO-3, which issues the most collectives "
+           "(`--no-comms-logger` for speed)." if getattr(args, "comms_logger", False) else "")]
+    if offload:
+        lines.append("- Offload (host B > 0): minizero moves exactly the optimizer shard (fp32 master + Adam "
+                     "moments, 12 bytes per element of the rank's shard in mixed precision) to the host and, with "
+                     "`offload_param`, ZeRO-3's partitioned low-precision parameters. DeepSpeed also keeps an fp32 "
+                     "gradient partition on the host (4 bytes per element), at ZeRO-3 its low-precision gradient "
+                     "partition there too, and at ZeRO-1/2 a low-precision staging copy of the shard plus two "
+                     "staging buffers of the largest parameter's size, one on each side ("
+                     """docs/deepspeed.md, "ZeRO-Offload's extra host buffers"). On a CPU-only machine """
+                     "the device and the host are the same memory: the split says where the bytes would live "
+                     "beside a GPU.")
+    if args.dtype != "fp32" and 0 in args.stages:
+        lines.append("- Stage 0 in fp16/bf16: DeepSpeed's stage-0 wrappers take one Adam step with zero gradients "
+                     "at init (losses drift, bf16 up to ~6e-3 in 20 steps); its stage-0 fp16 never multiplies "
+                     "the loss by the scale (gradients 1/65536 too small) and its loss scaler has no hysteresis. "
+                     "minizero does not copy these quirks.")
+    if args.dtype != "fp32":
+        lines.append("- Expected loss agreement in low precision is op-order noise (bf16 ~2e-4, fp16 ~3e-5 "
+                     "over 20 steps); fp32 agrees to ~1e-6.")
+    return "\n".join(lines)
+
+
+def report_md(info, args, rows, offload: bool = False, results=None) -> str:
+    placed = (" device B / host B = the same split by where it lives: host memory with ZeRO-Offload."
+              if offload else "")
+    results = results or {}
+    return "\n".join([
+        f"# minizero vs DeepSpeed: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
+        f"{args.nproc} rank(s)", "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
+        f"- date: {info['date']}", "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+        f"- config: [config.json](config.json), each run with `--stage N --dtype {args.dtype}`", "",
+        table(rows), "",
+        "mz = minizero, DS = DeepSpeed. state B = model-state bytes per rank at the end of the last step's "
+        "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of |loss_mz - loss_DS|; "
+        "wire B/step = ring-algorithm bytes per rank per optimizer step." + placed, "",
+        note(args, offload), "", "![loss curves](loss_curves.png)", "", *moments_section(results, args.dtype),
+        "![memory](memory.png)", "", *comms_section(results)])
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def savefig(fig, path) -> None:
+    fig.tight_layout(), fig.savefig(path, dpi=100), pyplot().close(fig)
+
+
+def plot_losses(path, results) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
+    for ax, (stage, runs) in zip(axes[0], sorted(results.items())):
+        for lib, style in zip(LIBS, ("-", "--")):
+            ax.plot(range(1, len(runs[lib]["losses"]) + 1), runs[lib]["losses"], style, label=lib)
+        ax.set(title=f"ZeRO-{stage}", xlabel="optimizer step", ylabel="train loss")
+        ax.legend()
+    savefig(fig, path)
+
+
+def plot_memory(path, results) -> None:
+    """Rank 0's model states per stage, minizero | DeepSpeed, stacked by category: one row of
+    panels per moment (end of backward, after the step) when the summaries have them, else
+    summary.json's model_state_bytes; with offload two panels per row on one scale, the
+    device's and the host's."""
+    plt = pyplot()
+    stages = sorted(results)
+    places = PLACES if offloaded(results) else (None,)
+    timed = all(moment_entries(results[s][lib], m) for s in stages for lib in LIBS for m in MOMENTS)
+    moments = MOMENTS if timed else (None,)
+    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, 2 * len(stages)),
+                                                                 4 * len(moments)),
+                             squeeze=False, sharey=True)
+    colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    for row, moment in zip(axes, moments):
+        for ax, place in zip(row, places):
+            for j, (lib, hatch) in enumerate(zip(LIBS, ("", "//"))):
+                xs = [i + (j - 0.5) * 0.38 for i in range(len(stages))]
+                bottom = [0.0] * len(stages)
+                for c in CATEGORIES:
+                    entries = [(moment_entries(results[s][lib], moment) if moment else
+                                results[s][lib]["model_state_bytes"])[0] for s in stages]
+                    h = [category_bytes(e, c, place) / 2**20 for e in entries]
+                    ax.bar(xs, h, 0.36, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
+                           label=None if j else c)
+                    bottom = [b + x for b, x in zip(bottom, h)]
+            ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\nmz | DS" for s in stages])
+            where = f" on the {place}" if place else ""
+            when = f"{MOMENT_TITLES[moment]}" if moment else ""
+            ax.set(ylabel=f"model-state MiB{where} (rank 0)",
+                   title=", ".join(filter(None, [when, f"on the {place}" if place else ""])) or
+                   "Model states, rank 0: minizero | DeepSpeed (hatched)")
+            ax.legend(fontsize=8)
+    if places != (None,) or moments != (None,):
+        step = moments_step(results) if moments != (None,) else None
+        fig.suptitle("Model states, rank 0: minizero | DeepSpeed (hatched)" + (f", step {step}" if step else ""))
+    savefig(fig, path)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parse_args(argv)
+    try:
+        check_args(args)
+        os.makedirs(args.out, exist_ok=True)
+        config_path = os.path.join(args.out, "config.json")
+        with open(config_path, "w") as f:
+            json.dump(base_config(args), f, indent=1)
+        from tqdm import tqdm
+        results = {}
+        runs = [(s, lib) for s in args.stages for lib in LIBS]
+        for stage, lib in tqdm(runs, desc="compare", unit="run"):
+            save_dir = os.path.join(args.out, f"{lib}-stage{stage}")
+            cmd = run_command(lib, stage, args, extra, config_path, save_dir)
+            results.setdefault(stage, {})[lib] = run_one(cmd, save_dir, f"stage {stage} {lib}")
+        rows = [stage_row(s, results[s]["minizero"], results[s]["deepspeed"]) for s in args.stages]
+    except CompareError as e:
+        print(f"python -m minizero.compare: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    command = "python -m minizero.compare " + shlex.join(argv)
+    info = {"command": command, "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "versions": versions(), "nproc": args.nproc, "dtype": args.dtype, "extra_flags": extra}
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(report_md(info, args, rows, offloaded(results), results))
+    plot_losses(os.path.join(args.out, "loss_curves.png"), results)
+    plot_memory(os.path.join(args.out, "memory.png"), results)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({**info, "rows": rows, "summaries": {str(s): r for s, r in results.items()}}, f, indent=1)
+    print(table(rows))
+    print(f"report: {os.path.join(args.out, 'report.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""A timeline of chosen training steps, rank by rank: every collective and every compute phase.
+
+The ledger (comm.py) says how many bytes each collective moved; a class on ZeRO also needs
+to *see* when: ZeRO-3 gathering each block just before its forward and again before its
+backward, ZeRO-2 reduce-scattering a bucket while backward goes on, a rank idling in an
+all-gather because another rank is still computing. This module records that, for the
+optimizer steps you choose, as Chrome-trace JSON (open it in https://ui.perfetto.dev or
+chrome://tracing): one file per rank, rank0.json, rank1.json, ..., and on rank 0 the merged
+trace.json (every rank on one timeline) and timeline.png (timeline.py draws it).
+
+Tracks, per rank:
+  step         the step, and the engine's phases: forward, backward, step (announced by the
+               engine through comm.py's observer hook), and inside the step
+               reduce_gradients, grad_norm, optimizer, after_step (the four parts of
+               `_take_model_step` the tracer times, PARTS)
+  units        each unit's forward, backward, and recompute (activation checkpointing
+               re-running a block's forward inside backward). Units are ZeRO-3's: every
+               block of the model's outermost ModuleList, and the root (zero3.find_units)
+  collectives  one event per collective: op, label (FlatParam or bucket), payload bytes
+               and wire bytes exactly as the ledger counts them, and wait_us, the part of
+               it spent waiting for the last rank to arrive (drawn as a nested "wait")
+  copies       ZeRO-Offload's device<->host copies (offload.py)
+
+How a unit's backward is found: in forward, the unit's outputs pass through an identity
+autograd function (zero3.on_backward, the one ZeRO-3's pre_backward uses) whose backward runs when the first gradient reaches them (the
+unit's backward starts), and so do its inputs (their gradient is the unit's last act). The
+root's inputs are token ids, which get no gradient: its backward ends with the engine's.
+
+Times: microseconds since the trace started, on one axis for all ranks: every rank
+records its clock right after a barrier at the start of the first traced step (so ranks
+agree to within the barrier's exit skew; on one host, microseconds). On a GPU, times are
+CUDA events on the current stream, read once at the end of each traced step (a device
+sync, only in traced steps): the timeline is when the GPU ran things, not when Python
+queued them.
+
+Waiting: a collective cannot finish before every rank has started it. At the end of each
+traced step the ranks exchange when each of their collectives began (control traffic, not
+in the ledger); the i-th collective's wait on rank r is (latest start among ranks) minus
+(r's start), at most its duration. A rank with a large wait was idle, its peer was late.
+An asynchronous collective (overlap_comm, prefetch, and the buckets that stage 0-2 issue back
+to back at the step) runs from its issue to the end of its wait(), while the rank computes;
+its wait is the time the rank spent blocked in wait(), and its args say "async": true. So the
+time a rank could not compute for communication is a synchronous collective's whole event
+plus an asynchronous one's wait.
+
+Switch it on with `python -m minizero.train --trace DIR [--trace-steps 2 3]`, the config
+section `"minizero_trace": {"enabled": true, "output_path": DIR, "steps": [2]}`, or around
+code: `with trace.start(engine, DIR): ...` (every step inside the block).
+
+The tracer is an observer of comm.py's hook (the engine imports nothing from here): it hears
+the engine's phases and each collective's begin, blocking wait and end, and it wraps the
+four PARTS of the step on this engine's objects while it is open.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .. import checkpointing, comm
+from ..zero3 import on_backward
+
+TRACKS = ("step", "units", "collectives", "copies")   # tid = index
+# The parts of Engine._take_model_step timed on the `step` track: (the engine's attribute, its
+# method, the phase's name).
+PARTS = (("zero", "reduce_gradients", "reduce_gradients"), ("sharded_optimizer", "grad_norm_sq", "grad_norm"),
+         ("sharded_optimizer", "step", "optimizer"), ("zero", "after_step", "after_step"))
+
+
+def start(engine, out_dir: str, steps=None) -> "Tracer":
+    """Record a timeline of optimizer steps `steps` (1-based; None: every step until the
+    tracer is closed) into out_dir. Use as `with trace.start(engine, DIR): ...`, or keep the
+    tracer and call .close(); with `steps` it closes itself after the last one. A collective
+    at the end of each traced step and at close: call on every rank."""
+    return Tracer(engine, out_dir, steps)
+
+
+class _Clock:
+    """Marks on one axis for every rank: host perf_counter, or CUDA events (module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+        self.t0 = time.perf_counter()
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def us(self, m) -> float:
+        """A mark in microseconds since start (CUDA: after the device has reached it)."""
+        if self.cuda:
+            return self.ref.elapsed_time(m) * 1e3
+        return (m - self.t0) * 1e6
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class Tracer:
+    """Records the chosen optimizer steps (1-based; None: every step until close) of one engine."""
+
+    def __init__(self, engine, out_dir: str, steps=None):
+        from ..zero3 import find_units
+        if getattr(engine, "tracer", None) is not None and not engine.tracer.closed:
+            raise RuntimeError("minizero: this engine is already tracing; close that trace first")
+        self.engine, self.out_dir = engine, out_dir
+        self.steps = None if steps is None else sorted({int(s) for s in steps})
+        self.rank, self.world = comm.get_rank(), comm.get_world_size()
+        self.clock = _Clock(engine.device)
+        self.started = self.recording = self.closed = False
+        self.events: list[dict] = []       # finished steps, microseconds
+        self.ledger: dict[int, dict] = {}  # step -> the ledger's counts over that step
+        self.traced_steps: list[int] = []
+        os.makedirs(out_dir, exist_ok=True)
+        self._hooks = []
+        for name, m in find_units(engine.module):
+            # prepend: the unit's span starts before ZeRO-3's pre_forward gathers its parameters
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward(name), prepend=True))
+            self._hooks.append(m.register_forward_hook(self._post_forward(name)))
+        self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
+        self._patched = []                     # (object, attribute, what its __dict__ held)
+        for owner, method, phase in PARTS:
+            obj = getattr(engine, owner)
+            self._patched.append((obj, method, obj.__dict__.get(method)))
+            setattr(obj, method, self._timed(phase, getattr(obj, method)))
+        engine.tracer = self   # the trainer finds it there (and DeepSpeed's engine has none)
+        comm.observers.append(self)
+
+    # ---------------------------------------------------------------- steps
+    def wants(self, step: int) -> bool:
+        return not self.closed and (self.steps is None or step in self.steps)
+
+    def step_begins(self, step: int) -> None:
+        """Called by the engine before the first forward of optimizer step `step` (1-based)."""
+        if not self.wants(step):
+            return
+        if not self.started:   # one axis for all ranks: every rank starts its clock after a barrier
+            comm.barrier()
+            self.clock.start()
+            self.started = True
+        self.recording, self.step = True, step
+        self._marks: list[tuple] = []      # (track, name, begin, end, args) of this step
+        self._open: dict[tuple, tuple] = {}
+        self._ledger_before = comm.ledger.snapshot()
+        self._step_begin = self.clock.mark()
+
+    def step_ends(self, step: int) -> None:
+        """Called by the engine after the engine.step() that ended optimizer step `step`."""
+        if not self.recording:
+            return
+        end = self.clock.mark()
+        self._close_open_backward(end)
+        self.recording = False
+        after = comm.ledger.snapshot()
+        self.ledger[step] = {op: {k: after[op][k] - self._ledger_before[op][k] for k in after[op]}
+                             for op in after}
+        self._marks.append(("step", f"step {step}", self._step_begin, end, {"step": step}))
+        self._settle(step)
+        self.traced_steps.append(step)
+        if self.steps is not None and step >= self.steps[-1]:
+            self.close()
+
+    # ---------------------------------------------------------------- comm.py's observer hook
+    def phase_begins(self, name: str, engine) -> None:
+        if engine is not self.engine:
+            return
+        if name == "forward" and engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+            self.step_begins(engine.global_steps + 1)   # the first forward of an optimizer step
+        if self.recording:
+            self._phases[name] = self.clock.mark()
+
+    def phase_ends(self, name: str, engine) -> None:
+        if engine is not self.engine:
+            return
+        if self.recording and name in self._phases:
+            self.add_phase(name, self._phases.pop(name), self.clock.mark())
+        if name == "step":   # the accumulation boundary's step: the optimizer step is done
+            self.step_ends(engine.global_steps)
+
+    def _timed(self, name: str, method):
+        """`method`, one of PARTS, with a profiler range and an event on the `step` track."""
+        def timed(*args, **kwargs):
+            with record_function(f"minizero::{name}"):
+                if not self.recording:
+                    return method(*args, **kwargs)
+                begin = self.clock.mark()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self.add_phase(name, begin, self.clock.mark())
+        return timed
+
+    # ---------------------------------------------------------------- what is recorded
+    def add_phase(self, name: str, begin, end) -> None:
+        self._marks.append(("step", name, begin, end, {}))
+        if name == "backward":   # a unit whose inputs get no gradient (the root) ends here
+            self._close_open_backward(end)
+
+    def begin(self, op: str, label: str | None, tensor, nbytes: int, group):
+        """comm.py's observer: a collective or copy starts. The token: [its start, when this rank
+        began to block on it (an asynchronous one's wait), or None]."""
+        return [self.clock.mark(), None] if self.recording else None
+
+    def blocking(self, token) -> None:
+        if token is not None:
+            token[1] = self.clock.mark()
+
+    def end(self, token, op, label, nbytes, wire_bytes, msg_bytes) -> None:
+        if token is None:
+            return
+        track = "copies" if op in comm.COPIES else "collectives"
+        args = {"op": op, "label": label or "", "bytes": int(nbytes), "wire_bytes": int(wire_bytes)}
+        if token[1] is not None:
+            args["blocked_from"] = token[1]   # a mark until _settle makes it microseconds
+        self._marks.append((track, f"{op} {label}" if label else op, token[0], self.clock.mark(), args))
+
+    def _pre_forward(self, unit: str):
+        def pre_forward(module, args):
+            if not self.recording:
+                return None
+            kind = "recompute" if checkpointing.in_recompute() else "forward"
+            self._open[(unit, "forward")] = (kind, self.clock.mark())
+            if torch.is_grad_enabled():   # gradients reaching the inputs: the unit's backward is done
+                return on_backward(args, lambda: self._close_backward(unit))
+            return None
+        return pre_forward
+
+    def _post_forward(self, unit: str):
+        def post_forward(module, args, output):
+            if not self.recording or (unit, "forward") not in self._open:
+                return None
+            kind, begin = self._open.pop((unit, "forward"))
+            self._marks.append(("units", f"{unit}.{kind}", begin, self.clock.mark(), {"unit": unit, "phase": kind}))
+            if torch.is_grad_enabled():   # the first gradient reaching the outputs: the unit's backward starts
+                return on_backward(output, lambda: self._open_backward(unit))
+            return None
+        return post_forward
+
+    def _open_backward(self, unit: str) -> None:
+        if self.recording:
+            self._open.setdefault((unit, "backward"), ("backward", self.clock.mark()))
+
+    def _close_backward(self, unit: str, end=None) -> None:
+        if self.recording and (unit, "backward") in self._open:
+            _, begin = self._open.pop((unit, "backward"))
+            self._marks.append(("units", f"{unit}.backward", begin, end if end is not None else self.clock.mark(),
+                                {"unit": unit, "phase": "backward"}))
+
+    def _close_open_backward(self, end) -> None:
+        for unit, what in [k for k in self._open if k[1] == "backward"]:
+            self._close_backward(unit, end)
+
+    # ---------------------------------------------------------------- end of a step: times, waits
+    def _settle(self, step: int) -> None:
+        """Marks -> events in microseconds; every collective's wait, from all ranks' start times."""
+        self.clock.settle()
+        events = []
+        for track, name, begin, end, args in self._marks:
+            ts = self.clock.us(begin)
+            args = dict(args, step=step)
+            if "blocked_from" in args:   # asynchronous: issued at ts, this rank blocked on it from here
+                args["blocked_from"] = self.clock.us(args["blocked_from"])
+            events.append({"name": name, "cat": track, "ph": "X", "ts": ts, "dur": max(self.clock.us(end) - ts, 0.0),
+                           "pid": self.rank, "tid": TRACKS.index(track), "args": args})
+        colls = sorted((e for e in events if e["cat"] == "collectives"), key=lambda e: e["ts"])
+        starts = [e["ts"] for e in colls]
+        everyone = [starts]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, starts)
+        if all(len(s) == len(starts) for s in everyone):
+            for i, e in enumerate(colls):
+                if "blocked_from" in e["args"]:
+                    # asynchronous: the rank computed while it ran; it waited only inside wait()
+                    since = min(max(e["args"].pop("blocked_from"), e["ts"]), e["ts"] + e["dur"])
+                    wait, at = e["ts"] + e["dur"] - since, since
+                    e["args"]["async"] = True
+                else:
+                    wait, at = min(max(max(s[i] for s in everyone) - e["ts"], 0.0), e["dur"]), e["ts"]
+                e["args"]["wait_us"] = wait
+                if wait > 0:
+                    events.append({"name": "wait", "cat": "wait", "ph": "X", "ts": at, "dur": wait,
+                                   "pid": self.rank, "tid": e["tid"], "args": {"step": step, "op": e["args"]["op"]}})
+        elif self.rank == 0:   # ranks issued different collectives: no i-th pairing to compare
+            print(f"minizero trace: step {step}: ranks issued {sorted({len(s) for s in everyone})} collectives; "
+                  f"waits not computed (MINIZERO_DEBUG_COLLECTIVES=1 names the first difference)")
+        self.events += sorted(events, key=lambda e: (e["ts"], -e["dur"]))
+
+    # ---------------------------------------------------------------- files
+    def document(self, events=None) -> dict:
+        """A Chrome-trace JSON object of `events` (default: this rank's), tracks named."""
+        events = self.events if events is None else events
+        ranks = sorted({e["pid"] for e in events} | {self.rank})
+        meta = []
+        for r in ranks:
+            meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+            meta.append({"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}})
+            meta += [{"name": "thread_name", "ph": "M", "pid": r, "tid": i, "args": {"name": t}}
+                     for i, t in enumerate(TRACKS)]
+        e = self.engine
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+                "otherData": {"library": "minizero", "stage": e.zero_optimization_stage(), "dtype": str(e.dtype),
+                              "world_size": self.world, "steps": self.traced_steps,
+                              "ledger": {str(k): v for k, v in self.ledger.items()}}}
+
+    def close(self, failed: bool | None = None) -> list[str]:
+        """Write this rank's file; with all ranks here, rank 0 also writes the merged trace and
+        the picture. Returns the paths written on this rank. Safe to call twice. While an
+        exception propagates (`failed`; default: one is being handled), only the rank's own
+        file is written: the other ranks may be gone, and the merge would wait for them."""
+        import sys
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        if self.closed:
+            return []
+        self.closed = True
+        self.recording = False   # a run that ended inside a traced step: keep what it recorded
+        comm.observers.remove(self)
+        for obj, method, held in self._patched:
+            if held is None:
+                del obj.__dict__[method]
+            else:
+                setattr(obj, method, held)
+        for h in self._hooks:
+            h.remove()
+        paths = [self._write(f"rank{self.rank}.json", self.document())]
+        if failed:
+            return paths
+        everyone = [self.events]
+        if self.world > 1:
+            everyone = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(self.events, everyone, dst=0)
+        if self.rank == 0:
+            merged = [ev for evs in everyone for ev in evs]
+            paths.append(self._write("trace.json", self.document(merged)))
+            from .timeline import has_matplotlib, plot
+            if merged and has_matplotlib():
+                paths.append(plot(self.document(merged), os.path.join(self.out_dir, "timeline.png")))
+            elif merged:   # the picture is optional (matplotlib comes with .[dev]); the trace is not
+                print(f"minizero trace: no timeline.png (needs matplotlib: pip install -e .[dev], then "
+                      f"python -m minizero.timeline {self.out_dir})")
+        return paths
+
+    def _write(self, name: str, doc: dict) -> str:
+        path = os.path.join(self.out_dir, name)
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(path + ".tmp", path)
+        return path
+
+    # ---------------------------------------------------------------- with trace.start(engine, DIR): ...
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(failed=exc_type is not None)
+        return False

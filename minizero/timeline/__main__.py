@@ -1,0 +1,6 @@
+"""`python -m minizero.timeline`."""
+import sys
+
+from ..observe.timeline import main
+
+sys.exit(main())

@@ -1,0 +1,4 @@
+"""`python -m minizero.train`."""
+from .train import main
+
+main()

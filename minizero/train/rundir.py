@@ -1,0 +1,188 @@
+"""A run's folder: one run writes into it at a time, and a finished run is never overwritten.
+
+A training run leaves its results in --save-dir: metrics.csv, summary.json, samples.png,
+`latest` and the `global_step<N>/` checkpoints. Two things must not happen to them:
+
+- a new run started with the same --save-dir silently replaces them (the second run of a
+  tour would move `latest` from step 625 back to 40 and rewrite the metrics);
+- two runs started at once interleave their files.
+
+So rank 0 takes an exclusive lock on `<save_dir>/.minizero.lock` (fcntl.flock: the
+kernel drops it when the process dies, even by kill -9, so a crashed run never leaves a
+stale lock) and then refuses a folder that already holds a run, unless this run resumes
+from that very folder. We refuse rather than pick a new folder name: a user who typed
+--save-dir should find the results where they asked, and every refusal says what to do.
+(`rm -r` the folder to start over; minizero never deletes a run for you.)
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from minizero import comm
+from minizero.checkpoint.checkpoint_folder import later_tags
+
+LOCK_FILE = ".minizero.lock"
+# What a run writes; anything else (a compare run.log, a user's notes) is not a run.
+RUN_FILES = ("metrics.csv", "summary.json", "samples.png", "latest")
+# flock's answers for "this file system cannot lock" (Lustre mounted without -o flock, NFS
+# without lockd): no lock to take, which is not the same as a lock another run holds.
+NO_LOCKING = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
+_warned_no_locking = False
+
+
+class RunDirError(Exception):
+    """The save folder cannot be used; the message says why and what to do."""
+
+
+def previous_run(save_dir: str) -> list[str]:
+    """The files and checkpoint folders of an earlier run in save_dir (empty: none)."""
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(save_dir, f))]
+    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(save_dir, "global_step*"))
+                    if not p.endswith(".tmp"))
+    return found
+
+
+class RunDirLock:
+    """Held by rank 0 for the whole run: `with RunDirLock(save_dir): ...`."""
+
+    def __init__(self, save_dir: str):
+        self.path = os.path.join(save_dir, LOCK_FILE)
+        self.fh = None
+
+    def acquire(self) -> "RunDirLock":
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:   # EWOULDBLOCK: the only answer that means another process holds it
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise RunDirError(f"{os.path.dirname(self.path)} is in use by a run that is still going ({holder}); "
+                              f"wait for it to finish, or pick another --save-dir") from None
+        except OSError as e:
+            fh.close()
+            if e.errno not in NO_LOCKING:
+                raise RunDirError(f"cannot lock {self.path}: {e.strerror or e}; check that the folder is "
+                                  f"writable, or pick another --save-dir") from None
+            global _warned_no_locking
+            if not _warned_no_locking:   # once per process: a run takes its lock once
+                print(f"minizero: warning: the file system of {os.path.dirname(self.path)} does not support file "
+                      f"locks ({e.strerror or e}); going on without the lock, so nothing stops a second run "
+                      f"started into this folder at the same time", file=sys.stderr, flush=True)
+                _warned_no_locking = True
+            return self
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        fh.flush()
+        self.fh = fh
+        return self
+
+    def release(self) -> None:
+        if self.fh is not None:
+            fcntl.flock(self.fh, fcntl.LOCK_UN)
+            self.fh.close()
+            self.fh = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def claim(save_dir: str, resume_dir: str | None) -> RunDirLock:
+    """Rank 0: lock save_dir, then refuse it if it holds a run this one does not continue.
+
+    Lock first, check second: two runs started at once both see an empty folder, but only
+    one gets the lock."""
+    lock = RunDirLock(save_dir).acquire()
+    try:
+        found = previous_run(save_dir)
+        continuing = resume_dir is not None and os.path.realpath(resume_dir) == os.path.realpath(save_dir)
+        if found and not continuing:
+            shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+            raise RunDirError(f"{save_dir} already holds a run ({shown}); continue it with --resume {save_dir}, "
+                              f"or pass a new --save-dir (minizero never overwrites a run's results)")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str | None) -> RunDirLock | None:
+    """Rank 0 claims the folder (claim) and also refuses to resume an older checkpoint into
+    the folder that holds later ones; every rank gets the verdict, so all of them stop with
+    the same one line. Then every rank checks that it sees the folder rank 0 claimed
+    (refuse_unshared). Returns the lock on rank 0 (None elsewhere)."""
+    lock, err, probe = None, None, None
+    if comm.get_rank() == 0:
+        try:
+            lock = claim(save_dir, resume_dir)
+            if resume_tag is not None and lock is not None:
+                later = later_tags(save_dir, resume_tag) if os.path.realpath(save_dir) == \
+                    os.path.realpath(resume_dir) else []
+                if later:
+                    lock.release()
+                    raise RunDirError(f"resuming {resume_tag} into {save_dir} would overwrite its later checkpoints "
+                                      f"({', '.join(later)}); pass a new --save-dir for the resumed run")
+            if comm.get_world_size() > 1:
+                probe = PROBE_FILE.format(os.urandom(8).hex())
+                open(os.path.join(save_dir, probe), "w").close()
+        except RunDirError as e:
+            err = str(e)
+        except OSError as e:   # rank 0 alone: raising here would leave the others waiting below
+            if lock is not None:
+                lock.release()
+            err = f"cannot write into {save_dir}: {e.strerror or e}; pick a writable --save-dir"
+    err, probe = comm.broadcast_object((err, probe))
+    if err is not None:
+        raise RunDirError(err)
+    if probe is not None:
+        try:
+            refuse_unshared(save_dir, os.path.join(save_dir, probe), "file")
+        except RunDirError:
+            if lock is not None:
+                lock.release()
+            raise
+    return lock
+
+
+# A file of a name no earlier run left behind: a node-local folder of the same path on
+# another node may well hold an old lock file, but never this.
+PROBE_FILE = ".minizero.probe-{}"
+
+
+def refuse_unshared(save_dir: str, path: str, what: str) -> None:
+    """Collective: does every rank see `path`, which rank 0 just created in save_dir? If not,
+    save_dir is node-local (each node its own disk at that path): every rank raises the same
+    one line, and rank 0 removes `path` either way. One MAX all-reduce of one flag per rank.
+
+    The trainer runs it at start (claim_for_all_ranks), so a run on node-local disks is
+    refused before it trains, not at its first save after hours; checkpoint_io.save checks
+    each checkpoint folder the same way (for the engine's own save_checkpoint)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    flags = torch.zeros(world, device=comm.get_device())
+    flags[rank] = float(not os.path.exists(path))
+    # torch.distributed, not comm.all_reduce: the run's bookkeeping stays out of the engine's
+    # comm ledger and profiler labels (runlog.py says why)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    blind = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    if rank == 0:
+        os.remove(path)
+    if not blind:
+        return
+    hosts = comm.all_gather_object(socket.gethostname())
+    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
+    raise RunDirError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the {what} rank 0 "
+                      f"(on {hosts[0]}) created in it. Every rank writes its shard into one folder: put "
+                      f"--save-dir on a filesystem all nodes mount (NFS, Lustre, ...)")

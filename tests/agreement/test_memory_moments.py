@@ -1,0 +1,145 @@
+"""Memory at the same two moments in both libraries, N = 2, stages 0-3: what each really holds
+at the end of a step's backward (after engine.backward, before engine.step) and after the
+step, category by category, equal up to DeepSpeed's named overheads, to the byte.
+
+minizero's side is memory.held_bytes (the engine's live buffers, runlog.MemoryMoments in the
+trainer) taken by reference/ds_run.train_steps at both moments, the loop DeepSpeed's runs go
+through too; DeepSpeed's side is reference/ds_memory's walker at the same two moments of the
+agreement runs (tests/support/agreement.py: tiny GPT, reduce_bucket_size 2e4, persistence 0), shared
+with test_agreement_memory. The differences are cut by minizero.compare.compare_memory.memory_differences,
+the function that writes the compare report's memory section, and every part is checked here
+against its own arithmetic:
+
+    padding        DeepSpeed pads each param group to 2N (ZeRO-1/2) or each parameter to N
+                   (ZeRO-3), minizero each FlatParam to N: bytes/element x the element counts
+    grads, ZeRO-1/2, end of backward   DeepSpeed's partition holds whole straddling parameters
+                   (zero12_grad_partition_numel); ZeRO-1 at gas 1 reduces in hooks, minizero's
+                   ZeRO-1 holds all Ψ until the step
+    grads, ZeRO-3, after the step      DeepSpeed keeps grad_partitions_flat_buffer (2S bf16)
+    master, fp32 ZeRO                  DeepSpeed's second fp32 copy (4 x its shard)
+"""
+import math
+
+import pytest
+import torch
+
+from minizero.compare.compare_memory import CATEGORIES, MOMENTS, memory_differences
+from reference.ds_memory import zero12_grad_partition_numel, zero12_padded_numel, zero3_partition_numel
+from tests.support import agreement as A
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+deepspeed = pytest.importorskip("deepspeed")
+
+N = A.N
+STEPS = 3            # memory is the layout's: any step after the first (Adam's state exists) reads the same
+RUNS = [(s, "bf16") for s in A.STAGES] + [(1, "fp32"), (3, "fp32")]
+
+
+def minizero_moments(runs):
+    """Rank function: per (stage, dtype) of `runs`, minizero's held_bytes at both moments of
+    each step (train_steps, the agreement runs' loop) and memory_breakdown()."""
+    import minizero
+    from minizero.memory import held_bytes
+    from reference.ds_run import build_model, prepare_ds_config, train_steps
+
+    out = {}
+    for stage, dtype in runs:
+        cfg = prepare_ds_config(A.make_config(stage, dtype))
+        model, groups = build_model(A.MODEL_FN, cfg, seed=0)
+        engine, _, _, _ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
+        memory = {"after_backward": [], "after_step": []}
+        train_steps(engine, A.BATCHES, STEPS, lambda e: float(e.loss_scale), held_bytes, memory)
+        out[(stage, dtype)] = {**{m: memory[m][-1] for m in MOMENTS}, "breakdown": engine.memory_breakdown()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def mz():
+    from tests.support.launcher import run_ranks
+    return run_ranks(minizero_moments, world_size=N, args=(RUNS,), env=A.ENV, timeout=600)
+
+
+def _model_numels():
+    torch.manual_seed(0)
+    m = A.MODEL_FN()
+    groups = [[p.numel() for p in g["params"]] for g in m.configure_param_groups(0.01)]
+    return groups, [p.numel() for p in m.parameters()]
+
+
+def ds_elements(stage):
+    """DeepSpeed's layout in elements, from its partition arithmetic (reference/ds_memory.py)."""
+    groups, numels = _model_numels()
+    if stage == 0:
+        return {"full": sum(numels), "shard": sum(numels)}
+    if stage in (1, 2):
+        full = zero12_padded_numel([sum(g) for g in groups], N)
+        return {"full": full, "shard": full // N}
+    return {"full": 0, "shard": zero3_partition_numel(numels, N)}   # persistence threshold 0
+
+
+@pytest.mark.parametrize("rank", range(N))
+@pytest.mark.parametrize("stage, dtype", RUNS)
+def test_minizero_holds_its_breakdown_at_the_end_of_backward_and_no_gradient_after_the_step(mz, stage, dtype,
+                                                                                             rank):
+    """The live measurement agrees with the layout formula where the formula speaks (the end
+    of backward; stage 0 and ZeRO-1 hold every p.grad, gradient_accumulation_steps 1 without
+    overlap_comm), and shows the gradients gone after the step (zero_grad)."""
+    r = mz[rank][(stage, dtype)]
+    bwd, step, formula = r["after_backward"], r["after_step"], r["breakdown"]
+    strip = lambda e: {k: v for k, v in e.items() if k != "elements"}   # noqa: E731
+    assert strip(bwd) == formula
+    no_grads = {**formula, "grads": 0, "device": {**formula["device"], "grads": 0}}
+    assert strip(step) == no_grads
+
+
+@pytest.mark.parametrize("rank", range(N))
+@pytest.mark.parametrize("stage, dtype", RUNS)
+def test_both_moments_agree_with_deepspeed_up_to_named_overheads(mz, stage, dtype, rank):
+    groups, numels = _model_numels()
+    psi = sum(numels)
+    lp = 4 if dtype == "fp32" else 2
+    ds_el = ds_elements(stage)
+    for moment in MOMENTS:
+        a = mz[rank][(stage, dtype)][moment]
+        b = {**A.cached_ds(stage, dtype)[rank]["memory"][moment][-1], "elements": ds_el}
+        assert b["unclaimed"] == {} and b["host"] == dict.fromkeys(CATEGORIES, 0)
+        mz_el = a["elements"]
+        for c in CATEGORIES:
+            parts = memory_differences(stage, dtype, moment, c, None, a, b)
+            assert sum(n for n, _ in parts) == b[c] - a[c]
+            assert not [w for _, w in parts if w == "unexplained"], (moment, c, parts)
+            named = {}
+            for n, why in parts:   # one part per kind of reason here (no offload)
+                kind = ("padding" if why.startswith("padding") else "master" if "fp32 master" in why
+                        else "partition" if "straddle" in why else "kept" if "grad_partitions_flat_buffer" in why
+                        else why)
+                named[kind] = named.get(kind, 0) + n
+            # the arithmetic of each named part
+            expect = {}
+            d_full, d_shard = ds_el["full"] - mz_el["full"], ds_el["shard"] - mz_el["shard"]
+            if c == "params":
+                expect["padding"] = lp * (d_shard if stage == 3 else d_full)
+            elif c == "master_params":
+                if dtype == "fp32" and stage >= 1:
+                    expect["master"] = 4 * ds_el["shard"]   # minizero's fp32 shard is its master: 0 bytes
+                elif dtype != "fp32":
+                    expect["padding"] = 4 * (d_shard if stage >= 1 else d_full)
+            elif c == "optimizer_states":
+                expect["padding"] = 8 * (d_shard if stage >= 1 else d_full)
+            elif moment == "after_backward":   # grads
+                if stage in (1, 2):
+                    mine = psi if stage == 1 else mz_el["shard"]
+                    expect["partition"] = lp * (zero12_grad_partition_numel(groups, N, rank) - mine)
+                elif stage == 3:
+                    expect["padding"] = lp * d_shard
+            elif stage == 3:                   # grads after the step: DeepSpeed's kept partition
+                expect["kept"] = lp * ds_el["shard"]
+            expect = {k: v for k, v in expect.items() if v}
+            assert named == expect, (moment, c, parts)
+            # and the numbers themselves: minizero's layout, DeepSpeed's layout
+            if c == "params":
+                assert a[c] == lp * (mz_el["shard"] if stage == 3 else mz_el["full"])
+            if c == "grads" and moment == "after_step":
+                assert a[c] == 0 and b[c] == (lp * ds_el["shard"] if stage == 3 else 0)
+    if stage in (1, 2):   # the padding itself: 2N per group against N per bucket FlatParam
+        assert ds_el["full"] == sum(math.ceil(sum(g) / (2 * N)) * 2 * N for g in groups) == 108_804

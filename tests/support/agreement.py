@@ -1,0 +1,168 @@
+"""The configurations of the agreement tests (minizero against DeepSpeed, number for
+number) and their session cache. The runs themselves are tests/support/harness.py's: `run_minizero`
+mirrors reference/ds_run.py's `run_deepspeed`.
+
+Same model (`torch.manual_seed(seed)` right before `model_fn()`), same param groups with
+the weight decay DeepSpeed would apply (`default_weight_decay`), same JSON config (both
+libraries get `prepare_ds_config(config)`: torch_adam inside optimizer.params, ZeRO-3
+memory_efficient_linear off), same batches (`get_batch`), same loss bookkeeping (mean over
+micro-batches, fp64 all_reduce, divided by the world size).
+
+The test modules share one cache (`cached_ds`, `cached_mz`, a dict in this module that
+lives for the whole pytest session), so each configuration is trained once per library.
+
+    DS_ACCELERATOR=cpu .venv/bin/python -m tests.support.agreement      # prints docs/agreement.md's tables
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from minizero.gpt.model import get_preset  # noqa: E402
+from tests.support import harness  # noqa: E402
+from tests.support.harness import (SyntheticBatches, max_abs_diff, max_list_diff,  # noqa: E402,F401
+                           run_minizero)
+
+N = 2
+STEPS = 20
+MICRO_BS = 4
+LR = 1e-3
+BUCKET = 20_000          # reduce_bucket_size: keeps DS's ZeRO-3 bucket (allocated at init) small
+ENV = {"DS_ACCELERATOR": "cpu"}
+STAGES = (0, 1, 2, 3)
+DTYPES = ("fp32", "bf16", "fp16")
+
+MODEL_CFG = get_preset("tiny")  # 108,801 params, dropout 0.1 everywhere (on: RNG must replay)
+MODEL_FN = functools.partial(harness.make_model, "tiny")
+BATCHES = SyntheticBatches(MODEL_CFG.vocab_size, MODEL_CFG.block_size, MICRO_BS, seed=11)
+
+
+# ZeRO-3 as the paper runs it, in both libraries: every parameter partitioned, gathered before
+# each use and freed after (prefetch and reuse off), so gather counts compare one to one.
+ZERO3_PAPER = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
+
+
+def make_config(stage: int, dtype: str = "fp32", ckpt: bool = False, clip: Optional[float] = None) -> Dict[str, Any]:
+    """One config for both libraries. gradient_clipping is left at DeepSpeed's default (1.0)
+    unless `clip` is given (the gradient norm of this run is 0.85-0.98, so at 1.0 clipping
+    never fires; at 0.5 the first 10 of 20 steps clip)."""
+    return harness.make_config(stage, dtype, micro_batch=MICRO_BS, optimizer="Adam", lr=LR,
+                               zero={"reduce_bucket_size": BUCKET, **ZERO3_PAPER},
+                               torch_adam=None, steps_per_print=10 ** 9, ckpt=ckpt, clip=clip)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run_minizero_many(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Several run_minizero calls in the same rank processes (harness.run_many)."""
+    return harness.run_many(jobs)
+
+
+# ----------------------------------------------------------------------------- session cache
+
+_CACHE: Dict[Any, Any] = {}
+
+
+def _key(stage, dtype, ckpt=False, clip=None, variant="minizero"):
+    return (stage, dtype, bool(ckpt), clip, variant)
+
+
+def cached_ds(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None) -> List[Dict[str, Any]]:
+    """DeepSpeed's per-rank results for one configuration, trained once per session."""
+    key = ("ds",) + _key(stage, dtype, ckpt, clip)[:4]
+    if key not in _CACHE:
+        from reference.ds_run import run_deepspeed
+        from tests.support.launcher import run_ranks
+
+        _CACHE[key] = run_ranks(run_deepspeed, world_size=N,
+                                args=(MODEL_FN, make_config(stage, dtype, ckpt, clip), BATCHES, STEPS),
+                                kwargs={"capture_memory": True}, env=ENV, timeout=600)
+    return _CACHE[key]
+
+
+def prefetch_mz(keys) -> None:
+    """Train every not-yet-cached minizero configuration in `keys` in ONE pair of rank processes."""
+    from tests.support.launcher import run_ranks
+
+    todo = [k for k in dict.fromkeys(_key(*k) for k in keys) if ("mz",) + k not in _CACHE]
+    if not todo:
+        return
+    jobs = [{"model_fn": MODEL_FN, "config": make_config(*k[:4]), "batches": BATCHES, "steps": STEPS,
+             "capture_memory": True, "variant": k[4]} for k in todo]
+    per_rank = run_ranks(run_minizero_many, world_size=N, args=(jobs,), env=ENV, timeout=600)
+    for i, k in enumerate(todo):
+        _CACHE[("mz",) + k] = [per_rank[r][i] for r in range(N)]
+
+
+def cached_mz(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None,
+              variant: str = "minizero") -> List[Dict[str, Any]]:
+    prefetch_mz([(stage, dtype, ckpt, clip, variant)])
+    return _CACHE[("mz",) + _key(stage, dtype, ckpt, clip, variant)]
+
+
+CLIP_ACTIVE = 0.5
+CLIP_STAGES = (1, 3)
+JITTER_SEEDS = range(6)
+# Every minizero configuration any agreement test needs: trained in ONE pair of processes.
+ALL_MZ_KEYS = ([(s, d, False, None) for d in DTYPES for s in STAGES]
+               + [(s, d, False, CLIP_ACTIVE, n) for d in ("fp32", "bf16") for s in CLIP_STAGES
+                  for n in ("minizero", "ds_norm")]
+               + [(1, d, False, CLIP_ACTIVE, f"jitter{k}") for d in ("fp32", "bf16") for k in JITTER_SEEDS]
+               + [(0, d, False, None, "ds_stage0") for d in ("bf16", "fp16")]
+               + [(0, "fp32", True, None), (3, "fp32", True, None), (3, "bf16", True, None)])
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+def ds_inter_stage_weight_drift(dtype: str, stages=(0, 1, 2, 3), clip: Optional[float] = None) -> float:
+    W = {s: cached_ds(s, dtype, clip=clip)[0]["final_state"] for s in stages}
+    return max(max_abs_diff(W[s], W[t]) for s in stages for t in stages)
+
+
+def ds_inter_stage_drift(dtype: str, stages=(0, 1, 2, 3), clip: Optional[float] = None) -> float:
+    """max over stages s,t of max_step |loss_ds[s] - loss_ds[t]|: DeepSpeed's own disagreement."""
+    L = {s: cached_ds(s, dtype, clip=clip)[0]["losses"] for s in stages}
+    return max(max_list_diff(L[s], L[t]) for s in stages for t in stages)
+
+
+# ----------------------------------------------------------------------------- the table
+
+def gap_table() -> str:
+    prefetch_mz([(s, d, False) for d in DTYPES for s in STAGES])
+    lines = ["| dtype | stage | max_step abs(loss_mz - loss_ds) | max abs(w_mz - w_ds) | "
+             "DS inter-stage drift (stages 1-3; 0-3) | final loss DS |",
+             "|---|---|---|---|---|---|"]
+    for d in DTYPES:
+        drift13 = ds_inter_stage_drift(d, (1, 2, 3))
+        drift03 = ds_inter_stage_drift(d)
+        for s in STAGES:
+            ds, mz = cached_ds(s, d)[0], cached_mz(s, d)[0]
+            lines.append(f"| {d} | {s} | {max_list_diff(mz['losses'], ds['losses']):.3e} | "
+                         f"{max_abs_diff(mz['final_state'], ds['final_state']):.3e} | "
+                         f"{drift13:.3e}; {drift03:.3e} | {ds['losses'][-1]:.6f} |")
+    return "\n".join(lines)
+
+
+def memory_table() -> str:
+    lines = ["| stage | rank | category | minizero bwd / step | DeepSpeed bwd / step |", "|---|---|---|---|---|"]
+    for s in STAGES:
+        for r in range(N):
+            mz, ds = cached_mz(s, "bf16")[r]["memory"], cached_ds(s, "bf16")[r]["memory"]
+            for c in ("params", "master_params", "optimizer_states", "grads"):
+                lines.append(f"| {s} | {r} | {c} | {mz['after_backward'][-1][c]:,} / {mz['after_step'][-1][c]:,} | "
+                             f"{ds['after_backward'][-1][c]:,} / {ds['after_step'][-1][c]:,} |")
+            lines.append(f"| {s} | {r} | buffers (DS) | - | {ds['after_backward'][-1]['buffers']:,} / "
+                         f"{ds['after_step'][-1]['buffers']:,} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    print(gap_table())
+    print()
+    print(memory_table())
+    print(f"\n({time.perf_counter() - t0:.0f} s)")

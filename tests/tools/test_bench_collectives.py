@@ -1,0 +1,35 @@
+"""launch/bench_collectives.py: bad flags give one line; a tiny run on 2 gloo ranks prints one
+row per (bucket size, op) with both timings measured. Timing itself is not tested."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "bench_collectives.py"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--buckets", "3"], "multiple of --world-size 2"),
+    (["--buckets", "a,b"], "comma-separated integers"),
+    (["--buckets", "-2"], "must be >= 0"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--dtype", "fp8"], "--dtype"),
+])
+def test_bad_flags_give_one_line(argv, says):
+    r = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("bench_collectives: error:") and says in err[0], err
+
+
+def test_tiny_run_prints_every_op_and_bucket():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--numel", "4000", "--buckets", "1000,0", "--reps", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [[c.strip() for c in x.strip("|").split("|")] for x in r.stdout.splitlines() if x.startswith("| ")][1:]
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        (op, size, n) for size, n in (("1,000", "4"), ("4,000", "1"))
+        for op in ("all_reduce", "reduce_scatter", "all_gather")]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 and row[5].endswith("x") for row in rows)

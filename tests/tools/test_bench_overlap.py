@@ -1,0 +1,113 @@
+"""launch/bench_overlap.py, the overlap benchmark: its schedule, its trace arithmetic, bad flags,
+and one tiny run (micro model, stage 0, fp32, 1 repetition, 2 timed steps) whose table has one
+row per (dtype, knobs, stage) and one cell per column. Timing itself is not tested."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "launch" / "bench_overlap.py"
+
+_spec = importlib.util.spec_from_file_location("bench_overlap", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_schedule_interleaves_repetitions_and_alternates_libraries(tmp_path):
+    args = bench.parse_args(["--stages", "0,3", "--dtypes", "fp32", "--reps", "2", "--trace-dir", str(tmp_path)])
+    bench.check_args(args, cuda=False, gpus=0)
+    runs = bench.schedule(args)
+    assert len(runs) == 2 * 2 * 2 * 2                                  # reps x stages x knobs x libs
+    assert [r["rep"] for r in runs] == [0] * 8 + [1] * 8               # a repetition is whole before the next
+    firsts = [runs[i]["lib"] for i in range(0, len(runs), 2)]
+    assert firsts[:2] == ["minizero", "deepspeed"] and set(firsts) == {"minizero", "deepspeed"}
+    traced = [r for r in runs if "trace_dir" in r]                      # minizero, first repetition only
+    assert {r["lib"] for r in traced} == {"minizero"} and {r["rep"] for r in traced} == {0} and len(traced) == 4
+    assert all(r["config"]["minizero_trace"]["steps"] == [2] for r in traced)
+    zero = {(r["knobs"], r["lib"]): r["config"]["zero_optimization"] for r in runs if r["stage"] == 3}
+    assert zero["default", "minizero"] == zero["default", "deepspeed"] == {"stage": 3, **bench.PINNED}
+    assert zero["off", "minizero"]["stage3_prefetch_bucket_size"] == 0 and zero["off", "deepspeed"]["overlap_comm"] is False
+
+
+def test_trace_shares(tmp_path):
+    """blocked: a synchronous collective's whole span plus an asynchronous one's wait, as a
+    union (a synchronous one inside an asynchronous one's wait counts once); skew: the
+    synchronous ones' wait_us."""
+    def rank_file(r, step_us, colls):
+        events = [{"name": "step 2", "cat": "step", "ph": "X", "ts": 0, "dur": step_us, "args": {}},
+                  {"name": "forward", "cat": "step", "ph": "X", "ts": 0, "dur": 10, "args": {}}]
+        events += [{"name": "all_reduce", "cat": "collectives", "ph": "X", "ts": ts, "dur": d,
+                    "args": {"wait_us": w, **({"async": True} if a else {})}} for ts, d, w, a in colls]
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({"traceEvents": events}))
+    # rank 0: sync [1, 21) waiting 5, sync [30, 40); blocked 30 of 100, skew 5
+    rank_file(0, 100.0, [(1, 20.0, 5.0, False), (30, 10.0, 0.0, False)])
+    # rank 1: async issued at 0, in flight to 100, blocked in wait() over [80, 100); a sync one
+    # [90, 110) overlaps that wait by 10: blocked = [80, 110) = 30 of 200, skew 4
+    rank_file(1, 200.0, [(0, 100.0, 20.0, True), (90, 20.0, 4.0, False)])
+    s = bench.trace_shares(str(tmp_path))
+    assert s["blocked"] == pytest.approx((0.30 + 0.15) / 2) and s["skew"] == pytest.approx((0.05 + 0.02) / 2)
+    assert s["asynchronous"] == pytest.approx(0.5)
+    assert bench.trace_shares(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("spans, length", [([], 0.0), ([(0, 1)], 1.0), ([(0, 2), (1, 3)], 3.0),
+                                           ([(5, 6), (0, 10)], 10.0), ([(0, 1), (2, 3)], 2.0)])
+def test_union_length(spans, length):
+    assert bench.union_length(spans) == length
+
+
+def test_knobs_on_turn_overlap_on_at_every_stage():
+    assert bench.zero_section(1, "on") == {"stage": 1, **bench.PINNED, "overlap_comm": True}
+    assert "overlap_comm" not in bench.zero_section(1, "default")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--libs", "minizero,torchzero"], "--libs"),
+    (["--stages", "5"], "--stages"),
+    (["--dtypes", "fp16"], "--dtypes"),
+    (["--knobs", "of"], "--knobs"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--warmup", "2"], "--warmup 2"),
+    (["--model", "huge"], "unknown model preset"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_flags_give_one_line(argv, says, capsys):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench_overlap: error:") and says in err[0], err
+
+
+def test_tiny_run_prints_the_table(tmp_path):
+    js = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", "micro", "--seq", "16", "--n-embd", "21", "--micro-batch", "2",
+           "--stages", "0", "--dtypes", "fp32", "--reps", "1", "--steps", "2", "--json", str(js),
+           "--trace-dir", str(tmp_path / "traces")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    tables = [t.splitlines() for t in r.stdout.split("\n\n") if t.startswith("|")]
+    assert len(tables) == 2, r.stdout      # samples/s, then where the step goes
+    lines = tables[0]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[:3] == ["dtype", "knobs", "stage"] and "minizero / DeepSpeed" in head
+    rows = [[c.strip() for c in x.strip("|").split("|")] for x in lines[2:]]
+    assert [row[:3] for row in rows] == [["fp32", "default", "0"], ["fp32", "off", "0"]]
+    for row in rows:
+        assert len(row) == len(head) and "-" not in row, row       # every cell measured
+        assert row[head.index("minizero / its stage 0")] == "1.00"
+    runs = json.loads(js.read_text())["runs"]
+    assert len(runs) == 4 and all(x["samples_per_s"] > 0 for x in runs)
+    traced = [x for x in runs if x.get("trace")]
+    assert len(traced) == 2 and all(0 < x["trace"]["blocked"] <= 1 and 0 <= x["trace"]["skew"] <= x["trace"]["blocked"]
+                                    for x in traced)
+    assert all(set(x["phases_ms"]) == {"forward", "backward", "step"} and min(x["phases_ms"].values()) > 0
+               and sum(x["phases_ms"].values()) <= x["ms"] * 1.5 for x in runs)
+    phase_head = [c.strip() for c in tables[1][0].strip("|").split("|")]
+    assert phase_head == ["dtype", "knobs", "stage", "minizero forward / backward / step, ms",
+                          "deepspeed forward / backward / step, ms"]
+    assert len(tables[1]) == 2 + len(rows) and all("-" not in x for x in tables[1][2:])

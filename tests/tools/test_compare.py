@@ -1,0 +1,365 @@
+"""python -m minizero.compare end to end: minizero and DeepSpeed on the same tiny run,
+stages 0 and 3, fp32, 2 ranks (4 launches, ~1-2 minutes on 2 CPU cores); and stage 3 with
+both ZeRO-Offloads (2 launches), whose report shows device and host bytes. Both runs have the
+comms logger on (compare's default on a CPU), so they also check the memory moments section
+(both libraries at the end of the last step's backward and after it, every byte of
+difference named) and the side-by-side comms summaries (every differing row explained).
+
+The config is train.py's default with gradient_clipping 0 (off). minizero and DeepSpeed
+differ in one piece of arithmetic, the gradient norm, which reaches the weights only
+through clipping (tests/agreement/test_agreement_loss.py: test_clipping_active_*); with it off both
+libraries run the same ops in the same order, so the losses must agree BITWISE, on any CPU.
+(With clipping on, as by default, this run measured 1-2 fp32 ulps of the loss.)"""
+import copy
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 2
+
+
+def compare(*args, timeout=300):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "minizero.compare", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(md: str) -> dict:
+    """{stage: {column title: cell}} from report.md's first markdown table (the per-stage one)."""
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"),
+                                     itertools.dropwhile(lambda line: not line.startswith("|"), md.splitlines())))
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    return {int(r["stage"]): r for r in rows}
+
+
+def run_compare(out, stages, zero=()):
+    """compare on the tiny run, fp32, train.py's default config with clipping off and `zero`
+    added to zero_optimization."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("matplotlib")
+    from minizero.train.train_args import DEFAULT_CONFIG
+
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    cfg["gradient_clipping"] = 0.0
+    cfg["zero_optimization"].update(zero)
+    (out / "noclip.json").write_text(json.dumps(cfg))
+    r = compare("--stages", *map(str, stages), "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
+                "--dataset", "synthetic", "--image-size", "8", "--max-steps", "10", "--out", str(out),
+                # passed through to both training scripts:
+                "--synthetic-train", "256", "--synthetic-test", "32", "--num-samples", "4",
+                "--data-dir", str(out / "data"), "--config", str(out / "noclip.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r.stdout
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return run_compare(tmp_path_factory.mktemp("compare"), (0, 3))
+
+
+@pytest.fixture(scope="module")
+def offload_report(tmp_path_factory):
+    return run_compare(tmp_path_factory.mktemp("compare-offload"), (3,),
+                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+
+
+def test_report_files(report):
+    out, stdout = report
+    from PIL import Image
+    for name in ("loss_curves.png", "memory.png"):
+        with Image.open(out / name) as im:
+            im.verify()
+            assert im.format == "PNG" and im.size[0] > 100 and im.size[1] > 100
+    md = (out / "report.md").read_text()
+    assert "python -m minizero.compare --stages 0 3" in md
+    assert "torch 2." in md and "deepspeed 0." in md and "machine:" in md and "date:" in md
+    assert "docs/agreement.md" in md and "all-reduce" in md
+    assert set(table_rows(md)) == {0, 3}
+    assert "| stage |" in stdout   # the table is printed too
+    # no offload: no device / host columns, and no offload note
+    assert not any("host B" in c or "device B" in c for c in table_rows(md)[0]) and "Offload" not in md
+    for lib in ("minizero", "deepspeed"):
+        for stage in (0, 3):
+            assert (out / f"{lib}-stage{stage}" / "run.log").is_file()
+            assert (out / f"{lib}-stage{stage}" / "summary.json").is_file()
+            for name in ("comms_summary.json", "comms_summary.txt"):
+                assert (out / f"{lib}-stage{stage}" / name).is_file()
+    # both moments, both comms tables, and nothing left unexplained in either
+    assert "## Model states at the same moments (rank 0, step 10)" in md
+    assert "## Collectives: DeepSpeed's comms summary beside minizero's" in md
+    assert "### ZeRO-0" in md and "### ZeRO-3" in md and "unexplained" not in md
+    assert json.loads((out / "config.json").read_text())["comms_logger"] == {"enabled": True}
+
+
+def test_losses_agree_fp32(report):
+    out, _ = report
+    rows = table_rows((out / "report.md").read_text())
+    results = json.loads((out / "results.json").read_text())
+    for stage in (0, 3):
+        d = float(rows[stage]["max abs dloss/step"])
+        assert d == 0.0, f"stage {stage}: minizero and DeepSpeed losses differ by {d} (fp32)"
+        s = results["summaries"][str(stage)]
+        assert len(s["minizero"]["losses"]) == len(s["deepspeed"]["losses"]) == 10
+        assert s["minizero"]["losses"] == s["deepspeed"]["losses"]
+        assert s["minizero"]["library"] == "minizero" and s["deepspeed"]["library"] == "deepspeed"
+    assert [r["stage"] for r in results["rows"]] == [0, 3]
+    assert all(r["max_abs_dloss"] == 0.0 for r in results["rows"])
+
+
+def test_memory_columns(report):
+    out, _ = report
+    from minizero.gpt.model import GPT, get_preset
+
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["stage"]: r for r in results["rows"]}
+    # Padding bound: DeepSpeed's ZeRO-3 pads each parameter tensor to ceil(n/N) per rank,
+    # minizero each (unit, group) FlatParam (each holds >= 1 tensor) to a multiple of N:
+    # at most N - 1 elements per tensor in all, i.e. (N - 1) / N per rank.
+    model = GPT(get_preset("tiny"))
+    n_tensors, params = len(list(model.parameters())), model.num_params()      # 37, 108,801
+    pad = n_tensors * (N - 1) / N
+    for lib in ("minizero", "deepspeed"):
+        # ZeRO-3 partitions the Adam states (8 bytes per element, fp32) over the N ranks
+        opt = [results["summaries"][s][lib]["model_state_bytes"][0]["optimizer_states"] for s in ("0", "3")]
+        assert opt[0] / N <= opt[1] <= opt[0] / N + 8 * pad, (lib, opt)
+        assert rows[3][lib]["wire_bytes_per_step"] > 0 and rows[0][lib]["samples_per_s"] > 0
+    # minizero's ZeRO-3 holds 16 bytes per parameter / N plus padding (fp32, Adam), less than
+    # stage 0. (DeepSpeed's number is not compared: it keeps a duplicate fp32 master, and
+    # its summary may count parameters left gathered by the end-of-run sampling.)
+    assert rows[3]["minizero"]["state_bytes_max"] <= 16 * params / N + 16 * pad
+    assert rows[3]["minizero"]["state_bytes_max"] < rows[0]["minizero"]["state_bytes_max"]
+
+
+def test_memory_at_the_same_moments(report):
+    """Both libraries read at the end of step 10's backward and after step 10. fp32 stage 0:
+    the same bytes in every category at both moments. fp32 ZeRO-3: padding, DeepSpeed's
+    second fp32 master (4S) and, after the step, its kept gradient partition (4S fp32), each
+    named in the report to the byte; minizero holds no gradient after the step."""
+    from minizero.compare import compare_memory
+    from minizero.gpt.model import GPT, get_preset
+
+    out, _ = report
+    results = json.loads((out / "results.json").read_text())
+    runs = {int(k): v for k, v in results["summaries"].items()}
+    model = GPT(get_preset("tiny"))
+    S = sum(-(-p.numel() // N) for p in model.parameters())   # DeepSpeed's ZeRO-3 partition: ceil(n/N) each
+    cats = compare_memory.CATEGORIES
+    for stage in (0, 3):
+        for moment in compare_memory.MOMENTS:
+            mz, ds = (runs[stage][lib]["memory_moments"] for lib in compare_memory.LIBS)
+            assert mz["step"] == ds["step"] == 10 and len(mz[moment]) == len(ds[moment]) == N
+            for r in range(N):
+                a, b = mz[moment][r], ds[moment][r]
+                if stage == 0:
+                    assert {c: a[c] for c in cats} == {c: b[c] for c in cats}
+                for c in cats:
+                    parts = compare_memory.memory_differences(stage, "fp32", moment, c, None, a, b)
+                    assert sum(n for n, _ in parts) == b[c] - a[c] and all(w != "unexplained" for _, w in parts)
+            if stage == 3:
+                a, b = mz[moment][0], ds[moment][0]
+                assert a["master_params"] == 0 and b["master_params"] == 4 * S
+                assert (a["grads"], b["grads"]) == ((0, 4 * S) if moment == "after_step" else (4 * a["elements"]["shard"],
+                                                                                              4 * S))
+    md = (out / "report.md").read_text()
+    kept = [line for line in md.splitlines() if line.startswith("| 3 | after the step | grads |")]
+    assert len(kept) == 1 and f"+{4 * S:,} B ZeRO-3 keeps its gradient partition" in kept[0]
+    assert "fp32 ZeRO keeps a second fp32 master copy" in md
+    # the table's state columns are the end of backward, the same moment for both libraries
+    rows = table_rows(md)
+    for lib, col in (("minizero", "mz"), ("deepspeed", "DS")):
+        entry = runs[3][lib]["memory_moments"]["after_backward"][0]
+        assert rows[3][f"state B r0 {col}"] == f"{sum(entry[c] for c in cats):,}"
+
+
+def test_comms_summaries_side_by_side(report):
+    """Both libraries' comms logger tables, rank 0, per stage. The message sizes follow
+    DeepSpeed's definitions in both: minizero's reduce_scatter rows carry the whole input,
+    so their bytes per step are the ledger's wire bytes x N/(N-1); DeepSpeed's ZeRO-3
+    reduce-scatters one bucket (the whole model here: reduce_bucket_size 5e5 > Ψ) of its
+    per-parameter padded partitions, N x S fp32 elements, once per step."""
+    from minizero.compare import compare_comms
+    from minizero.gpt.model import GPT, get_preset
+
+    out, _ = report
+    results = json.loads((out / "results.json").read_text())
+    runs = {int(k): v for k, v in results["summaries"].items()}
+    model = GPT(get_preset("tiny"))
+    S = sum(-(-p.numel() // N) for p in model.parameters())
+    steps = 10
+    mz, ds = runs[3]["minizero"]["comms_summary"], runs[3]["deepspeed"]["comms_summary"]
+    assert ds["reduce_scatter_tensor"] == {str(N * S * 4): ds["reduce_scatter_tensor"][str(N * S * 4)]}
+    assert ds["reduce_scatter_tensor"][str(N * S * 4)]["count"] == steps
+    rs_bytes = sum(int(size) * r["count"] for size, r in mz["reduce_scatter_tensor"].items())
+    wire = runs[3]["minizero"]["comm_wire_bytes_per_step"]["reduce_scatter"]
+    assert rs_bytes == steps * wire * N / (N - 1)
+    # DeepSpeed's logger times barriers too, log_summary's own among them (once, at the end)
+    assert ds["log_summary_barrier"]["0"]["count"] == 1 and "barrier" in ds and "barrier" not in mz
+    # stage 0: DeepSpeed all-reduces one bucket of all gradients (4 Ψ bytes) per step
+    psi = model.num_params()
+    assert runs[0]["deepspeed"]["comms_summary"]["all_reduce"][str(4 * psi)]["count"] == steps
+    md = (out / "report.md").read_text()
+    section = md[md.index("### ZeRO-3"):]
+    assert "| reduce_scatter_tensor | " in section and "comms_logger counts reduce_scatter's input N times" in section
+    for stage in (0, 3):
+        for op, size, a, b in compare_comms.comms_rows(runs[stage]["minizero"]["comms_summary"],
+                                                 runs[stage]["deepspeed"]["comms_summary"]):
+            why = compare_comms.comms_reason(stage, op, size, a, b)
+            assert why != "unexplained", (stage, op, size)
+            assert (why is None) == (a is not None and b is not None and a["count"] == b["count"])
+
+
+def comms_record(size, count, latency=1.0):
+    return {"count": count, "total_latency_ms": latency * count, "avg_latency_ms": latency, "tput_avg_gbps": 1.0,
+            "busbw_avg_gbps": 0.5, "msg_size_bytes": size, "msg_size_str": f"{size} B"}
+
+
+def test_comms_table_explains_zero12_all_reduce_from_a_hand_written_summary():
+    """ZeRO-1 (not in the end-to-end run): DeepSpeed all-reduces the gradient bucket where
+    minizero reduce-scatters it; equal rows say so; scalars are named by size."""
+    from minizero.compare import compare_comms
+    mz = {"reduce_scatter_tensor": {"396648": comms_record(396648, 3)},
+          "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
+          "all_reduce": {"8": comms_record(8, 3)}}
+    ds = {"all_reduce": {"435216": comms_record(435216, 3), "4": comms_record(4, 6)},
+          "all_gather_into_tensor": {"198324": comms_record(198324, 3)},
+          "barrier": {"0": comms_record(0, 2)}}
+    md = compare_comms.comms_table(1, mz, ds)
+    rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")]
+                                      for line in md.splitlines()[2:])}
+    assert rows[("all_gather_into_tensor", "193.68 KB")][-1] == "same op, size and count"
+    assert '"ZeRO-1/2 reduce-scatter is an all-reduce"' in rows[("all_reduce", "425.02 KB")][-1]
+    assert rows[("all_reduce", "425.02 KB")][2:4] == ["-", "3"]
+    rs = rows[("reduce_scatter_tensor", "387.35 KB")][-1]
+    assert "ZeRO-1/2 reduce-scatter is an all-reduce" in rs and "counts reduce_scatter's input N times" in rs
+    assert "fp32 gradient norm" in rows[("all_reduce", "4.0 B")][-1]
+    assert "fp64 squared gradient norm" in rows[("all_reduce", "8.0 B")][-1]
+    assert "barriers" in rows[("barrier", "0B")][-1]
+    assert "unexplained" not in md
+
+
+def test_comms_logger_switch_in_the_shared_config():
+    """On: the section with enabled true goes to both libraries. Off: no section at all
+    (DeepSpeed logs whenever the section is present, even with "enabled": false)."""
+    from minizero.compare import compare
+    args, _ = compare.parse_args(["--stages", "0"])
+    args.comms_logger = True
+    assert compare.base_config(args)["comms_logger"] == {"enabled": True}
+    args.comms_logger = False
+    assert "comms_logger" not in compare.base_config(args)
+
+
+def test_own_knobs_leaves_the_when_knobs_to_the_config():
+    """By default compare pins ZeRO-3's prefetch / reuse / live knobs to 0 (the paper's
+    algorithm in both libraries); --own-knobs leaves them to the config (DeepSpeed's defaults),
+    and a config's own value is kept either way."""
+    from minizero.compare import compare
+    args, _ = compare.parse_args(["--stages", "3"])
+    zero = compare.base_config(args)["zero_optimization"]
+    assert all(zero[k] == 0 for k in compare.WHEN_KNOBS)
+    args, _ = compare.parse_args(["--stages", "3", "--own-knobs"])
+    zero = compare.base_config(args)["zero_optimization"]
+    assert not any(k in zero for k in compare.WHEN_KNOBS)
+    assert zero["memory_efficient_linear"] is False and zero["stage3_param_persistence_threshold"] == 0
+
+
+def fake_summary(lib, loss, entry):
+    return {"library": lib, "losses": [loss], "final_loss": loss, "test_loss": loss, "model_state_bytes": [entry],
+            "peak_mem_mb": [100.0], "samples_per_s": 10.0, "comm_wire_bytes_per_step": {"total": 0},
+            "skipped_steps": 0}
+
+
+def placed_entry(device, host):
+    return {**{c: device.get(c, 0) + host.get(c, 0) for c in ("params", "grads", "master_params",
+                                                              "optimizer_states")},
+            "device": device, "host": host}
+
+
+def test_table_and_picture_show_host_bytes_when_a_run_offloads(tmp_path):
+    """Without host bytes the table has its usual columns; with them, device B r0 and host B
+    r0 for both libraries; the memory picture gets a host panel (twice as wide)."""
+    from PIL import Image
+
+    from minizero.compare import compare
+    zero = dict.fromkeys(("params", "grads", "master_params", "optimizer_states"), 0)
+    on_device = placed_entry({**zero, "params": 1000, "grads": 1000, "master_params": 2000,
+                              "optimizer_states": 4000}, zero)
+    offloaded = placed_entry({**zero, "params": 1000, "grads": 1000},
+                             {**zero, "master_params": 2000, "optimizer_states": 4000})
+    old = {"grads": 1000, "params": 1000, "master_params": 2000, "optimizer_states": 4000}   # no split
+    plain = {2: {"minizero": fake_summary("minizero", 1.0, on_device),
+                 "deepspeed": fake_summary("deepspeed", 1.0, old)}}
+    moved = {2: {"minizero": fake_summary("minizero", 1.0, offloaded),
+                 "deepspeed": fake_summary("deepspeed", 1.0, placed_entry(zero, {**zero, "params": 1000,
+                                                                                  "grads": 3000,
+                                                                                  "master_params": 2000,
+                                                                                  "optimizer_states": 4000}))}}
+    widths = {}
+    for name, results in (("plain", plain), ("moved", moved)):
+        rows = [compare.stage_row(s, r["minizero"], r["deepspeed"]) for s, r in results.items()]
+        row = table_rows(compare.table(rows))[2]
+        if name == "plain":
+            assert not compare.offloaded(results)
+            assert list(row) == ["stage", "max abs dloss/step", "final loss mz", "final loss DS", "state B r0 mz",
+                                 "state B r0 DS", "state B max mz", "state B max DS", "peak MB mz", "peak MB DS",
+                                 "samples/s mz", "samples/s DS", "mz/DS speed", "wire B/step mz", "wire B/step DS"]
+            assert row["state B r0 mz"] == row["state B r0 DS"] == "8,000"
+        else:
+            assert compare.offloaded(results)
+            assert list(row)[4:10] == ["state B r0 mz", "state B r0 DS", "device B r0 mz", "device B r0 DS",
+                                       "host B r0 mz", "host B r0 DS"]
+            assert list(row)[-3:] == ["mz/DS speed", "wire B/step mz", "wire B/step DS"]
+            assert (row["device B r0 mz"], row["host B r0 mz"], row["state B r0 mz"]) == ("2,000", "6,000", "8,000")
+            assert (row["device B r0 DS"], row["host B r0 DS"], row["state B r0 DS"]) == ("0", "10,000", "10,000")
+        compare.plot_memory(tmp_path / f"{name}.png", results)
+        with Image.open(tmp_path / f"{name}.png") as im:
+            widths[name] = im.size[0]
+    assert widths["moved"] == 2 * widths["plain"]
+
+
+def test_offload_report_shows_device_and_host(offload_report):
+    """Stage 3 with offload_optimizer and offload_param, fp32: both summaries carry the
+    split; DeepSpeed keeps no model state on the device (its gradient buffers sit at
+    self.device, the host), minizero keeps its reduced gradient shard there until the step
+    (docs/deepspeed.md, "ZeRO-Offload's extra host buffers"); the losses still agree bitwise."""
+    out, _ = offload_report
+    md = (out / "report.md").read_text()
+    row = table_rows(md)[3]
+    results = json.loads((out / "results.json").read_text())
+    # the table reads both libraries at the end of the last step's backward
+    mz, ds = (results["summaries"]["3"][lib]["memory_moments"]["after_backward"][0]
+              for lib in ("minizero", "deepspeed"))
+    cats = ("params", "grads", "master_params", "optimizer_states")
+    for lib, e in (("mz", mz), ("DS", ds)):
+        assert row[f"device B r0 {lib}"] == f"{sum(e['device'][c] for c in cats):,}"
+        assert row[f"host B r0 {lib}"] == f"{sum(e['host'][c] for c in cats):,}"
+        assert all(e[c] == e["device"][c] + e["host"][c] for c in cats)
+    assert ds["device"] == dict.fromkeys(cats, 0)
+    assert mz["device"] == {**dict.fromkeys(cats, 0), "grads": mz["grads"]} and mz["host"]["grads"] == 0
+    # DeepSpeed's host also holds an fp32 gradient partition (4S) and its lp one (4S in fp32)
+    assert ds["host"]["grads"] == ds["details_by_place"]["host"]["grads:grad_partitions_flat_buffer"] \
+        + ds["details_by_place"]["host"]["grads:fp32_partitioned_groups_flat[i].grad"] > 0
+    assert "Offload (host B > 0)" in md and "ZeRO-Offload's extra host buffers" in md
+    assert "unexplained" not in md and "| 3 | end of backward | grads | device |" in md
+    assert float(row["max abs dloss/step"]) == 0.0
+    from PIL import Image
+    with Image.open(out / "memory.png") as im:
+        assert im.size[0] >= 2 * 500   # two panels (device, host), each at least 5 inches at 100 dpi
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stages", "7"], "unknown stage 7"),
+    (["--stages", "0", "--nproc", "0"], "--nproc must be >= 1"),
+    (["--stages", "0", "--dtype", "fp8"], "unknown --dtype"),
+])
+def test_bad_input_is_one_line(args, needle, tmp_path):
+    r = compare(*args, "--out", str(tmp_path), timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("python -m minizero.compare: error:")

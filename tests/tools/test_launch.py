@@ -1,0 +1,184 @@
+"""launch/: the scripts parse, say what they run and how to change node/GPU counts, the
+tutorial configs load in minizero and in DeepSpeed, and the SLURM scripts build the right
+command lines and hostfile, passing the config as it is (run against fake `scontrol`/`srun`/`deepspeed`)."""
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from minizero.runtime.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "launch"
+SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "gpu_check.sh"]
+CONFIGS = ["ds_config_basic.json", "ds_config_step4.json", "ds_config_step5.json"]
+NODES = ["gpu-a01", "gpu-a02"]
+
+
+def header(path: Path) -> str:
+    """The leading comment block (after a shebang), without '#SBATCH' directives."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith("#!") and not lines:
+            continue
+        if not line.startswith("#"):
+            break
+        if not line.startswith("#SBATCH"):
+            lines.append(line.lstrip("#").strip())
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_parses(name):
+    r = subprocess.run(["bash", "-n", str(LAUNCH / name)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS + ["hostfile.example"])
+def test_header_says_what_and_how_to_scale(name):
+    text = header(LAUNCH / name)
+    assert len(text.splitlines()) >= 4, f"{name}: no comment header"
+    assert re.search(r"what it (runs|is for)", text, re.I), f"{name}: header does not say what it runs"
+    assert re.search(r"node.*gpu count|number of (nodes|processes)", text, re.I | re.S), \
+        f"{name}: header does not say how to change node/GPU counts"
+
+
+def test_sbatch_directives_match_header_defaults():
+    for name in ("slurm_minizero.sbatch", "slurm_deepspeed.sbatch"):
+        text = (LAUNCH / name).read_text()
+        assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
+        assert "GPUS_PER_NODE=${GPUS_PER_NODE:-4}" in text
+        # directives must come before the first command, or sbatch ignores them
+        first_cmd = next(i for i, l in enumerate(text.splitlines()) if l and not l.startswith("#"))
+        assert all(i < first_cmd for i, l in enumerate(text.splitlines()) if l.startswith("#SBATCH"))
+
+
+# ----------------------------------------------------------------------------- configs
+
+@pytest.fixture
+def ds_parse(monkeypatch):
+    """DeepSpeedConfig as if in a world of `world_size` ranks, no process group needed
+    (the same stub as tests/agreement/test_config.py: DeepSpeedConfig asks deepspeed.comm for both)."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as ds_config_mod
+
+    def parse(config, world_size):
+        monkeypatch.setattr(ds_config_mod, "dist", types.SimpleNamespace(
+            get_rank=lambda: 0, get_world_size=lambda *a, **k: world_size))
+        return ds_config_mod.DeepSpeedConfig(config)
+    return parse
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_configs_fit_any_world_in_both(ds_parse, name, world_size):
+    """The tutorial's configs set the micro-batch (and step 5 the accumulation), never
+    train_batch_size: the batch is micro x accumulation x ranks, so 1, 2, 4 and 8 ranks
+    (the sbatch scripts' 2 x 4) all load them as they are, in both libraries alike."""
+    path = LAUNCH / name
+    assert "train_batch_size" not in json.loads(path.read_text())
+    ours, ds = load_config(path, world_size=world_size), ds_parse(str(path), world_size)
+    assert (ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == \
+        (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+    assert ours.train_batch_size == ours.train_micro_batch_size_per_gpu * ours.gradient_accumulation_steps * world_size
+    assert ours.zero.stage == ds.zero_optimization_stage
+
+
+# ----------------------------------------------------------------------------- SLURM scripts, faked
+
+def fake_bin(tmp_path: Path) -> Path:
+    """scontrol prints the node names; srun/deepspeed record their arguments, one per line."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    scripts = {
+        "scontrol": f'[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" {" ".join(NODES)}\n',
+        "srun": 'printf "%s\\n" "$@" > "$FAKE_LOG"\n',
+        "deepspeed": 'printf "%s\\n" "$@" > "$FAKE_LOG"\n',
+    }
+    for name, body in scripts.items():
+        p = bindir / name
+        p.write_text("#!/bin/bash\n" + body)
+        p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return bindir
+
+
+def run_sbatch(name, tmp_path, extra_env=None):
+    # A job starts with a clean environment: drop any rendezvous variables an earlier test
+    # in this process exported (a 1-rank gloo group sets MASTER_ADDR/MASTER_PORT).
+    # CONFIG and MODEL too: the scripts read them.
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "CONFIG", "MODEL")}
+    env = dict(base, PATH=f"{fake_bin(tmp_path)}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+               SLURM_JOB_NODELIST="gpu-a[01-02]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
+               SLURM_SUBMIT_DIR=str(ROOT), FAKE_LOG=str(tmp_path / "argv"),
+               HOSTFILE=str(tmp_path / "hostfile"), **(extra_env or {}))
+    r = subprocess.run(["bash", str(LAUNCH / name), "--max-steps", "5"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return (tmp_path / "argv").read_text().splitlines()
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_slurm_minizero_command(tmp_path, ds_parse):
+    argv = run_sbatch("slurm_minizero.sbatch", tmp_path)
+    assert argv[:6] == ["--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "32"] and argv[6] == "torchrun"
+    assert flag(argv, "--nnodes") == "2" and flag(argv, "--nproc-per-node") == "4"
+    assert flag(argv, "--rdzv-backend") == "c10d" and flag(argv, "--rdzv-id") == "4242"
+    assert flag(argv, "--rdzv-endpoint") == f"{NODES[0]}:{20000 + 4242}"   # a port per job id
+    assert flag(argv, "-m") == "minizero.train" and argv[-2:] == ["--max-steps", "5"]
+    assert flag(argv, "--model") == "tutorial"
+    # the tutorial's config itself, as it is: 8 ranks x micro-batch 8 = 64 in both libraries
+    cfg = flag(argv, "--config")
+    assert cfg == "launch/ds_config_basic.json"
+    ours, ds = load_config(ROOT / cfg, world_size=8), ds_parse(str(ROOT / cfg), 8)
+    assert ours.train_batch_size == ds.train_batch_size == 64
+    assert ours.gradient_accumulation_steps == ds.gradient_accumulation_steps == 1
+
+
+def test_slurm_scripts_take_config_and_model(tmp_path):
+    """Step 5 on the cluster: CONFIG and MODEL reach both scripts' command lines."""
+    env = {"CONFIG": "launch/ds_config_step5.json", "MODEL": "tutorial-24"}
+    for name, config_flag in (("slurm_minizero.sbatch", "--config"), ("slurm_deepspeed.sbatch", "--deepspeed_config")):
+        (tmp_path / name).mkdir()
+        argv = run_sbatch(name, tmp_path / name, env)
+        assert flag(argv, config_flag) == env["CONFIG"] and flag(argv, "--model") == env["MODEL"]
+
+
+def test_slurm_deepspeed_hostfile_and_command(tmp_path, ds_parse):
+    argv = run_sbatch("slurm_deepspeed.sbatch", tmp_path)
+    hostfile = (tmp_path / "hostfile").read_text()
+    assert hostfile == "".join(f"{n} slots=4\n" for n in NODES)
+    assert flag(argv, "--hostfile") == str(tmp_path / "hostfile")
+    assert flag(argv, "--num_nodes") == "2" and flag(argv, "--num_gpus") == "4"
+    assert flag(argv, "--master_addr") == NODES[0]
+    assert "reference/train.py" in argv and argv[-2:] == ["--max-steps", "5"]
+    cfg = flag(argv, "--deepspeed_config")
+    assert cfg == "launch/ds_config_basic.json"
+    assert ds_parse(str(ROOT / cfg), 8).train_batch_size == load_config(ROOT / cfg, world_size=8).train_batch_size == 64
+    # DeepSpeed's own hostfile parser accepts the generated file and the example
+    from deepspeed.launcher.runner import _parse_hostfile
+    assert _parse_hostfile(hostfile.splitlines()) == {n: 4 for n in NODES}
+    example = _parse_hostfile((LAUNCH / "hostfile.example").read_text().splitlines())
+    assert list(example.values()) == [4, 4]
+
+
+def test_laptop_script_uses_torchrun_standalone():
+    text = (LAUNCH / "train_laptop.sh").read_text()
+    assert "torchrun --standalone" in text and "-m minizero.train" in text and "reference/train.py" in text
+    assert '--stage "$STAGE"' in text and "STAGE=${STAGE:-3}" in text and "--dataset synthetic" in text
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_shellcheck(name):
+    r = subprocess.run(["shellcheck", "-S", "warning", str(LAUNCH / name)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
