@@ -415,6 +415,7 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
             _let_rank0_speak()
         raise SystemExit(1) from None
     finally:
+        rundir.release_all()   # a run refused during setup: its lock, and the folder if it made it
         comm.destroy()
 
 

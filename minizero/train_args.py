@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from minizero import output_dir
 from minizero.checkpoint_folder import complete_tags, describe_tags, read_latest
 from minizero.config import ActivationCheckpointingConfig, ConfigError, read_json, resolve_batch_size
 from minizero.data import DATASETS
@@ -122,6 +123,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = off)")
     if args.tag is not None and args.resume is None:
         parser.error("--tag needs --resume DIR (the folder holding that checkpoint)")
+    for flag, path in (("--save-dir", args.save_dir), ("--trace", args.trace)):   # before anything is created
+        if path is not None and (why := output_dir.problem(path, flag)):
+            parser.error(why)
     args.trace_default = args.trace is not None and args.trace_steps is None
     if args.trace_steps is not None:
         if args.trace is None:
