@@ -50,7 +50,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+if __name__ == "__main__":   # the command line first, before torch is imported (train_args.precheck)
+    from minizero.train_args import build_parser as _parser, precheck as _precheck
+    _precheck(_parser())
+
+import torch  # noqa: E402
 
 from minizero import comm, desync, memory, rundir, runlog
 from minizero.checkpoint_io import CheckpointError

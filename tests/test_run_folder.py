@@ -9,7 +9,8 @@ scripts' command lines.
   a stale lock);
 - under torchrun, rank 0's one line is also the "Root Cause" of torchrun's own report;
 - a mistyped config key gets "did you mean", the accepted keys off its first line;
-- `python -m minizero.reshard` on a folder that holds no checkpoint says so once.
+- `python -m minizero.reshard` on a folder that holds no checkpoint says so once;
+- a usage error is answered before torch is imported (a fraction of a second, not ~3 s).
 
 The single-process command lines are forked from one preloaded process
 (tests/script_runs.py); the torchrun case is its own launch.
@@ -130,3 +131,21 @@ def test_torchrun_reports_the_one_line_as_root_cause(tmp_path):
     root = p.stderr.split("Root Cause")[-1]
     assert f"traceback : {ours[0]}" in root, p.stderr[-3000:]
     assert not save.exists()
+
+
+@pytest.mark.parametrize("script, bad, needle", [
+    (["-m", "minizero.train"], ["--stage", "7"], "invalid choice: 7"),
+    (["reference/train.py"], ["--max-steps", "0"], "--max-steps must be >= 1"),
+    (["-m", "minizero.train"], ["--trace", "README.md"], "--trace README.md is a file"),
+])
+def test_command_line_is_checked_before_torch_is_imported(tmp_path, script, bad, needle):
+    """A usage error is answered without importing torch (~3 s): a `torch` that refuses to be
+    imported stands first on the path, and the one line still comes."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), _env()["PYTHONPATH"]]))
+    p = subprocess.run([PY, *script, *bad], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "torch was imported" not in p.stderr, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
