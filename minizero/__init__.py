@@ -16,8 +16,10 @@ if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's lo
     _h = _logging.StreamHandler()
     _h.setFormatter(_logging.Formatter("[minizero] %(message)s"))
     _log.addHandler(_h)
-    from .comm import get_rank as _get_rank   # the launcher's rank, before any process group exists
-    _log.setLevel(_logging.INFO if _get_rank() == 0 else _logging.WARNING)
+    # The launcher's rank, before any process group exists; read from the environment, not
+    # through comm (torch): `python -m minizero.train` checks its command line before torch.
+    _rank = int(_os.environ.get("RANK", _os.environ.get("SLURM_PROCID", 0)))
+    _log.setLevel(_logging.INFO if _rank == 0 else _logging.WARNING)
     _log.propagate = False
 
 

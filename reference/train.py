@@ -43,6 +43,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+
+def build_reference_parser():
+    """minizero.train's flags, plus DeepSpeed's own spellings: --deepspeed_config is --config;
+    the deepspeed launcher passes --local_rank (torch's newer launchers --local-rank);
+    --deepspeed is the usual "use DeepSpeed" switch of deepspeed.add_config_arguments. All
+    are accepted. Torch-free, so the command line is checked before torch and DeepSpeed load."""
+    import argparse
+    from minizero.train.train_args import build_parser
+    parser = build_parser(prog="reference/train.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deepspeed_config", dest="config", metavar="JSON", help="same as --config")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+if __name__ == "__main__":   # the command line first: a usage error costs no torch or DeepSpeed import
+    from minizero.train.train_args import precheck
+    precheck(build_reference_parser())
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as c10d  # noqa: E402
@@ -225,24 +244,13 @@ DEEPSPEED = mtrain.Library(
 
 
 def main(argv=None) -> None:
-    parser = mtrain.build_parser(prog="reference/train.py", description=__doc__.split("\n\n")[0])
-    # DeepSpeed's own spellings: --deepspeed_config is --config; the deepspeed launcher
-    # passes --local_rank (torch's newer launchers --local-rank); --deepspeed is the usual
-    # "use DeepSpeed" switch of deepspeed.add_config_arguments. All are accepted.
-    parser.add_argument("--deepspeed_config", dest="config", metavar="JSON", help="same as --config")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse_suppress())
-    parser.add_argument("--deepspeed", action="store_true", help=argparse_suppress())
+    parser = build_reference_parser()
     if "RANK" not in os.environ:
         # One process without a launcher: DeepSpeed would go looking for MPI. Make it a
         # world of one instead.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(comm.free_port()))
     mtrain.main(argv, lib=DEEPSPEED, parser=parser)
-
-
-def argparse_suppress():
-    import argparse
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -207,7 +207,10 @@ def tag_folder(checkpoint_dir: str, tag: str | None) -> tuple[str, str]:
         raise CheckpointError(f"{checkpoint_dir}: no such directory")
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir} ('latest' is missing); {describe_tags(checkpoint_dir)}")
+        if not complete_tags(checkpoint_dir):   # one statement, not "no checkpoint; no complete checkpoint"
+            raise CheckpointError(f"{checkpoint_dir} holds no checkpoint (no 'latest' file, no complete "
+                                  f"<tag>/ folder): pass the folder a run saved into (its --save-dir)")
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; {describe_tags(checkpoint_dir)}")
     path = os.path.join(checkpoint_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint; {describe_tags(checkpoint_dir)}")

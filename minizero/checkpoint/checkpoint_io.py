@@ -260,6 +260,12 @@ def _minizero_meta(load_dir: str, tag: str) -> dict | None:
     return meta if isinstance(meta, dict) and "layout" in meta else None
 
 
+def tag_library(load_dir: str, tag: str) -> str:
+    """Which library wrote a tag: "minizero" or "deepspeed" (a folder both have written
+    holds tags of each; a trainer resuming it must know which one it loads)."""
+    return "minizero" if _minizero_meta(load_dir, tag) is not None else "deepspeed"
+
+
 def open_checkpoint(folder: str, meta: dict | None = None):
     """The CheckpointSource of a tag folder: minizero's, or DeepSpeed's when the folder looks
     like one (deepspeed_checkpoint.py). `meta`: its model-states file, when already read."""

@@ -28,6 +28,7 @@ import shlex
 import subprocess
 import sys
 
+from minizero.train import output_dir
 from minizero.comm import free_port
 from minizero.compare.compare_comms import comms_section
 from minizero.compare.compare_memory import (CATEGORIES, LIBS, MOMENT_TITLES, MOMENTS, PLACES, category_bytes,
@@ -93,6 +94,8 @@ def check_args(args) -> None:
         import torch
         args.comms_logger = not torch.cuda.is_available()
     args.out = os.path.abspath(args.out or os.path.join("reports", f"compare-{args.dtype}"))
+    if why := output_dir.problem(args.out, "--out"):
+        raise CompareError(why)
     # Never overwrite an earlier comparison (its training runs would refuse their folders anyway).
     if os.path.isdir(args.out):
         earlier = sorted(f for f in os.listdir(args.out)

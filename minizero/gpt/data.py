@@ -27,6 +27,7 @@ from minizero import comm
 from minizero.gpt.cifar10 import load_cifar10
 from minizero.gpt.codebook import compute_codebook, quantize
 from minizero.gpt.images import DataConfigError, as_images, resize_images
+from minizero.gpt.presets import DATASETS
 from minizero.gpt.synthetic_images import SYNTHETIC_TEST_SEED_OFFSET, synthetic_images
 
 
@@ -57,9 +58,6 @@ class ImageTokens(Dataset):
     def __getitem__(self, i):
         a = self.tokens[i].long()
         return a[:-1], a[1:]
-
-
-DATASETS = ("cifar10", "synthetic")
 
 
 def build_datasets(name: str, root="./data", image_size: int = 32, ncluster: int = 512, niter: int = 8,

@@ -9,11 +9,24 @@ value or raise ConfigError with a message that says what to write instead.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass, field, fields
 
 from minizero.runtime.errors import ConfigError
+
+def unknown_key(key: str, full: str, path: str, accepted) -> str:
+    """The error for a key a section does not have. Most are typos of one it has (say which),
+    so the first line says only that; the accepted keys, dozens at the top level, go on a
+    second line, where they do not bury it."""
+    where = f"in {path}" if path else "at the top level"
+    near = difflib.get_close_matches(key, list(accepted), n=1, cutoff=0.75)
+    first = (f"unknown config key '{full}': did you mean '{f'{path}.' if path else ''}{near[0]}'?" if near else
+             f"unknown config key '{full}': minizero reads no such key {where} (a typo, or a DeepSpeed feature "
+             f"minizero does not have)")
+    return f"{first}\n  accepted keys {where}: {', '.join(sorted(accepted))}"
+
 
 # ----------------------------------------------------------------------------- value checks
 # Each takes (value, path) and returns the cleaned value or raises ConfigError.
@@ -127,8 +140,7 @@ class Section:
         for k, v in d.items():
             full = f"{path}.{k}" if path else k
             if k not in rows:
-                raise ConfigError(f"unknown config key '{full}': minizero does not implement it. "
-                                  f"Accepted keys in {path or 'the top level'}: {', '.join(sorted(rows))}")
+                raise ConfigError(unknown_key(k, full, path, rows))
             f = rows[k]
             if f.name in values:
                 main = f.metadata["name"] or f.name

@@ -13,6 +13,13 @@ stale lock) and then refuses a folder that already holds a run, unless this run 
 from that very folder. We refuse rather than pick a new folder name: a user who typed
 --save-dir should find the results where they asked, and every refusal says what to do.
 (`rm -r` the folder to start over; minizero never deletes a run for you.)
+
+A run that ends, however it ends, removes its lock file (a lock file left with a pid in it
+reads as a stale lock), and a folder this run created and left empty (a run refused before
+its first file: a missing dataset, a foreign checkpoint) is removed too, so a refused run
+leaves nothing behind. Removing the file races with a run waiting on it: that run may hold
+the lock of a file no longer in the folder, so acquire() checks that the file it locked is
+still the one the path names, and tries again if not.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import torch.distributed as dist
 
 from minizero import comm
 from minizero.checkpoint.checkpoint_folder import later_tags
+from minizero.train.output_dir import missing_parts
 
 LOCK_FILE = ".minizero.lock"
 # What a run writes; anything else (a compare run.log, a user's notes) is not a run.
@@ -36,6 +44,18 @@ RUN_FILES = ("metrics.csv", "summary.json", "samples.png", "latest")
 # without lockd): no lock to take, which is not the same as a lock another run holds.
 NO_LOCKING = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
 _warned_no_locking = False
+# Locks this process holds; main() releases what a run that failed during setup still holds.
+HELD: list["RunDirLock"] = []
+
+
+def _warn_no_locking(folder: str, e: OSError) -> None:
+    """Once per process (a run takes its lock once): the folder cannot be locked."""
+    global _warned_no_locking
+    if not _warned_no_locking:
+        print(f"minizero: warning: the file system of {folder} does not support file locks "
+              f"({e.strerror or e}); going on without the lock, so nothing stops a second run "
+              f"started into this folder at the same time", file=sys.stderr, flush=True)
+        _warned_no_locking = True
 
 
 class RunDirError(Exception):
@@ -56,48 +76,85 @@ class RunDirLock:
     def __init__(self, save_dir: str):
         self.path = os.path.join(save_dir, LOCK_FILE)
         self.fh = None
+        self.locked = False            # False where the file system has no locks (NO_LOCKING)
+        self.created: list[str] = []   # the folders acquire() made, deepest first
 
     def acquire(self) -> "RunDirLock":
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fh = open(self.path, "a+")
+        folder = os.path.dirname(self.path) or "."
+        self.created = missing_parts(folder)
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:   # EWOULDBLOCK: the only answer that means another process holds it
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            fh.close()
-            raise RunDirError(f"{os.path.dirname(self.path)} is in use by a run that is still going ({holder}); "
-                              f"wait for it to finish, or pick another --save-dir") from None
+            os.makedirs(folder, exist_ok=True)
         except OSError as e:
-            fh.close()
-            if e.errno not in NO_LOCKING:
-                raise RunDirError(f"cannot lock {self.path}: {e.strerror or e}; check that the folder is "
-                                  f"writable, or pick another --save-dir") from None
-            global _warned_no_locking
-            if not _warned_no_locking:   # once per process: a run takes its lock once
-                print(f"minizero: warning: the file system of {os.path.dirname(self.path)} does not support file "
-                      f"locks ({e.strerror or e}); going on without the lock, so nothing stops a second run "
-                      f"started into this folder at the same time", file=sys.stderr, flush=True)
-                _warned_no_locking = True
-            return self
+            raise RunDirError(f"cannot create the save folder {folder}: {e.strerror}; pass another --save-dir") from None
+        while True:
+            fh = open(self.path, "a+")
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:   # EWOULDBLOCK: the only answer that means another process holds it
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                fh.close()
+                raise RunDirError(f"{os.path.dirname(self.path)} is in use by a run that is still going ({holder}); "
+                                  f"wait for it to finish, or pick another --save-dir") from None
+            except OSError as e:
+                if e.errno not in NO_LOCKING:
+                    fh.close()
+                    raise RunDirError(f"cannot lock {self.path}: {e.strerror or e}; check that the folder is "
+                                      f"writable, or pick another --save-dir") from None
+                _warn_no_locking(os.path.dirname(self.path), e)
+                self.locked = False   # the file still says who runs here, and goes at release
+                break
+            if _same_file(fh, self.path):
+                self.locked = True
+                break
+            fh.close()   # the run before us removed the file we locked (release): lock the new one
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         fh.flush()
         self.fh = fh
+        HELD.append(self)
         return self
 
     def release(self) -> None:
-        if self.fh is not None:
+        """Unlock and remove the lock file, and the folders acquire() made if nothing else
+        was written there. The file goes before the lock: a run that waited on it then
+        finds the path gone or new (acquire)."""
+        if self.fh is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if self.locked:
             fcntl.flock(self.fh, fcntl.LOCK_UN)
-            self.fh.close()
-            self.fh = None
+        self.fh.close()
+        self.fh = None
+        HELD.remove(self)
+        for folder in self.created:
+            try:
+                os.rmdir(folder)   # only if empty: never a file of this run or anyone else's
+            except OSError:
+                break
 
     def __enter__(self):
         return self.acquire()
 
     def __exit__(self, *exc):
         self.release()
+
+
+def _same_file(fh, path: str) -> bool:
+    try:
+        return os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def release_all() -> None:
+    """Release every lock this process still holds (a run that stopped before its loop)."""
+    for lock in list(HELD):
+        lock.release()
 
 
 def claim(save_dir: str, resume_dir: str | None) -> RunDirLock:

@@ -70,8 +70,11 @@ def setup(args, lib) -> Run:
     log_every = cfg.get("steps_per_print") or 10
     engine_cfg = dict(cfg, steps_per_print=10 ** 9)
     resume_tag = find_checkpoint(args.resume, args.tag) if args.resume else None
-    # Resuming continues in the folder it resumes from, unless told otherwise.
+    # Resuming continues in the folder it resumes from, unless told otherwise, or unless
+    # that folder is the other library's (foreign_resume).
     save_dir = args.save_dir or args.resume or os.path.join("runs", f"{lib.name}-{stage}-{dtype}")
+    if args.resume:
+        save_dir = foreign_resume(args, lib.name, resume_tag, save_dir)
     lock = rundir.claim_for_all_ranks(save_dir, args.resume, resume_tag)   # rank 0 holds the lock
     log(f"{lib.name}: world size {world} on {device}; config {args.config or '(built-in CPU default)'} "
         f"-> stage {stage}, {dtype}; writing to {save_dir}")
@@ -139,6 +142,37 @@ def setup(args, lib) -> Run:
     return run
 
 
+def foreign_resume(args, library: str, tag: str, save_dir: str) -> str:
+    """Where a run resuming the other library's checkpoint saves, or one line that says what
+    to run instead.
+
+    Each library writes its own format, so a folder must hold one library's checkpoints
+    only: once minizero had written its tag into a DeepSpeed folder and moved `latest`,
+    DeepSpeed could no longer resume that folder. So:
+    - minizero reads DeepSpeed's checkpoints, but saves its own into `<folder>-minizero`
+      (said at start), never into the DeepSpeed folder; --save-dir picks another folder,
+      and naming the DeepSpeed folder itself is refused;
+    - DeepSpeed cannot read minizero's format: the line names the command that converts it
+      (python -m minizero.export_deepspeed)."""
+    from minizero.checkpoint.checkpoint_io import tag_library
+    written_by = tag_library(args.resume, tag)
+    if written_by == library:
+        return save_dir
+    if library != "minizero":
+        converted = args.resume.rstrip("/") + "-deepspeed"
+        raise UserError(f"--resume {args.resume}: {tag} is a minizero checkpoint, which DeepSpeed cannot read; "
+                        f"convert it first: python -m minizero.export_deepspeed {args.resume} {converted} --tag {tag}, "
+                        f"then --resume {converted}")
+    if args.save_dir is None:
+        save_dir = args.resume.rstrip("/") + "-minizero"
+        runlog.log0(f"minizero: {args.resume} holds DeepSpeed's checkpoints; minizero's go into {save_dir} "
+                    f"(--save-dir picks another folder), so DeepSpeed can still resume {args.resume}")
+    elif os.path.realpath(save_dir) == os.path.realpath(args.resume):
+        raise UserError(f"--save-dir {save_dir}: it holds DeepSpeed's checkpoints, and minizero's there would stop "
+                        f"DeepSpeed resuming it; pass another --save-dir (minizero reads DeepSpeed's, writes its own)")
+    return save_dir
+
+
 def resume(run: Run, tag: str | None) -> None:
     """Load the checkpoint and the trainer's own state: data position, losses, RNG, schedule.
 
@@ -184,7 +218,8 @@ def carry_data_position(run: Run, path: str) -> str:
     number of epochs or steps asked for still holds: --epochs E ends after epoch E."""
     from minizero.checkpoint.checkpoint_io import saved_batch
     state, args, engine = run.state, run.args, run.engine
-    old_world, old_micro = saved_batch(path)
+    # minizero's load_checkpoint returns the tag folder, DeepSpeed's the model-states file in it.
+    old_world, old_micro = saved_batch(path if os.path.isdir(path) else os.path.dirname(path))
     world, micro = comm.get_world_size(), engine.train_micro_batch_size_per_gpu()
     old_micro = old_micro or micro
     if (old_world, old_micro) == (world, micro):

@@ -328,6 +328,23 @@ def deterministic_from_env() -> None:
                 f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']})")
 
 
+def report_error(prog: str, message: str) -> None:
+    """Rank 0's one line for a run that stops on bad input, on stderr; under torchrun also in
+    the error file torchrun reads. torchrun answers any rank's non-zero exit with ~35 lines
+    of its own (a ChildFailedError traceback and a table), and no exit status avoids them;
+    with the file, the table's "Root Cause" repeats this line instead of a link, so the end
+    of the output says what went wrong too (README, "When a run stops")."""
+    line = f"{prog}: error: {message}"
+    print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            # torch.distributed.elastic's own format (ErrorHandler.record_exception)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+
+
 def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | None = None) -> None:
     parser = parser or build_parser()
     # Under torchrun every rank parses the same command line: only rank 0 may print a
@@ -350,7 +367,7 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
         # Bad input is one line, not a traceback. Config/data errors happen on every rank
         # alike, and the trainer's own checks agree across ranks, so rank 0 speaks for all.
         if comm.get_rank() == 0:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            report_error(parser.prog, str(e))
         else:
             _let_rank0_speak()
         raise SystemExit(1) from None
@@ -363,6 +380,7 @@ def main(argv=None, lib: Library = MINIZERO, parser: argparse.ArgumentParser | N
             _let_rank0_speak()
         raise SystemExit(1) from None
     finally:
+        rundir.release_all()   # a run refused during setup: its lock, and the folder if it made it
         comm.destroy()
 
 

@@ -65,10 +65,12 @@ def _claim(folders):
         lock = rundir.claim_for_all_ranks(save, None, None)
     except RunDirError as e:
         return "refused", str(e)
+    import os
+    probes = sorted(f for f in os.listdir(save) if f.startswith(".minizero.probe"))
+    comm.barrier()   # every rank has looked before rank 0 releases (and removes the empty folder)
     if lock is not None:
         lock.release()
-    import os
-    return "claimed", sorted(f for f in os.listdir(save) if f.startswith(".minizero.probe"))
+    return "claimed", probes
 
 
 def test_two_folders_one_per_node_are_refused_at_start_on_every_rank(tmp_path):
@@ -76,7 +78,8 @@ def test_two_folders_one_per_node_are_refused_at_start_on_every_rank(tmp_path):
     out = run_ranks(_claim, world_size=2, args=([str(tmp_path / "node0"), str(tmp_path / "node1")],), timeout=120)
     assert [o[0] for o in out] == ["refused", "refused"], out
     assert out[0][1] == out[1][1].replace("node1", "node0") and "is not shared by all ranks: rank 1 on" in out[0][1]
-    assert not [f for f in (tmp_path / "node0").iterdir() if f.name.startswith(".minizero.probe")]
+    # The refused run leaves nothing: no probe file, and not the folder it created either.
+    assert not (tmp_path / "node0").exists()
 
 
 def test_one_shared_folder_is_claimed_and_the_probe_removed(tmp_path):
