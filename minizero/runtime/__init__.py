@@ -1,0 +1,1 @@
+"""The runtime around the ZeRO core: config, LR schedules, process groups, errors, launching ranks."""
