@@ -254,6 +254,8 @@ def bench_job(job: dict, args_d: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     if lib == "deepspeed":
         import deepspeed
+        from reference.ds_run import skip_inference_shm_op
+        skip_inference_shm_op()    # an inference-only op DeepSpeed compiles on first use (a minute)
         if args_d["dtype"] == "fp16" and not cuda:
             from reference.ds_run import patch_cpu_fp16
             patch_cpu_fp16()
