@@ -87,9 +87,9 @@ def slowest_median_ms(times: list, device) -> float:
     return 1e3 * statistics.median(slowest.tolist())
 
 
-def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    from minizero.runtime.process_group import single_host_env
-    os.environ.update(single_host_env(rank, world, port))
+def rank_main(args) -> list[dict] | None:
+    """One rank (started by minizero.runtime.spawn, its process group up): every bucket size
+    and op timed; rank 0 returns the rows."""
     import warnings
 
     import torch
@@ -97,14 +97,12 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
     from minizero import comm
     warnings.filterwarnings("ignore", category=FutureWarning)   # torch's rename of the *_tensor collectives
-    torch.set_num_threads(1)
-    comm.init_distributed()
     device, dtype = comm.get_device(), getattr(torch, DTYPES[args.dtype])
     rows = []
     for bucket in args.buckets:
         n = -(-args.numel // bucket)
         full = [torch.randn(bucket, device=device).to(dtype) for _ in range(n)]
-        part = [torch.empty(bucket // world, dtype=dtype, device=device) for _ in range(n)]
+        part = [torch.empty(bucket // dist.get_world_size(), dtype=dtype, device=device) for _ in range(n)]
         for op in OPS:
             took = {}
             for async_op in (False, True):
@@ -121,9 +119,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 took[async_op] = slowest_median_ms(times[1:], device)
             rows.append({"op": op, "bucket": bucket, "buckets": n, "one_at_a_time_ms": took[False],
                          "back_to_back_ms": took[True]})
-    if rank == 0:
-        queue.put(rows)
-    dist.destroy_process_group()
+    return rows if dist.get_rank() == 0 else None
 
 
 def table(rows: list[dict]) -> str:
@@ -138,24 +134,19 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    import torch.multiprocessing as mp
 
-    from minizero.comm import free_port
+    from minizero.runtime.spawn import RankError, run_ranks
     if torch.cuda.is_available() and torch.cuda.device_count() < args.world_size:
         print(f"bench_collectives: error: --world-size {args.world_size} but {torch.cuda.device_count()} GPU(s): "
               f"one rank per GPU", file=sys.stderr)
         return 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    cuda = torch.cuda.is_available()
     try:
-        mp.start_processes(rank_main, args=(args.world_size, free_port(), args, queue), nprocs=args.world_size,
-                           start_method="spawn")
-    except mp.ProcessException as e:   # a rank failed: its last line, not the whole traceback
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"bench_collectives: error: rank {e.error_index}: {last}", file=sys.stderr)
+        rows = run_ranks(rank_main, args.world_size, (args,), cuda=cuda, timeout=600)[0]
+    except RankError as e:   # a rank failed: its one line, not the whole traceback
+        print(f"bench_collectives: error: {e}", file=sys.stderr)
         return 1
-    rows = queue.get(timeout=60)
-    backend = "NCCL" if torch.cuda.is_available() else "gloo"
+    backend = "NCCL" if cuda else "gloo"
     print(f"# Collectives on {args.world_size} ranks ({backend}), {args.numel:,} {args.dtype} elements in all\n")
     print(table(rows))
     return 0

@@ -45,15 +45,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import io
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,6 +254,8 @@ def bench_job(job: dict, args_d: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     if lib == "deepspeed":
         import deepspeed
+        from reference.ds_run import skip_inference_shm_op
+        skip_inference_shm_op()    # an inference-only op DeepSpeed compiles on first use (a minute)
         if args_d["dtype"] == "fp16" and not cuda:
             from reference.ds_run import patch_cpu_fp16
             patch_cpu_fp16()
@@ -446,78 +445,36 @@ def mib(nbytes) -> str:
 
 # ----------------------------------------------------------------------------- launching
 
-def _rank_main(rank, world, port, launch, args_d, queue):
-    """One rank of one launch: every job of the launch in turn, then the results to the parent."""
-    from minizero.runtime.process_group import single_host_env
-    os.environ.update(single_host_env(rank, world, port))
+def _launch_jobs(launch, args_d):
+    """One rank of one launch (started by minizero.runtime.spawn, its process group up):
+    every job of the launch in turn; the per-job results."""
     os.dup2(2, 1)     # library chatter to stderr: stdout carries the report only
     import logging
-
-    import torch
-
-    from minizero import comm
-    torch.set_num_threads(args_d["threads"])
     if not args_d["verbose"]:
         for name in ("DeepSpeed", "minizero"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        comm.init_distributed()     # NCCL on GPUs, gloo on a CPU
-        out = [bench_job(job, args_d) for job in launch]
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        queue.put((rank, True, buf.getvalue()))
-    except BaseException as e:      # report it, do not hang the parent
-        tail = traceback.format_exc().strip().splitlines()[-1]
-        queue.put((rank, False, f"{type(e).__name__}: {e}" if str(e) else tail))
-    finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    return [bench_job(job, args_d) for job in launch]
 
 
-def _context(args):
-    """forkserver with torch (and deepspeed) imported once on a CPU; spawn on a GPU machine
-    (a forked CUDA runtime is not safe)."""
-    if args.cuda:
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # "__main__": the ranks run this script's functions, so the server imports it too
-    pre = ["__main__", "torch", "torch.distributed", "torch._dynamo", "minizero", "minizero.engine", "reference.ds_run"]
-    if "deepspeed" in args.libs:
-        pre.append("deepspeed")
-    ctx.set_forkserver_preload(pre)
-    return ctx
+def preload_ranks(args) -> None:
+    """On a CPU the ranks fork from a forkserver that imports torch (and deepspeed) once;
+    "__main__": the ranks run this script's functions, so the server imports it too. (On a
+    GPU machine they are spawned: a forked CUDA runtime is not safe.)"""
+    from minizero.runtime import spawn
+    spawn.preload("__main__", "reference.ds_run", *(["deepspeed"] if "deepspeed" in args.libs else []))
 
 
-def run_launch(ctx, launch: list[dict], args, timeout: float = 3600.0) -> list[list[dict]]:
+def run_launch(launch: list[dict], args, timeout: float = 3600.0) -> list[list[dict]]:
     """Run one launch's jobs on world_size fresh ranks; per job, the list of rank results."""
-    from minizero.comm import free_port
-    import torch
+    from minizero.runtime.spawn import RankError, run_ranks
     args_d = {k: v for k, v in vars(args).items() if k not in ("libs",)}
-    queue, port, world = ctx.Queue(), free_port(), args.world_size
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, launch, args_d, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, error = [None] * world, None
     try:
-        for _ in range(world):
-            rank, ok, payload = queue.get(timeout=timeout)
-            if not ok:
-                error = f"rank {rank}: {payload}"
-                break
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=5 if error else 60)
-            if p.is_alive():
-                p.kill()
-    if error:
+        results = run_ranks(_launch_jobs, args.world_size, (launch, args_d), threads=args_d["threads"],
+                            cuda=args.cuda, timeout=timeout)
+    except RankError as e:
         what = ", ".join(f"{j['lib']} stage {j['stage']} offload {j['offload']}" for j in launch[:1])
-        raise BenchError(f"{what}{' (and the rest of its launch)' if len(launch) > 1 else ''} failed: {error}")
-    return [[results[r][i] for r in range(world)] for i in range(len(launch))]
+        raise BenchError(f"{what}{' (and the rest of its launch)' if len(launch) > 1 else ''} failed: {e}") from None
+    return [[results[r][i] for r in range(args.world_size)] for i in range(len(launch))]
 
 
 # ----------------------------------------------------------------------------- Adam table
@@ -719,12 +676,12 @@ def main(argv=None) -> int:
         f"{info['device']}")
     results = []
     try:
-        ctx = _context(args)
+        preload_ranks(args)
         for launch in jobs_for(args):
             t0 = time.perf_counter()
             what = ", ".join(f"{j['lib']} s{j['stage']}/{j['offload']}" for j in launch)
             log(f"running {what}")
-            for job, per_rank in zip(launch, run_launch(ctx, launch, args)):
+            for job, per_rank in zip(launch, run_launch(launch, args)):
                 gb = args.micro_batch * args.gas * args.world_size
                 ms, ms_min = step_ms([r["step_s"] for r in per_rank])
                 res = {"lib": job["lib"], "stage": job["stage"], "offload": job["offload"], "ms": ms, "ms_min": ms_min,

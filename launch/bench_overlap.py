@@ -24,11 +24,12 @@ Both settings also pin what is not about overlap, as minizero.compare does: memo
 false (the same F.linear in both) and reduce_bucket_size 500,000 (DeepSpeed's 5e8 allocates a
 2 GB bucket at init).
 
-Each run is a launch of fresh ranks (launch/bench_offload.py's run_launch and bench_job):
-`--warmup` untimed steps, `--steps` timed steps; a step's time is the slowest rank's, a run's
-samples/s comes from the median step. `--reps` repetitions, interleaved: every repetition runs
-every cell once, libraries alternating which goes first, so a change in the load of a shared
-machine hits both. A cell shows the median over repetitions and the spread (min-max).
+Each run is a launch of fresh ranks (launch/bench_offload.py's run_launch and bench_job,
+started by minizero/runtime/spawn.py): `--warmup` untimed steps, `--steps` timed steps; a
+step's time is the slowest rank's, a run's samples/s comes from the median step. `--reps`
+repetitions, interleaved: every repetition runs every cell once, libraries alternating which
+goes first, so a change in the load of a shared machine hits both. A cell shows the median over
+repetitions and the spread (min-max).
 
 minizero's runs of the first repetition also trace one step (its timeline, minizero/observe/trace.py,
 written under --trace-dir): the last warm-up step but one (step 2 by default). From the
@@ -359,12 +360,12 @@ def main(argv=None) -> int:
         f"{info['device']}; traces in {args.trace_dir}")
     results = []
     try:
-        ctx = bo._context(args)
+        bo.preload_ranks(args)
         runs = schedule(args)
         for i, run in enumerate(runs):
             what = f"{run['lib']} stage {run['stage']} {run['dtype']} knobs {run['knobs']} (rep {run['rep'] + 1})"
             launch_args = argparse.Namespace(**{**vars(args), "dtype": run["dtype"]})
-            per_rank = bo.run_launch(ctx, [run], launch_args)[0]
+            per_rank = bo.run_launch([run], launch_args)[0]
             ms, _ = bo.step_ms([r["step_s"] for r in per_rank])
             res = {k: run[k] for k in ("lib", "stage", "dtype", "knobs", "rep")}
             res.update(ms=ms, samples_per_s=bo.samples_per_s(ms, args.micro_batch * args.gas * args.world_size),

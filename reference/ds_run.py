@@ -119,6 +119,21 @@ def patch_cpu_fp16() -> None:
     a.supported_dtypes = lambda: [torch.float, torch.half, torch.bfloat16]
 
 
+def skip_inference_shm_op() -> None:
+    """Keep DeepSpeed from building its shared-memory all-reduce op on a CPU.
+
+    Every `deepspeed.initialize` on the CPU accelerator loads `deepspeed_shm_comm`
+    (comm/torch.py: TorchBackend.__init__ -> build_shm_op), JIT-compiling it with g++ the
+    first time per extension folder: about a minute on 2 cores, and a "built successfully"
+    line per rank per launch. The op serves only `inference_all_reduce` (tensor-parallel
+    inference layers); training's collectives are torch.distributed's, so nothing a run
+    computes changes. Call it before the process group of DeepSpeed's comm is set up."""
+    import importlib
+
+    # (not `import deepspeed.comm.torch`: deepspeed.comm's attribute `torch` is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 # ----------------------------------------------------------------------------- helpers
 
 def _load_portable(data: bytes) -> "PortableTensorDict":

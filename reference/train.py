@@ -173,7 +173,9 @@ import deepspeed  # noqa: E402
 
 from minizero import comm  # noqa: E402
 from minizero.train import train as mtrain  # noqa: E402
-from reference.ds_run import _loss_scale, patch_cpu_fp16, prepare_ds_config  # noqa: E402
+from reference.ds_run import _loss_scale, patch_cpu_fp16, prepare_ds_config, skip_inference_shm_op  # noqa: E402
+
+skip_inference_shm_op()   # an inference-only op DeepSpeed would compile on its first CPU run (a minute)
 
 
 def _model_state_bytes(engine) -> dict:

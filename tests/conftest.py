@@ -11,6 +11,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # (MINIZERO_TEST_CUDA=1, launch/gpu_check.py).
 if os.environ.get("MINIZERO_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# One thread per process, as torchrun gives each rank (and the test ranks run with): this
+# suite's tensors are small, and a 2-thread OpenMP pool in every `python -m minizero.train` the
+# tests start (and in pytest itself) spins against the ranks and other jobs for each op. On
+# this 2-core machine under load a 3-step single-process run took 23 s with 2 threads, 8 s
+# with 1. Set before torch is imported; an OMP_NUM_THREADS of your own is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed JIT-compiles a small C++ op (deepspeed_shm_comm) on its first CPU run and
 # caches it by source path. Keep the cache per checkout: two clones sharing
 # ~/.cache/torch_extensions would rebuild it back and forth (a minute each time).

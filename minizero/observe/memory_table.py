@@ -21,9 +21,7 @@ import argparse
 import os
 
 import torch
-import torch.multiprocessing as mp
 
-from ..runtime.process_group import free_port, single_host_env
 from ..memory import CATEGORIES, expected_bytes, human, paper_bytes, total
 from ..partition import FlatPlan
 
@@ -143,14 +141,11 @@ def plot_figure1(path: str) -> None:
 
 # ----------------------------------------------------------------------------- measured: N real ranks
 
-def _rank(rank, world, port, model_name, dtype, stages, queue, offload="none"):
-    os.environ.update(single_host_env(rank, world, port))
-    torch.set_num_threads(1)
+def _rank(model_name, dtype, stages, offload="none"):
+    """On one gloo rank: the real engine at each stage, nothing trained; its memory_breakdown()."""
     import minizero
-    from minizero import comm
     from minizero.gpt.model import GPT, get_preset
 
-    comm.init_distributed("gloo")
     out = {}
     for stage in stages:
         torch.manual_seed(0)
@@ -166,21 +161,15 @@ def _rank(rank, world, port, model_name, dtype, stages, queue, offload="none"):
                                          config=cfg)
         out[stage] = (engine.memory_breakdown(), psi)
         del engine, model
-    queue.put((rank, out))
-    comm.destroy()
+    return out
 
 
 def measure(model_name: str, world: int, dtype: str, stages=(0, 1, 2, 3), offload: str = "none") -> dict:
-    ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_name, dtype, list(stages), q, offload))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(q.get() for _ in procs)
-    for p in procs:
-        p.join()
-    return results
+    """{rank: {stage: (breakdown, Ψ)}} from `world` gloo ranks (runtime/spawn.py)."""
+    from minizero.runtime.spawn import run_ranks
+    per_rank = run_ranks(_rank, world, (model_name, dtype, list(stages), offload), backend="gloo",
+                         group=True, timeout=600)
+    return dict(enumerate(per_rank))
 
 
 def main(argv=None) -> None:

@@ -181,3 +181,22 @@ def test_bf16_memory_probe_matches_padding_arithmetic_and_zero3_equals_zero2():
     assert z2[0]["losses"] == z3[0]["losses"]
     assert _states_equal(z2[0]["final_state"], z3[0]["final_state"])
     assert _states_equal(z3[0]["final_state"], z3[1]["final_state"])
+
+
+def _shm_op_after_initialize():
+    """One tiny DeepSpeed engine in a test rank: the shm op its comm backend holds, and the losses."""
+    import deepspeed.comm.comm as ds_comm
+    out = run_deepspeed(MODEL_FN, ds_config(0), BATCHES, 1, return_final_state=False)
+    return ds_comm.cdb.shm_comm_op, out["losses"]
+
+
+def test_test_ranks_skip_deepspeeds_inference_shm_op():
+    """tests/support/ds_preload.py skips the op (reference/ds_run.py's skip_inference_shm_op): DeepSpeed's
+    backend then holds none, and still trains; its constructor still calls the function
+    the skip replaces (if DeepSpeed renames it, the skip silently does nothing: this fails)."""
+    import inspect
+
+    from deepspeed.comm.torch import TorchBackend
+    assert "build_shm_op()" in inspect.getsource(TorchBackend.__init__)
+    for op, losses in run_ranks(_shm_op_after_initialize, N, env=ENV):
+        assert op is None and len(losses) == 1 and math.isfinite(losses[0])

@@ -68,7 +68,9 @@ def visits() -> tuple[list[str], int]:
     switches = []
 
     def innermost(frame):
-        while frame is not None:
+        # Up the stack no further than micro_step: what called the test (the rank launcher,
+        # minizero/runtime/spawn.py) is not part of the step.
+        while frame is not None and frame.f_code is not micro_step.__code__:
             if frame.f_code.co_filename.startswith(package):
                 return frame.f_code.co_filename[len(package):]
             frame = frame.f_back

@@ -8,6 +8,7 @@ while rank 0 reduces them only after backward, so the buckets go out in another 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -50,11 +51,13 @@ def config(stage: int, check: bool = False, timeout_s=None) -> dict:
 
 
 def train(stage: int, branch_rank, steps: int = 2, check: bool = False, timeout_s=None, count_backend=False,
-          short_rank=None, linger_s: float = 0.0):
+          short_rank=None, linger_s: float = 0.0, done_flag: str | None = None):
     """Train `steps` steps; rank `branch_rank` takes the branch (None: no rank). Rank
     `short_rank` trains one step fewer and then stays alive `linger_s` seconds without any
-    collective (a rank that skips collectives but has not crashed). Returns the losses,
-    the ledger and (count_backend) the backend calls made, or the error raised."""
+    collective (a rank that skips collectives but has not crashed), or until a rank that
+    failed creates the file `done_flag`: the wait the test is about is then over, and the
+    rest of the linger would be sleep. Returns the losses, the ledger and (count_backend)
+    the backend calls made, or the error raised."""
     import torch.distributed as dist
 
     import minizero
@@ -86,9 +89,14 @@ def train(stage: int, branch_rank, steps: int = 2, check: bool = False, timeout_
             engine.step()
             losses.append(float(loss.detach()))
     except Exception as e:   # returned, not raised: the test sees every rank's error
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        if done_flag:
+            open(done_flag, "w").close()
+        return {"error": f"{type(e).__name__}: {e}", "seconds": seconds}
     if rank == short_rank:
-        time.sleep(linger_s)
+        deadline = time.perf_counter() + linger_s
+        while time.perf_counter() < deadline and not (done_flag and os.path.exists(done_flag)):
+            time.sleep(0.05)
         return {"losses": losses, "seconds": time.perf_counter() - t0}
     state = {k: v.clone() for k, v in engine.full_fp32_state_dict().items()}
     return {"losses": losses, "comm": engine.comm_stats(), "backend_calls": calls["n"], "state": state,
@@ -109,13 +117,14 @@ def test_switch_on_every_rank_names_the_mismatch_within_the_step(stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_switch_off_a_short_timeout_names_the_waiting_collective(stage):
+def test_switch_off_a_short_timeout_names_the_waiting_collective(stage, tmp_path):
     """Rank 0 trains one step fewer (a different number of micro-steps) and stays alive:
     rank 1's first collective of step 2 waits, and gloo raises after the group's timeout
     (3 s here), which the wrapper re-raises naming that collective."""
     timeout_s = 3
     results = run_ranks(train, 2, args=(stage, None), kwargs=dict(timeout_s=timeout_s, short_rank=0,
-                                                                  linger_s=timeout_s + 5), timeout=120)
+                                                                  linger_s=timeout_s + 5,
+                                                                  done_flag=str(tmp_path / "failed")), timeout=120)
     assert "error" not in results[0] and len(results[0]["losses"]) == 1
     e = results[1].get("error")
     first = "all_gather 'root.g0.fwd'" if stage == 3 else "reduce_scatter 'group0.bucket0.grads'"
@@ -139,15 +148,15 @@ def test_switch_costs_nothing_off_and_changes_no_number_on(stage):
         assert all(torch.equal(r_on["state"][k], r_off["state"][k]) for k in r_off["state"])
 
 
-def test_environment_switch_and_a_rank_left_alone_in_the_check():
+def test_environment_switch_and_a_rank_left_alone_in_the_check(tmp_path):
     """MINIZERO_DEBUG_COLLECTIVES=1 turns the check on without touching the config; a rank
     that skips collectives leaves the other alone in the check, which then times out
     (timeout_s) and names the collective it was about to issue."""
     env = {"MINIZERO_DEBUG_COLLECTIVES": "1"}
     mismatch = run_ranks(train, 2, args=(3, 1), env=env, timeout=120)
     assert all(r["error"].startswith("CollectiveMismatch: ") for r in mismatch), mismatch
-    alone = run_ranks(train, 2, args=(3, None), kwargs=dict(timeout_s=3, short_rank=0, linger_s=8), env=env,
-                      timeout=120)
+    alone = run_ranks(train, 2, args=(3, None), kwargs=dict(timeout_s=3, short_rank=0, linger_s=8,
+                                                            done_flag=str(tmp_path / "failed")), env=env, timeout=120)
     e = alone[1].get("error")
     assert e and e.startswith("CollectiveError: rank 1: all_gather 'root.g0.fwd' ("), e
     assert "Another rank issued no collective" in e, e
