@@ -28,7 +28,8 @@ What follows DeepSpeed's semantics, so the numbers can agree (docs/fsdp.md):
   with torch_adam, on FSDP2's fp32 DTensor shards (its "master" weights);
 - bf16 at stages 2/3: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16): the
   forward and backward run in bf16 on fp32 shards cast at gather time, and gradients are
-  reduced in bf16, as DeepSpeed's bf16 ZeRO does. At stage 0 DDP has no public mixed
+  reduced in bf16, as DeepSpeed's bf16 ZeRO does; the initial weights are rounded to bf16
+  first, since DeepSpeed's fp32 master is copied up from its bf16 module. At stage 0 DDP has no public mixed
   precision: torch.autocast(bf16) on the fp32 model, gradients reduced in fp32 (not
   DeepSpeed's semantics: matmuls in bf16 only, and twice the wire bytes).
 - fp16 is refused (FSDP2 has no loss scaler; DeepSpeed's dynamic scaler is minizero's).
@@ -107,6 +108,13 @@ class TorchEngine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy()
         if self.dtype == "bf16":
+            # DeepSpeed (and minizero) cast the module to bf16 and copy the fp32 master up from
+            # it: the master starts at the bf16-rounded initial weights. FSDP2 would keep the
+            # fp32 initial weights as its master (forward the same: it casts at gather time;
+            # the first update then starts from other values). Round them as DeepSpeed does.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for block in model.blocks:   # one unit per block, as minizero's ZeRO-3 and DeepSpeed's
             fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
