@@ -195,11 +195,14 @@ class TorchEngine:
 
 def held_bytes(engine: TorchEngine) -> dict:
     """What this rank holds right now, by minizero's categories (memory.held_bytes's shape):
-    params = the module's parameters (FSDP2: this rank's fp32 shard, plus the gathered
-    unsharded parameters alive at this moment (bf16 at bf16); DDP: the whole model), grads =
-    .grad of each parameter, master_params = 0 (FSDP2's fp32 shard *is* what the optimizer
-    steps: at bf16 it is counted under params, as DeepSpeed's bf16 master would be under
-    master_params), optimizer_states = Adam's moments. Each storage once."""
+    params = the module's parameters (FSDP2: this rank's padded fp32 shard storage; DDP: the
+    whole model), grads = .grad of each parameter, master_params = 0 (FSDP2's fp32 shard *is*
+    what the optimizer steps: at bf16 it is counted under params, where DeepSpeed's would be
+    under master_params), optimizer_states = Adam's moments. Each storage once.
+
+    Gathered (unsharded) parameters are not walked: at the two moments the trainer reads
+    (end of backward, after the step) FSDP2 has resharded every group, the root included
+    (measured: params equal the shard storage at both, tests/agreement/test_agreement_torch.py)."""
     from minizero.memory import CATEGORIES, placed
     where = dict.fromkeys(CATEGORIES, 0)
     seen: set[int] = set()
@@ -217,12 +220,6 @@ def held_bytes(engine: TorchEngine) -> dict:
 
     params = list(engine.module.parameters())
     claim("params", params)
-    for m in engine.module.modules():   # FSDP2's gathered (unsharded) parameters alive now
-        state = getattr(m, "_get_fsdp_state", None)
-        group = state()._fsdp_param_group if state is not None else None
-        if group is not None:
-            claim("params", [fp._unsharded_param_data if hasattr(fp, "_unsharded_param_data") else None
-                             for fp in group.fsdp_params])
     claim("grads", [p.grad for p in params])
     claim("optimizer_states", [v for st in engine.optimizer.state.values() for v in st.values()
                                if torch.is_tensor(v) and v.dim() > 0])
@@ -239,7 +236,6 @@ def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bo
     cfg = prepare_ds_config(config)
     model, groups = build_model(model_fn, cfg, seed, weight_decay)
     engine = TorchEngine(model, list(groups), cfg)
-    engine.device = torch.device("cpu") if engine.device.type == "cpu" else engine.device
     world = dist.get_world_size() if dist.is_initialized() else 1
     memory = {"after_backward": [], "after_step": []} if capture_memory else None
     before = COUNTER.snapshot()

@@ -133,6 +133,8 @@ def test_model_state_bytes_zero3_fsdp2(results):
         mz, pt, _ = r[(3, "fp32")]
         m, p = mz["memory"]["after_step"][-1], pt["memory"]["after_step"][-1]
         assert p["params"] == 4 * psi_pt // N
+        # nothing left gathered at the end of backward either (torch_engine.held_bytes relies on it)
+        assert pt["memory"]["after_backward"][-1]["params"] == 4 * psi_pt // N
         assert 4 * PSI // N <= m["params"] < p["params"]   # flat units pad less than dim-0 rows
         assert p["grads"] == 0 and m["grads"] > 0
         assert m["optimizer_states"] == 2 * m["params"]
