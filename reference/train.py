@@ -19,7 +19,7 @@ adds for DeepSpeed (docs/deepspeed.md has each fact and the test that pins it):
   it (docs/deepspeed.md, "activation_checkpointing is parsed, not applied"), so we call
   deepspeed.checkpointing.configure and hook GPT.checkpoint_fn ourselves.
 - comm bytes: DeepSpeed has no byte ledger, so the collectives of torch.distributed are
-  wrapped with counters (CommCounter below) *before* deepspeed is imported.
+  wrapped with counters (reference/comm_counter.py) *before* deepspeed is imported.
 - model_state_bytes: reference.ds_memory.deepspeed_model_state_bytes walks the live engine
   (at the end of the run, and at the last step's two memory moments: runlog.MemoryMoments).
 - comms_logger: with the section in the config, deepspeed.comm.log_summary(return_dict=True)
@@ -32,11 +32,9 @@ docs/deepspeed.md, "Unknown top-level config keys are ignored"; minizero refuses
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 import sys
-import threading
 
 # `python reference/train.py` puts reference/ on sys.path, not the repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,12 +42,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.distributed_c10d as c10d  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 
 from reference.comm_counter import COUNTER, CommCounter  # noqa: E402,F401  (before `import deepspeed`)
 
