@@ -318,8 +318,9 @@ def note(args, offload: bool = False) -> str:
 NAMES = {"minizero": "minizero", "deepspeed": "DeepSpeed", "torch": "PyTorch (DDP / FSDP2)"}
 
 
-def torch_note() -> str:
-    fsdp = os.path.join(REPO, "docs", "fsdp.md")
+def torch_note(args) -> str:
+    fsdp = os.path.join(REPO, "docs", "fsdp.md")   # relative when the report is inside the repo
+    fsdp = os.path.relpath(fsdp, args.out) if args.out.startswith(REPO + os.sep) else fsdp
     return ("- PT = PyTorch itself (reference/torch_train.py, docs/fsdp.md): stage 0 is DistributedDataParallel, "
             "stage 3 FSDP2 `fully_shard` per block then the root (`reshard_after_forward=True`), stage 2 the same "
             "with `reshard_after_forward=False` (ZeRO-3's sharded states, ZeRO-2's bytes on the wire). FSDP2 pads "
@@ -363,7 +364,7 @@ def report_md(info, args, rows, offload: bool = False, results=None) -> str:
         "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of "
         f"|loss_{SHORT[libs[0]]} - loss_other|; "
         "wire B/step = ring-algorithm bytes per rank per optimizer step." + placed, "",
-        *([note(args, offload)] if pair else []), *([torch_note()] if "torch" in libs else []), "",
+        *([note(args, offload)] if pair else []), *([torch_note(args)] if "torch" in libs else []), "",
         "![loss curves](loss_curves.png)", "",
         *(moments_section(ds_results, args.dtype) if pair else []),
         *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
@@ -403,10 +404,11 @@ def plot_memory(path, results) -> None:
     places = PLACES if offloaded(results) else (None,)
     timed = all(moment_entries(results[s][lib], m) for s in stages for lib in libs for m in MOMENTS)
     moments = MOMENTS if timed else (None,)
-    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, 2 * len(stages)),
+    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, len(libs) * len(stages)),
                                                                  4 * len(moments)),
                              squeeze=False, sharey=True)
-    title = " | ".join(NAMES[lib] + (" (hatched)" if j == 1 else " (dotted)" if j == 2 else "")
+    name = NAMES if len(libs) <= 2 else SHORT   # three full names do not fit above the panels
+    title = " | ".join(name[lib] + (" (hatched)" if j == 1 else " (dotted)" if j == 2 else "")
                        for j, lib in enumerate(libs))
     colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
     for row, moment in zip(axes, moments):
