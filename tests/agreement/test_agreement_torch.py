@@ -54,7 +54,7 @@ def results():
 
 def _fsdp2_padded_numel(shapes):
     """FSDP2 shards each parameter on dim 0, padded to a multiple of N rows (pos_emb's single
-    row becomes 2: its whole 64 x 48 slab again)."""
+    row becomes 2: its whole 63 x 63 slab again)."""
     return sum(math.ceil(s[0] / N) * N * math.prod(s[1:]) for s in shapes.values())
 
 
@@ -103,7 +103,10 @@ def test_wire_bytes_zero3_fsdp2(results):
     psi_pt = _fsdp2_padded_numel(shapes)
     assert _per_step(pt["comm"], "all_gather") == 2 * 4 * psi_pt * (N - 1) / N
     assert _per_step(pt["comm"], "reduce_scatter") == 4 * psi_pt * (N - 1) / N
-    assert psi_pt - PSI == 4_997   # pos_emb's padding row (1 x 64 x 48 = 3,072) and odd dims 0 (measured)
+    # tiny GPT (n_embd 63, block_size 63, vocab 62): pos_emb's padding slab 63 x 63 = 3,969, a row
+    # of 63 for each of the 8 attention weights (504) and of 252 for the 2 mlp.2 weights (504),
+    # one element for each of the 20 odd-length vectors (10 LayerNorm, 10 biases of 63): 4,997
+    assert psi_pt - PSI == 3_969 + 504 + 504 + 20 == 4_997
 
 
 def test_wire_bytes_zero2_fsdp2_keeps_gathered(results):
