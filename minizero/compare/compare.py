@@ -1,7 +1,13 @@
-"""minizero vs DeepSpeed, side by side: the same config, seed and data, stage by stage.
+"""minizero vs DeepSpeed (and PyTorch), side by side: the same config, seed and data, stage by stage.
 
     python -m minizero.compare --stages 0 1 2 3 --dtype bf16 --nproc 2
     python -m minizero.compare --stages 3 --dtype fp32 --nproc 2 --max-steps 10 --synthetic-train 256
+    python -m minizero.compare --libs minizero deepspeed torch --stages 0 3 --dtype fp32
+
+--libs picks the libraries (default minizero deepspeed); torch is PyTorch's own DDP (stage 0)
+and FSDP2 (stages 2, 3) through reference/torch_train.py (docs/fsdp.md). The table, the loss
+and memory pictures take one column per library; the sections that name every byte of
+DeepSpeed's difference (memory moments, comms summaries) need minizero and deepspeed.
 
 Per stage: `torchrun ... -m minizero.train`, then `... reference/train.py` (real DeepSpeed)
 with identical flags; unknown flags go to both. Writes into --out (default reports/compare-<dtype>):
@@ -37,6 +43,10 @@ from minizero.compare.compare_memory import (CATEGORIES, LIBS, MOMENT_TITLES, MO
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # minizero/compare/ -> the repository
 STAGES = (0, 1, 2, 3)
+ALL_LIBS = ("minizero", "deepspeed", "torch")
+SCRIPTS = {"minizero": ["-m", "minizero.train"], "deepspeed": [os.path.join(REPO, "reference", "train.py")],
+           "torch": [os.path.join(REPO, "reference", "torch_train.py")]}
+SHORT = {"minizero": "mz", "deepspeed": "DS", "torch": "PT"}   # the table's column suffixes
 # So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
 # (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
 # and, with max_live/reuse_distance at 1e9, keeps a small model gathered from forward into
@@ -57,6 +67,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
                                 epilog="Unknown flags (e.g. --synthetic-train 256) go to both training scripts.")
     p.add_argument("--stages", nargs="+", default=["0", "1", "2", "3"], help="ZeRO stages to compare")
+    p.add_argument("--libs", nargs="+", default=list(LIBS), metavar="LIB",
+                   help=f"libraries to run, the first is the one the others are compared to: {', '.join(ALL_LIBS)} "
+                        f"(default: {' '.join(LIBS)}; torch = PyTorch's DDP / FSDP2, stages 0, 2, 3)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16")
     p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc-per-node)")
     p.add_argument("--config", help="DeepSpeed JSON (default: minizero.train's built-in CPU config)")
@@ -82,12 +95,20 @@ def check_args(args) -> None:
     if bad := [s for s in args.stages if s not in {str(x) for x in STAGES}]:
         raise CompareError(f"unknown stage {' '.join(bad)}: choose from {' '.join(map(str, STAGES))}")
     args.stages = sorted({int(s) for s in args.stages})
+    if bad := [lib for lib in args.libs if lib not in ALL_LIBS]:
+        raise CompareError(f"unknown library {' '.join(bad)}: choose from {' '.join(ALL_LIBS)}")
+    if len(set(args.libs)) != len(args.libs):
+        raise CompareError(f"--libs {' '.join(args.libs)} names a library twice")
+    if "torch" in args.libs and 1 in args.stages:
+        raise CompareError("torch has no ZeRO-1 (FSDP2 shards parameters or nothing): drop stage 1 or drop torch")
     if args.dtype not in ("fp32", "bf16", "fp16"):
         raise CompareError(f"unknown --dtype {args.dtype!r}: choose fp32, bf16 or fp16")
+    if args.dtype == "fp16" and "torch" in args.libs:
+        raise CompareError("torch runs fp32 and bf16 (FSDP2 has no loss scaler): --dtype bf16, or drop torch")
     for name in ("nproc", "max_steps"):
         if getattr(args, name) < 1:
             raise CompareError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for mod in ("deepspeed", "matplotlib"):
+    for mod in ["matplotlib"] + ["deepspeed"] * ("deepspeed" in args.libs):
         if importlib.util.find_spec(mod) is None:
             raise CompareError(f"{mod} is not installed: pip install -e .[dev]")
     if args.comms_logger is None:
@@ -99,7 +120,7 @@ def check_args(args) -> None:
     # Never overwrite an earlier comparison (its training runs would refuse their folders anyway).
     if os.path.isdir(args.out):
         earlier = sorted(f for f in os.listdir(args.out)
-                         if f in ("report.md", "results.json") or f.startswith(tuple(f"{lib}-stage" for lib in LIBS)))
+                         if f in ("report.md", "results.json") or f.startswith(tuple(f"{lib}-stage" for lib in ALL_LIBS)))
         if earlier:
             raise CompareError(f"{args.out} already holds a comparison ({', '.join(earlier[:3])}"
                                f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
@@ -130,7 +151,7 @@ def base_config(args) -> dict:
 
 
 def run_command(lib, stage, args, extra, config_path, save_dir) -> list:
-    script = ["-m", "minizero.train"] if lib == "minizero" else [os.path.join(REPO, "reference", "train.py")]
+    script = SCRIPTS[lib]
     flags = ["--config", config_path, "--stage", str(stage), "--dtype", args.dtype,
              "--seed", str(args.seed), "--save-dir", save_dir]
     for name in ("model", "dataset", "image_size", "max_steps"):
@@ -163,11 +184,20 @@ def run_one(cmd, save_dir, label) -> dict:
     return summary
 
 
-def stage_row(stage, mz, ds) -> dict:
-    n = min(len(mz["losses"]), len(ds["losses"]))
-    diffs = [abs(a - b) for a, b in zip(mz["losses"][:n], ds["losses"][:n]) if a is not None and b is not None]
-    row = {"stage": stage, "steps": n, "max_abs_dloss": max(diffs) if diffs else None}
-    for lib, s in zip(LIBS, (mz, ds)):
+def max_abs_dloss(a, b):
+    n = min(len(a["losses"]), len(b["losses"]))
+    diffs = [abs(x - y) for x, y in zip(a["losses"][:n], b["losses"][:n]) if x is not None and y is not None]
+    return max(diffs) if diffs else None
+
+
+def stage_row(stage, *summaries, libs=LIBS) -> dict:
+    """One stage's numbers, a part per library (`summaries` in the order of `libs`); the
+    loss gap and the speed ratio of each library after the first, against the first."""
+    first = summaries[0]
+    row = {"stage": stage, "libs": list(libs), "steps": min(len(s["losses"]) for s in summaries),
+           "max_abs_dloss": max_abs_dloss(first, summaries[1]) if len(summaries) > 1 else None,
+           "dloss": {lib: max_abs_dloss(first, s) for lib, s in zip(libs[1:], summaries[1:])}}
+    for lib, s in zip(libs, summaries):
         sb = state_bytes(s)
         where = placed_bytes(state_entries(s)[0])
         row[lib] = {"final_loss": s["final_loss"], "test_loss": s["test_loss"], "state_bytes_rank0": sb[0],
@@ -176,8 +206,10 @@ def stage_row(stage, mz, ds) -> dict:
                     "samples_per_s": s["samples_per_s"],
                     "wire_bytes_per_step": (s["comm_wire_bytes_per_step"] or {}).get("total", 0),
                     "skipped_steps": s["skipped_steps"]}
-    a, b = row["minizero"]["samples_per_s"], row["deepspeed"]["samples_per_s"]
-    row["speed_ratio"] = a / b if a and b else None
+    a = row[libs[0]]["samples_per_s"]
+    row["speed"] = {lib: a / row[lib]["samples_per_s"] if a and row[lib]["samples_per_s"] else None
+                    for lib in libs[1:]}
+    row["speed_ratio"] = row["speed"].get(libs[1]) if len(libs) > 1 else None
     return row
 
 
@@ -194,7 +226,12 @@ def machine() -> str:
 
 
 def versions() -> dict:
-    return {"python": platform.python_version(), **{p: importlib.metadata.version(p) for p in ("torch", "deepspeed")}}
+    def version(p):
+        try:
+            return importlib.metadata.version(p)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+    return {"python": platform.python_version(), **{p: version(p) for p in ("torch", "deepspeed")}}
 
 
 def fmt(x, kind="g") -> str:
@@ -212,18 +249,21 @@ PLACED = [("device B r0", "device_bytes_rank0", "bytes"), ("host B r0", "host_by
 
 
 def table(rows) -> str:
-    """The markdown table, one row per stage. Device / host columns appear when a run
-    offloads (some library holds model states in host memory)."""
-    placed = any(r[lib]["host_bytes_rank0"] for r in rows for lib in LIBS if "host_bytes_rank0" in r[lib])
+    """The markdown table, one row per stage, a column per library for each number. Device /
+    host columns appear when a run offloads (some library holds model states in host memory)."""
+    libs = rows[0].get("libs", list(LIBS))
+    first, others = SHORT[libs[0]], libs[1:]
+    placed = any(r[lib]["host_bytes_rank0"] for r in rows for lib in libs if "host_bytes_rank0" in r[lib])
     columns = PER_LIB[:2] + (PLACED if placed else []) + PER_LIB[2:]
-    speed_at = 2 + 2 * (columns.index(PER_LIB[4]) + 1)   # "mz/DS speed" after the samples/s pair
-    head = ["stage", "max abs dloss/step"] + [f"{t} {lib}" for t, _, _ in columns for lib in ("mz", "DS")]
-    head.insert(speed_at, "mz/DS speed")
+    dloss = ["max abs dloss/step"] if len(others) == 1 else [f"max abs dloss/step {first}-{SHORT[o]}" for o in others]
+    speed_at = 1 + len(dloss) + len(libs) * (columns.index(PER_LIB[4]) + 1)   # after the samples/s group
+    head = ["stage"] + dloss + [f"{t} {SHORT[lib]}" for t, _, _ in columns for lib in libs]
+    head[speed_at:speed_at] = [f"{first}/{SHORT[o]} speed" for o in others]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r["stage"]), fmt(r["max_abs_dloss"], "d")]
-        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in LIBS]
-        cells.insert(speed_at, fmt(r["speed_ratio"]))
+        cells = [str(r["stage"])] + [fmt(r.get("dloss", {}).get(o, r["max_abs_dloss"]), "d") for o in others]
+        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in libs]
+        cells[speed_at:speed_at] = [fmt(r.get("speed", {}).get(o, r["speed_ratio"])) for o in others]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -278,21 +318,60 @@ def note(args, offload: bool = False) -> str:
     return "\n".join(lines)
 
 
+NAMES = {"minizero": "minizero", "deepspeed": "DeepSpeed", "torch": "PyTorch (DDP / FSDP2)"}
+
+
+def torch_note(args) -> str:
+    fsdp = os.path.join(REPO, "docs", "fsdp.md")   # relative when the report is inside the repo
+    fsdp = os.path.relpath(fsdp, args.out) if args.out.startswith(REPO + os.sep) else fsdp
+    return ("- PT = PyTorch itself (reference/torch_train.py, docs/fsdp.md): stage 0 is DistributedDataParallel, "
+            "stage 3 FSDP2 `fully_shard` per block then the root (`reshard_after_forward=True`), stage 2 the same "
+            "with `reshard_after_forward=False` (ZeRO-3's sharded states, ZeRO-2's bytes on the wire). FSDP2 pads "
+            "each parameter's dim 0 to a multiple of N (minizero pads each flat unit), frees gradients at "
+            "`zero_grad`, and its optimizer steps the fp32 shard itself (no separate master). Its gradient-norm "
+            "all-reduce goes through DTensor's functional collectives and is not counted. "
+            f"Details: [docs/fsdp.md]({fsdp}).")
+
+
+def moments_by_lib(results, libs) -> list:
+    """Rank 0's model states at the two moments, one column per library (no byte naming: that
+    is moments_section's, minizero against DeepSpeed)."""
+    stages = sorted(results)
+    if not all(moment_entries(results[s][lib], m) for s in stages for lib in libs for m in MOMENTS):
+        return []
+    head = ["stage", "moment", "category"] + [SHORT[lib] for lib in libs]
+    lines = [f"## Model states at the same moments, every library (rank 0, step {moments_step(results, libs)})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in stages:
+        for m in MOMENTS:
+            for c in CATEGORIES:
+                cells = [fmt(category_bytes(moment_entries(results[s][lib], m)[0], c), "bytes") for lib in libs]
+                lines.append("| " + " | ".join([str(s), MOMENT_TITLES[m], c] + cells) + " |")
+    return lines + [""]
+
+
 def report_md(info, args, rows, offload: bool = False, results=None) -> str:
     placed = (" device B / host B = the same split by where it lives: host memory with ZeRO-Offload."
               if offload else "")
     results = results or {}
+    libs = getattr(args, "libs", list(LIBS))
+    pair = all(lib in libs for lib in LIBS)   # minizero and deepspeed: the sections that name every byte
+    ds_results = {s: {lib: r[lib] for lib in LIBS} for s, r in results.items()} if pair else {}
     return "\n".join([
-        f"# minizero vs DeepSpeed: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
+        f"# {' vs '.join(NAMES[lib] for lib in libs)}: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
         f"{args.nproc} rank(s)", "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
         f"- date: {info['date']}", "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
         f"- config: [config.json](config.json), each run with `--stage N --dtype {args.dtype}`", "",
         table(rows), "",
-        "mz = minizero, DS = DeepSpeed. state B = model-state bytes per rank at the end of the last step's "
-        "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of |loss_mz - loss_DS|; "
+        ", ".join(f"{SHORT[lib]} = {NAMES[lib]}" for lib in libs) + ". state B = model-state bytes per rank at the end of the last step's "
+        "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of "
+        f"|loss_{SHORT[libs[0]]} - loss_other|; "
         "wire B/step = ring-algorithm bytes per rank per optimizer step." + placed, "",
-        note(args, offload), "", "![loss curves](loss_curves.png)", "", *moments_section(results, args.dtype),
-        "![memory](memory.png)", "", *comms_section(results)])
+        *([note(args, offload)] if pair else []), *([torch_note(args)] if "torch" in libs else []), "",
+        "![loss curves](loss_curves.png)", "",
+        *(moments_section(ds_results, args.dtype) if pair else []),
+        *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
+        "![memory](memory.png)", "", *(comms_section(ds_results) if pair else [])])
 
 
 def pyplot():
@@ -310,7 +389,7 @@ def plot_losses(path, results) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
     for ax, (stage, runs) in zip(axes[0], sorted(results.items())):
-        for lib, style in zip(LIBS, ("-", "--")):
+        for lib, style in zip(runs, ("-", "--", ":")):
             ax.plot(range(1, len(runs[lib]["losses"]) + 1), runs[lib]["losses"], style, label=lib)
         ax.set(title=f"ZeRO-{stage}", xlabel="optimizer step", ylabel="train loss")
         ax.legend()
@@ -324,35 +403,40 @@ def plot_memory(path, results) -> None:
     device's and the host's."""
     plt = pyplot()
     stages = sorted(results)
+    libs = list(results[stages[0]])
     places = PLACES if offloaded(results) else (None,)
-    timed = all(moment_entries(results[s][lib], m) for s in stages for lib in LIBS for m in MOMENTS)
+    timed = all(moment_entries(results[s][lib], m) for s in stages for lib in libs for m in MOMENTS)
     moments = MOMENTS if timed else (None,)
-    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, 2 * len(stages)),
+    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, len(libs) * len(stages)),
                                                                  4 * len(moments)),
                              squeeze=False, sharey=True)
+    name = NAMES if len(libs) <= 2 else SHORT   # three full names do not fit above the panels
+    title = " | ".join(name[lib] + (" (hatched)" if j == 1 else " (dotted)" if j == 2 else "")
+                       for j, lib in enumerate(libs))
     colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
     for row, moment in zip(axes, moments):
         for ax, place in zip(row, places):
-            for j, (lib, hatch) in enumerate(zip(LIBS, ("", "//"))):
-                xs = [i + (j - 0.5) * 0.38 for i in range(len(stages))]
+            width = 0.76 / len(libs)
+            for j, (lib, hatch) in enumerate(zip(libs, ("", "//", ".."))):
+                xs = [i + (j - (len(libs) - 1) / 2) * width for i in range(len(stages))]
                 bottom = [0.0] * len(stages)
                 for c in CATEGORIES:
                     entries = [(moment_entries(results[s][lib], moment) if moment else
                                 results[s][lib]["model_state_bytes"])[0] for s in stages]
                     h = [category_bytes(e, c, place) / 2**20 for e in entries]
-                    ax.bar(xs, h, 0.36, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
+                    ax.bar(xs, h, width * 0.95, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
                            label=None if j else c)
                     bottom = [b + x for b, x in zip(bottom, h)]
-            ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\nmz | DS" for s in stages])
+            ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\n" + " | ".join(SHORT[lib] for lib in libs) for s in stages])
             where = f" on the {place}" if place else ""
             when = f"{MOMENT_TITLES[moment]}" if moment else ""
             ax.set(ylabel=f"model-state MiB{where} (rank 0)",
                    title=", ".join(filter(None, [when, f"on the {place}" if place else ""])) or
-                   "Model states, rank 0: minizero | DeepSpeed (hatched)")
+                   "Model states, rank 0: " + title)
             ax.legend(fontsize=8)
     if places != (None,) or moments != (None,):
-        step = moments_step(results) if moments != (None,) else None
-        fig.suptitle("Model states, rank 0: minizero | DeepSpeed (hatched)" + (f", step {step}" if step else ""))
+        step = moments_step(results, libs) if moments != (None,) else None
+        fig.suptitle("Model states, rank 0: " + title + (f", step {step}" if step else ""))
     savefig(fig, path)
 
 
@@ -367,12 +451,12 @@ def main(argv=None) -> None:
             json.dump(base_config(args), f, indent=1)
         from tqdm import tqdm
         results = {}
-        runs = [(s, lib) for s in args.stages for lib in LIBS]
+        runs = [(s, lib) for s in args.stages for lib in args.libs]
         for stage, lib in tqdm(runs, desc="compare", unit="run"):
             save_dir = os.path.join(args.out, f"{lib}-stage{stage}")
             cmd = run_command(lib, stage, args, extra, config_path, save_dir)
             results.setdefault(stage, {})[lib] = run_one(cmd, save_dir, f"stage {stage} {lib}")
-        rows = [stage_row(s, results[s]["minizero"], results[s]["deepspeed"]) for s in args.stages]
+        rows = [stage_row(s, *(results[s][lib] for lib in args.libs), libs=args.libs) for s in args.stages]
     except CompareError as e:
         print(f"python -m minizero.compare: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -140,8 +140,8 @@ def moments_table(results, dtype) -> str:
     return "\n".join(lines)
 
 
-def moments_step(results):
-    steps = {r[lib]["memory_moments"]["step"] for r in results.values() for lib in LIBS
+def moments_step(results, libs=LIBS):
+    steps = {r[lib]["memory_moments"]["step"] for r in results.values() for lib in libs
              if r[lib].get("memory_moments")}
     return min(steps) if steps else None
 

@@ -357,9 +357,31 @@ def test_offload_report_shows_device_and_host(offload_report):
     (["--stages", "7"], "unknown stage 7"),
     (["--stages", "0", "--nproc", "0"], "--nproc must be >= 1"),
     (["--stages", "0", "--dtype", "fp8"], "unknown --dtype"),
+    (["--stages", "0", "--libs", "minizero", "jax"], "unknown library jax"),
+    (["--stages", "1", "--libs", "minizero", "torch"], "torch has no ZeRO-1"),
+    (["--stages", "0", "--dtype", "fp16", "--libs", "minizero", "torch"], "torch runs fp32 and bf16"),
 ])
 def test_bad_input_is_one_line(args, needle, tmp_path):
     r = compare(*args, "--out", str(tmp_path), timeout=60)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("python -m minizero.compare: error:")
+
+
+def test_three_libraries_take_three_columns(tmp_path):
+    """--libs minizero deepspeed torch: every per-library number gets a column per library,
+    a loss gap and a speed ratio per library after the first; both pictures draw them all."""
+    from minizero.compare import compare
+    entry = placed_entry({"params": 1000, "grads": 1000, "master_params": 0, "optimizer_states": 2000}, {})
+    results = {0: {lib: fake_summary(lib, loss, entry) for lib, loss in
+                   (("minizero", 1.0), ("deepspeed", 1.5), ("torch", 1.25))}}
+    libs = ["minizero", "deepspeed", "torch"]
+    rows = [compare.stage_row(s, *(r[lib] for lib in libs), libs=libs) for s, r in results.items()]
+    row = table_rows(compare.table(rows))[0]
+    assert list(row)[:3] == ["stage", "max abs dloss/step mz-DS", "max abs dloss/step mz-PT"]
+    assert (row["max abs dloss/step mz-DS"], row["max abs dloss/step mz-PT"]) == ("5.00e-01", "2.50e-01")
+    assert [k for k in row if k.startswith("final loss")] == ["final loss mz", "final loss DS", "final loss PT"]
+    assert list(row)[list(row).index("samples/s PT") + 1:][:2] == ["mz/DS speed", "mz/PT speed"]
+    compare.plot_memory(tmp_path / "memory.png", results)
+    compare.plot_losses(tmp_path / "loss.png", results)
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0

@@ -17,7 +17,7 @@ from minizero.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
-SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "gpu_check.sh"]
+SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "slurm_torch.sbatch", "gpu_check.sh"]
 CONFIGS = ["ds_config_basic.json", "ds_config_step4.json", "ds_config_step5.json"]
 NODES = ["gpu-a01", "gpu-a02"]
 
@@ -51,7 +51,7 @@ def test_header_says_what_and_how_to_scale(name):
 
 
 def test_sbatch_directives_match_header_defaults():
-    for name in ("slurm_minizero.sbatch", "slurm_deepspeed.sbatch"):
+    for name in ("slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "slurm_torch.sbatch"):
         text = (LAUNCH / name).read_text()
         assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
         assert "GPUS_PER_NODE=${GPUS_PER_NODE:-4}" in text
@@ -142,6 +142,17 @@ def test_slurm_minizero_command(tmp_path, ds_parse):
     ours, ds = load_config(ROOT / cfg, world_size=8), ds_parse(str(ROOT / cfg), 8)
     assert ours.train_batch_size == ds.train_batch_size == 64
     assert ours.gradient_accumulation_steps == ds.gradient_accumulation_steps == 1
+
+
+def test_slurm_torch_command(tmp_path):
+    """The PyTorch reference: slurm_minizero.sbatch's launch, reference/torch_train.py, STAGE (default 3)."""
+    argv = run_sbatch("slurm_torch.sbatch", tmp_path)
+    assert argv[:6] == ["--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "32"] and argv[6] == "torchrun"
+    assert flag(argv, "--nproc-per-node") == "4" and flag(argv, "--rdzv-endpoint") == f"{NODES[0]}:{20000 + 4242}"
+    assert "reference/torch_train.py" in argv and flag(argv, "--stage") == "3"
+    assert flag(argv, "--config") == "launch/ds_config_basic.json" and argv[-2:] == ["--max-steps", "5"]
+    (tmp_path / "s0").mkdir()
+    assert flag(run_sbatch("slurm_torch.sbatch", tmp_path / "s0", {"STAGE": "0"}), "--stage") == "0"
 
 
 def test_slurm_scripts_take_config_and_model(tmp_path):

@@ -1,0 +1,255 @@
+"""PyTorch's own data parallelism behind DeepSpeed's engine API: DDP for stage 0, FSDP2 for 2 and 3.
+
+    engine = TorchEngine(model, param_groups, cfg)   # cfg: the same DeepSpeed JSON dict
+    _, loss = engine(x, y); engine.backward(loss); engine.step()
+
+So minizero's training loop (minizero/train/train.py) runs PyTorch unchanged
+(reference/torch_train.py), and the agreement tests set PyTorch beside minizero number for
+number. The stage names what is sharded, as in the ZeRO paper:
+
+    stage 0   DistributedDataParallel: every rank holds everything; one all-reduce per bucket
+    stage 2   fully_shard(reshard_after_forward=False): FSDP2's nearest to ZeRO-2 (it keeps the
+              gathered parameters from forward to backward, so it gathers once per step and
+              reduce-scatters the gradients; unlike ZeRO-2 the parameters *are* sharded between
+              steps: its model-state bytes are ZeRO-3's, its wire bytes ZeRO-2's)
+    stage 3   fully_shard(reshard_after_forward=True): ZeRO-3 (gather in forward, free,
+              gather again in backward, reduce-scatter)
+    stage 1   refused: FSDP2 has no "shard only the optimizer state" setting
+
+fully_shard is applied to each transformer block and then to the root (tok_emb, pos_emb,
+ln_f, head): minizero's ZeRO-3 units are the same modules (docs/fsdp.md draws both).
+
+What follows DeepSpeed's semantics, so the numbers can agree (docs/fsdp.md):
+- the loss is divided by gradient_accumulation_steps before backward (DeepSpeed's
+  engine.backward); each micro-batch's backward reduces (FSDP2 and DDP sync by default,
+  as DeepSpeed's ZeRO-2/3 reduce every micro-batch);
+- gradient_clipping (DeepSpeed's default 1.0) through torch.nn.utils.clip_grad_norm_;
+- the optimizer: minizero's build_optimizer, i.e. the torch.optim.AdamW DeepSpeed builds
+  with torch_adam, on FSDP2's fp32 DTensor shards (its "master" weights);
+- bf16 at stages 2/3: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16): the
+  forward and backward run in bf16 on fp32 shards cast at gather time, and gradients are
+  reduced in bf16, as DeepSpeed's bf16 ZeRO does; the initial weights are rounded to bf16
+  first, since DeepSpeed's fp32 master is copied up from its bf16 module. At stage 0 DDP has no public mixed
+  precision: torch.autocast(bf16) on the fp32 model, gradients reduced in fp32 (not
+  DeepSpeed's semantics: matmuls in bf16 only, and twice the wire bytes).
+- fp16 is refused (FSDP2 has no loss scaler; DeepSpeed's dynamic scaler is minizero's).
+
+Collectives are counted by reference.comm_counter (FSDP2 calls torch.distributed's
+all_gather_into_tensor / reduce_scatter_tensor; DDP's C++ reducer is given the stock
+allreduce_hook, which goes through torch.distributed.all_reduce). The gradient norm's
+all-reduce of a DTensor goes through functional collectives and is not counted (1 element).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minizero.runtime.config import load_config
+from minizero.sharded_optimizer import build_optimizer
+from reference.comm_counter import COUNTER
+
+
+class TorchEngineError(ValueError):
+    """A config the PyTorch reference cannot run (one line, no traceback)."""
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class TorchEngine:
+    """DeepSpeed's engine API (the part minizero's trainer calls) over DDP or FSDP2."""
+
+    def __init__(self, model: torch.nn.Module, param_groups: list[dict], cfg: dict):
+        self.cfg = load_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+        z = self.cfg.zero
+        self.stage = z.stage
+        self.dtype = "bf16" if self.cfg.bf16.enabled else "fp16" if self.cfg.fp16.enabled else "fp32"
+        if self.dtype == "fp16":
+            raise TorchEngineError("the PyTorch reference runs fp32 and bf16; fp16 needs DeepSpeed's loss scaler "
+                                   "(FSDP2 and DDP have none): use --dtype bf16 or fp32")
+        if self.stage == 1:
+            raise TorchEngineError("FSDP2 has no ZeRO-1 setting (optimizer state sharded, parameters and gradients "
+                                   "whole): use --stage 0 (DDP), 2 or 3 (FSDP2)")
+        if z.offload_optimizer is not None or z.offload_param is not None:
+            raise TorchEngineError("the PyTorch reference does not offload: drop offload_optimizer / offload_param")
+        self.device = next(model.parameters()).device
+        names = {id(p): n for n, p in model.named_parameters()}
+        group_names = [[names[id(p)] for p in g["params"]] for g in param_groups]
+        self.module = model
+        self.autocast = False
+        if self.stage == 0:
+            self.wrapped = self._ddp(model)
+        else:
+            self.wrapped = self._fsdp(model, reshard_after_forward=self.stage == 3)
+        # fully_shard replaced every parameter by a DTensor one: rebuild the groups by name.
+        now = dict(model.named_parameters())
+        groups = [{**g, "params": [now[n] for n in ns]} for g, ns in zip(param_groups, group_names)]
+        self.optimizer = build_optimizer(groups, self.cfg.optimizer)
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._norm = None
+
+    # ------------------------------------------------------------------ wrapping
+    def _ddp(self, model):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+        if self.dtype == "bf16":
+            self.autocast = True
+        ddp = DistributedDataParallel(model, device_ids=None if self.device.type == "cpu" else [self.device],
+                                      bucket_cap_mb=self.cfg.zero.reduce_bucket_size * 4 / 2**20)
+        # The stock hook (divide by N, all_reduce): what DDP's C++ default does, but through
+        # torch.distributed.all_reduce, so the bytes are counted.
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp
+
+    def _fsdp(self, model, reshard_after_forward: bool):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy()
+        if self.dtype == "bf16":
+            # DeepSpeed (and minizero) cast the module to bf16 and copy the fp32 master up from
+            # it: the master starts at the bf16-rounded initial weights. FSDP2 would keep the
+            # fp32 initial weights as its master (forward the same: it casts at gather time;
+            # the first update then starts from other values). Round them as DeepSpeed does.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for block in model.blocks:   # one unit per block, as minizero's ZeRO-3 and DeepSpeed's
+            fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        # The root gathers what is left (tok_emb, pos_emb, ln_f, head). FSDP2 never reshards
+        # the root after forward (backward needs it at once) whatever the flag says.
+        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        return model
+
+    # ------------------------------------------------------------------ DeepSpeed's API
+    def __call__(self, *args, **kwargs):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self.wrapped(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss / gradient_accumulation_steps, then backward (DeepSpeed's engine.backward)."""
+        (loss.float() / self.gradient_accumulation_steps()).backward()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def step(self) -> None:
+        """At the boundary: clip (DeepSpeed's default 1.0), AdamW on the shards, zero grads."""
+        if self.is_gradient_accumulation_boundary():
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            clip = self.cfg.gradient_clipping
+            # clip_grad_norm_ with max_norm inf measures without scaling (scale min(1, inf) = 1)
+            norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+            self._norm = norm.full_tensor() if is_sharded(norm) else norm
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * (dist.get_world_size()
+                                                                         if dist.is_initialized() else 1)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        return self._norm
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.cfg.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.cfg.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.cfg.train_batch_size
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, **_):
+        """Not written: the PyTorch reference is for comparison runs, not for keeping
+        (torch.distributed.checkpoint would be the way; resume is refused up front)."""
+        return None
+
+    def load_checkpoint(self, *a, **k):
+        raise TorchEngineError("the PyTorch reference does not resume: run it from the start")
+
+    # ------------------------------------------------------------------ what it holds and sends
+    def full_fp32_state_dict(self) -> dict:
+        """Every parameter's full fp32 value (a collective for FSDP2: call on every rank)."""
+        out = {}
+        for n, p in self.module.named_parameters():
+            t = p.full_tensor() if is_sharded(p) else p
+            out[n] = t.detach().float().clone()
+        return out
+
+    def comm_stats(self) -> dict:
+        return COUNTER.snapshot()
+
+
+def held_bytes(engine: TorchEngine) -> dict:
+    """What this rank holds right now, by minizero's categories (memory.held_bytes's shape):
+    params = the module's parameters (FSDP2: this rank's padded fp32 shard storage; DDP: the
+    whole model), grads = .grad of each parameter, master_params = 0 (FSDP2's fp32 shard *is*
+    what the optimizer steps: at bf16 it is counted under params, where DeepSpeed's would be
+    under master_params), optimizer_states = Adam's moments. Each storage once.
+
+    Gathered (unsharded) parameters are not walked: at the two moments the trainer reads
+    (end of backward, after the step) FSDP2 has resharded every group, the root included
+    (measured: params equal the shard storage at both, tests/agreement/test_agreement_torch.py)."""
+    from minizero.memory import CATEGORIES, placed
+    where = dict.fromkeys(CATEGORIES, 0)
+    seen: set[int] = set()
+
+    def claim(category, tensors):
+        for t in tensors:
+            if t is None:
+                continue
+            t = t._local_tensor if is_sharded(t) else t
+            s = t.untyped_storage()
+            if s.nbytes() == 0 or s.data_ptr() in seen:
+                continue
+            seen.add(s.data_ptr())
+            where[category] += s.nbytes()
+
+    params = list(engine.module.parameters())
+    claim("params", params)
+    claim("grads", [p.grad for p in params])
+    claim("optimizer_states", [v for st in engine.optimizer.state.values() for v in st.values()
+                               if torch.is_tensor(v) and v.dim() > 0])
+    return placed(where, dict.fromkeys(CATEGORIES, 0))
+
+
+def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bool = False, seed: int = 0,
+              weight_decay=None, return_final_state: bool = True) -> dict:
+    """Train `steps` optimizer steps with DDP/FSDP2 on this rank: reference/ds_run.py's
+    run_deepspeed for PyTorch (same model, param groups, batches and loop: ds_run.train_steps),
+    the same result keys, plus `comm`: this engine's collectives during the steps, by op
+    (the loop's own fp64 loss all-reduce, one 8-byte tensor per step, taken out)."""
+    from reference.ds_run import build_model, prepare_ds_config, train_steps
+    cfg = prepare_ds_config(config)
+    model, groups = build_model(model_fn, cfg, seed, weight_decay)
+    engine = TorchEngine(model, list(groups), cfg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    memory = {"after_backward": [], "after_step": []} if capture_memory else None
+    before = COUNTER.snapshot()
+    out = train_steps(engine, batches, steps, lambda e: 1.0, held_bytes, memory)
+    after = COUNTER.snapshot()
+    moved = {op: {k: after[op][k] - before[op][k] for k in after[op]} for op in after}
+    if world > 1:   # train_steps' rank-averaged loss: one fp64 scalar all_reduce per step
+        moved["all_reduce"]["calls"] -= steps
+        moved["all_reduce"]["bytes"] -= 8 * steps
+        moved["all_reduce"]["wire_bytes"] -= steps * (2 * 8 * (world - 1) // world)
+    out.update(comm=moved, rank=dist.get_rank() if dist.is_initialized() else 0, world_size=world,
+               zero_stage=engine.stage, config=cfg)
+    if return_final_state:
+        out["final_state"] = engine.full_fp32_state_dict()
+    if memory is not None:
+        out["memory"] = memory
+    return out

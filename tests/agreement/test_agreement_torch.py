@@ -1,0 +1,154 @@
+"""minizero vs PyTorch itself: ZeRO-3 vs FSDP2, ZeRO-2 vs FSDP2 without reshard, stage 0 vs DDP.
+
+World size 2 (gloo), "tiny" GPT (108,801 params, dropout 0.1 on), 4 steps, micro-batch 4,
+the same config, model, param groups and batches as the DeepSpeed agreement tests
+(tests/support/agreement.py), PyTorch's side run by reference/torch_engine.py's run_torch.
+docs/fsdp.md has the table and what each assertion pins.
+
+BITWISE in fp32 (losses and final fp32 weights), stages 0, 2 and 3: the operations are the
+same in the same order. The average is a sum then a division by N = 2 in minizero and an
+AVG (or a pre-division) in FSDP2/DDP: dividing by 2 is exact in binary floating point, so the
+order cannot show (at N = 3 it could: a bound of one rounding per element would apply).
+Gradient clipping (1.0) does not fire (norms 0.85-0.98); the two norms themselves differ by
+ulps (FSDP2: norm of per-tensor norms; minizero: one sum of squares), which is why clipping
+that fires would need the derived bound of test_agreement_loss.py's clipping tests.
+
+BITWISE in bf16 at stages 3 and 2 too, once the PyTorch reference rounds the initial weights
+to bf16 as DeepSpeed does (its fp32 master is copied up from the bf16 module). Stage 0 bf16
+is another computation (DDP + autocast): no bound claimed, the difference pinned.
+"""
+import math
+
+import pytest
+import torch
+
+from tests.support import agreement as A
+from tests.support.harness import max_abs_diff, max_list_diff, run_minizero
+from tests.support.launcher import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+pytest.importorskip("torch.distributed.fsdp")
+
+N = 2
+STEPS = 4
+PSI = 108_801
+RUNS = ((3, "fp32"), (2, "fp32"), (0, "fp32"), (3, "bf16"), (2, "bf16"), (0, "bf16"))
+
+
+def _both_libraries(runs, steps):
+    from reference.torch_engine import run_torch
+    out = {}
+    for stage, dtype in runs:
+        cfg = A.make_config(stage, dtype)
+        mz = run_minizero(A.MODEL_FN, cfg, A.BATCHES, steps, capture_memory=True)
+        pt = run_torch(A.MODEL_FN, cfg, A.BATCHES, steps, capture_memory=True)
+        shapes = {n: tuple(p.shape) for n, p in A.MODEL_FN().named_parameters()}
+        out[(stage, dtype)] = (mz, pt, shapes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_both_libraries, world_size=N, args=(RUNS, STEPS))
+
+
+def _fsdp2_padded_numel(shapes):
+    """FSDP2 shards each parameter on dim 0, padded to a multiple of N rows (pos_emb's single
+    row becomes 2: its whole 63 x 63 slab again)."""
+    return sum(math.ceil(s[0] / N) * N * math.prod(s[1:]) for s in shapes.values())
+
+
+@pytest.mark.parametrize("stage", [3, 2, 0])
+def test_fp32_bitwise(results, stage):
+    for mz, pt, _ in (r[(stage, "fp32")] for r in results):
+        assert mz["losses"] == pt["losses"], max_list_diff(mz["losses"], pt["losses"])
+        assert max_abs_diff(mz["final_state"], pt["final_state"]) == 0.0
+        assert max(mz["grad_norms"]) < 1.0   # clipping never fired: the norms' ulps cannot reach the weights
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_bf16_bitwise_zero3_zero2(results, stage):
+    """FSDP2's MixedPrecisionPolicy(bf16, bf16) on initial weights rounded to bf16 (as DeepSpeed's
+    master is copied up from its bf16 module: reference/torch_engine.py) is minizero's bf16:
+    bf16 compute on the same values, bf16 reduce (divide by 2 exact), AdamW on an fp32 shard.
+    Without that rounding they part at step 1 (1.6e-5), the forward of step 0 still equal."""
+    for mz, pt, _ in (r[(stage, "bf16")] for r in results):
+        assert mz["losses"] == pt["losses"], max_list_diff(mz["losses"], pt["losses"])
+        assert max_abs_diff(mz["final_state"], pt["final_state"]) == 0.0
+
+
+def test_bf16_stage0_ddp_is_another_computation(results):
+    """DDP has no public bf16 model: the PyTorch reference runs torch.autocast(bf16) on the fp32
+    model (matmuls in bf16, LayerNorm/softmax/loss in fp32), where minizero's stage 0 runs a
+    bf16 model. Different operations, so no bound is claimed: the losses differ from step 0
+    on (measured 1.3e-5 at step 0, 1.2e-4 at step 1), and DDP reduces fp32 gradients, twice
+    minizero's bf16 bytes."""
+    mz, pt, _ = results[0][(0, "bf16")]
+    assert mz["losses"][0] != pt["losses"][0]
+    assert _per_step(pt["comm"], "all_reduce") == 2 * 4 * PSI * (N - 1) / N
+
+
+def _per_step(comm, op):
+    return comm[op]["wire_bytes"] / STEPS
+
+
+def test_wire_bytes_zero3_fsdp2(results):
+    """3 Psi (N-1)/N elements a step in both (2 gathers + 1 reduce-scatter), each on its own
+    padded Psi: minizero pads each flat unit to N, FSDP2 each parameter's dim 0."""
+    mz, pt, shapes = results[0][(3, "fp32")]
+    mz_gather = sum(v["bytes"] for k, v in mz["comm"].items() if k.startswith("all_gather")) / STEPS
+    mz_rs = sum(v["bytes"] for k, v in mz["comm"].items() if k.startswith("reduce_scatter")) / STEPS
+    psi_mz = mz_rs / 4
+    assert mz_gather == 2 * mz_rs and PSI <= psi_mz < PSI + N * 12   # 12 flat units: 6 modules x 2 groups
+    psi_pt = _fsdp2_padded_numel(shapes)
+    assert _per_step(pt["comm"], "all_gather") == 2 * 4 * psi_pt * (N - 1) / N
+    assert _per_step(pt["comm"], "reduce_scatter") == 4 * psi_pt * (N - 1) / N
+    # tiny GPT (n_embd 63, block_size 63, vocab 62): pos_emb's padding slab 63 x 63 = 3,969, a row
+    # of 63 for each of the 8 attention weights (504) and of 252 for the 2 mlp.2 weights (504),
+    # one element for each of the 20 odd-length vectors (10 LayerNorm, 10 biases of 63): 4,997
+    assert psi_pt - PSI == 3_969 + 504 + 504 + 20 == 4_997
+
+
+def test_wire_bytes_zero2_fsdp2_keeps_gathered(results):
+    """reshard_after_forward=False: one gather a step, 2 Psi (N-1)/N in all (ZeRO-2's volume)."""
+    _, pt, shapes = results[0][(2, "fp32")]
+    psi_pt = _fsdp2_padded_numel(shapes)
+    assert _per_step(pt["comm"], "all_gather") == 4 * psi_pt * (N - 1) / N
+    assert _per_step(pt["comm"], "reduce_scatter") == 4 * psi_pt * (N - 1) / N
+
+
+def test_wire_bytes_stage0_ddp(results):
+    """2 Psi (N-1)/N: one ring all-reduce of every gradient, no padding, in both."""
+    mz, pt, _ = results[0][(0, "fp32")]
+    mz_bytes = sum(v["bytes"] for k, v in mz["comm"].items() if k.startswith("all_reduce") and "grads" in k) / STEPS
+    assert mz_bytes == 4 * PSI
+    assert _per_step(pt["comm"], "all_reduce") == 2 * 4 * PSI * (N - 1) / N
+
+
+def test_model_state_bytes_zero3_fsdp2(results):
+    """After the step, per rank, fp32. Named differences: FSDP2's parameter shard is padded
+    per parameter (Psi_pt/N, vs minizero's flat units' Psi_mz/N); FSDP2's Adam moments are
+    the unpadded local views, so rank 0 holds more rows than rank 1 (together exactly 2 Psi);
+    FSDP2 frees the gradient at zero_grad, minizero keeps its reduced shard buffer."""
+    psi_pt = _fsdp2_padded_numel(results[0][(3, "fp32")][2])
+    states = []
+    for r in results:
+        mz, pt, _ = r[(3, "fp32")]
+        m, p = mz["memory"]["after_step"][-1], pt["memory"]["after_step"][-1]
+        assert p["params"] == 4 * psi_pt // N
+        # nothing left gathered at the end of backward either (torch_engine.held_bytes relies on it)
+        assert pt["memory"]["after_backward"][-1]["params"] == 4 * psi_pt // N
+        assert 4 * PSI // N <= m["params"] < p["params"]   # flat units pad less than dim-0 rows
+        assert p["grads"] == 0 and m["grads"] > 0
+        assert m["optimizer_states"] == 2 * m["params"]
+        states.append(p["optimizer_states"])
+    assert sum(states) == 2 * 4 * PSI and states[0] > states[1]
+
+
+def test_model_state_bytes_stage0_ddp(results):
+    """DDP and stage 0 hold the same: the whole model, its whole gradient, Adam's 2 Psi."""
+    for r in results:
+        mz, pt, _ = r[(0, "fp32")]
+        m, p = mz["memory"]["after_backward"][-1], pt["memory"]["after_backward"][-1]
+        assert p["params"] == 4 * PSI and p["optimizer_states"] == 2 * 4 * PSI
+        assert m["optimizer_states"] == p["optimizer_states"]
