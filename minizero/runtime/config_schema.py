@@ -17,15 +17,15 @@ from dataclasses import dataclass, field, fields
 from minizero.runtime.errors import ConfigError
 
 def unknown_key(key: str, full: str, path: str, accepted) -> str:
-    """The error for a key a section does not have. Most are typos of one it has (say which),
-    so the first line says only that; the accepted keys, dozens at the top level, go on a
-    second line, where they do not bury it."""
+    """The error for a key a section does not have, in one line. Most are typos of one it
+    has: then the line says which, and nothing else (the accepted keys, dozens at the top
+    level, would bury it). Otherwise it says so and lists the accepted keys, last."""
     where = f"in {path}" if path else "at the top level"
     near = difflib.get_close_matches(key, list(accepted), n=1, cutoff=0.75)
-    first = (f"unknown config key '{full}': did you mean '{f'{path}.' if path else ''}{near[0]}'?" if near else
-             f"unknown config key '{full}': minizero reads no such key {where} (a typo, or a DeepSpeed feature "
-             f"minizero does not have)")
-    return f"{first}\n  accepted keys {where}: {', '.join(sorted(accepted))}"
+    if near:
+        return f"unknown config key '{full}': did you mean '{f'{path}.' if path else ''}{near[0]}'?"
+    return (f"unknown config key '{full}': minizero reads no such key {where} (a typo, or a DeepSpeed "
+            f"feature minizero does not have); accepted keys {where}: {', '.join(sorted(accepted))}")
 
 
 # ----------------------------------------------------------------------------- value checks

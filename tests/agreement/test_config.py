@@ -107,7 +107,10 @@ def test_unknown_key_is_named(raw, path):
     with pytest.raises(ConfigError) as e:
         load_config(raw, 1)
     msg = str(e.value)
-    assert f"'{path}'" in msg and "ccepted keys" in msg
+    # One line that says what to write instead: a near key (a typo) is suggested alone, else
+    # the accepted keys are listed; never both (the list would bury the suggestion).
+    assert f"'{path}'" in msg and "\n" not in msg
+    assert ("did you mean" in msg) != ("ccepted keys" in msg), msg
 
 
 def test_unknown_key_lists_accepted_keys():

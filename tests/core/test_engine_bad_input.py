@@ -88,3 +88,10 @@ def test_non_scalar_loss_to_backward_names_the_shape():
     logits, _ = engine(x[:, :-1], x[:, 1:])
     with pytest.raises(ValueError, match=r"scalar loss.*\(2, 8, 62\)"):
         engine.backward(logits)
+
+
+def test_unknown_key_with_none_near_lists_the_accepted_ones_on_the_same_line():
+    # A typo gets "did you mean" alone (above); a key like no accepted one gets the list, so
+    # the line still says what to write instead.
+    _one_line_error(ConfigError, {"train_batch_size": 4, "zzz_widget": 1, "optimizer": OPT},
+                    "'zzz_widget'", "accepted keys at the top level:", "gradient_clipping", "zero_optimization")

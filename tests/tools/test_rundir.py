@@ -66,6 +66,7 @@ def _claim(folders):
     except RunDirError as e:
         return "refused", str(e)
     import os
+    comm.barrier()   # rank 0 has removed its probe (refuse_unshared) before any rank looks
     probes = sorted(f for f in os.listdir(save) if f.startswith(".minizero.probe"))
     comm.barrier()   # every rank has looked before rank 0 releases (and removes the empty folder)
     if lock is not None:
