@@ -1,0 +1,79 @@
+"""The teaching pages quote only numbers their command prints (issue 24).
+
+docs/lesson.md and docs/reading.md name `python docs/lesson/lesson_numbers.py`, which runs
+the lesson's training commands (tiny model, 3 steps each) and the layout code and prints
+every number they quote. This test runs it once and checks each page against its output:
+
+- every number with a thousands comma, a decimal point, or three digits or more;
+- every count of collectives or copies ("7 all-reduces", "200 host-to-device", "6 of the 7").
+
+Code blocks are commands (run as printed) and are not checked.
+
+So changing a quoted number by one digit fails here (test_a_changed_digit_is_caught shows
+it on the real page). Not checked: one- and two-digit numbers in other prose (stage
+numbers, N = 2, minutes), which are names rather than measurements.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# (page, the part of it that teaches: from this heading up to the next "## " heading, or all of it)
+PAGES = [("docs/lesson.md", None), ("docs/reading.md", None)]
+SCRIPT = "docs/lesson/lesson_numbers.py"
+
+NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+\.\d+|\d{3,})(?![\w])")
+COUNT = re.compile(r"(?<![\w-])(\d+) (?:all-reduces|reduce-scatters|all-gathers|device-to-host|host-to-device)\b"
+                   r"|(?<![\w-])(\d+) of (?:the )?(\d+)\b")
+PRINTED_COUNT = re.compile(r"(?:calls|reduce-scatters|backward|ended) (\d+)")
+ANY_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def not_printed(page_text: str, output: str) -> list[str]:
+    """The numbers a page quotes (see the module docstring) that the script did not print."""
+    text = re.sub(r"```.*?```", "", page_text, flags=re.S)   # commands, run as printed, quote nothing
+    text = re.sub(r"https?://\S+", "", text)                 # addresses are not numbers
+    values = {m.group(1) for m in NUMBER.finditer(text)}
+    counts = {g for m in COUNT.finditer(text) for g in m.groups() if g}
+    printed_values = {m.group(0).rstrip(",") for m in ANY_NUMBER.finditer(output)}
+    printed_counts = {m.group(1) for m in PRINTED_COUNT.finditer(output)}
+    return sorted(values - printed_values) + sorted(f"{c} (a count)" for c in counts - printed_counts)
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("lesson-runs")
+    env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, SCRIPT, "--runs", str(runs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def teaching_text(page: str, start: str | None) -> str:
+    text = open(os.path.join(ROOT, page)).read()
+    if start is None:
+        return text
+    assert start in text, f"{page} has no section {start!r}"
+    return "## " + text.split(start, 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("page,start", PAGES)
+def test_every_quoted_number_is_printed_by_the_pages_command(page, start, output):
+    text = teaching_text(page, start)
+    assert SCRIPT in text, f"{page} must name {SCRIPT}, the command that prints its numbers"
+    assert NUMBER.search(text), f"{page}: no numbers found: is the pattern broken?"
+    assert not_printed(text, output) == [], f"{page} quotes numbers {SCRIPT} does not print"
+
+
+def test_a_changed_digit_is_caught(output):
+    text = open(os.path.join(ROOT, "docs/lesson.md")).read()
+    for was, now in [("41,881,968", "41,881,969"), ("31.4 GB", "31.5 GB"), ("870,432", "870,433"),
+                     ("6 reduce-scatters", "5 reduce-scatters"), ("1,358,976", "1,358,977")]:
+        assert was in text
+        assert not_printed(text.replace(was, now), output) != [], f"{was} -> {now} went unnoticed"
