@@ -1,6 +1,7 @@
 """The teaching pages quote only numbers their command prints (issue 24).
 
-docs/lesson.md and docs/reading.md name `python docs/lesson/lesson_numbers.py`, which runs
+docs/lesson.md, docs/reading.md and the README's teaching section ("See each collective",
+"Memory at any world size") name `python docs/lesson/lesson_numbers.py`, which runs
 the lesson's training commands (tiny model, 3 steps each) and the layout code and prints
 every number they quote. This test runs it once and checks each page against its output:
 
@@ -24,7 +25,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (page, the part of it that teaches: from this heading up to the next "## " heading, or all of it)
-PAGES = [("docs/lesson.md", None), ("docs/reading.md", None)]
+PAGES = [("docs/lesson.md", None), ("docs/reading.md", None), ("README.md", "### See each collective")]
 SCRIPT = "docs/lesson/lesson_numbers.py"
 
 NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+\.\d+|\d{3,})(?![\w])")
