@@ -5,10 +5,9 @@
     python docs/lesson/lesson_numbers.py --img           # and redraws the lesson's pictures in docs/img/
 
 Why a script: a number typed into a page drifts the day the code changes. This one runs
-the lesson's own commands (the same flags, `--max-steps 3`: the trace records step 2
-either way), reads their traces and the layout code, and prints each number the pages
-quote; tests/tools/test_lesson_numbers.py fails when a page quotes a number it does not
-print. Times (ms) are printed for you to compare with yours, and quoted nowhere: they
+the lesson's own commands (as the page prints them, small sizes included), reads their
+traces and the layout code, and prints each number the pages quote;
+tests/tools/test_lesson_numbers.py fails when a page quotes a number it does not print. Times (ms) are printed for you to compare with yours, and quoted nowhere: they
 change from run to run, bytes and counts do not.
 """
 from __future__ import annotations
@@ -23,23 +22,32 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-# The lesson's commands, as it prints them (save and trace folders under --runs).
+# The lesson's commands, exactly as docs/lesson.md prints them (a test checks that it does);
+# run() fills in $s / $k and puts runs/ under --runs.
+SMALL = "--max-steps 3 --synthetic-train 256 --synthetic-test 16 --num-samples 1"
+TRAIN = "torchrun --standalone --nproc-per-node 2 -m minizero.train"
 COMMANDS = {
-    **{f"z{s}": ["--config", "docs/lesson/stages.json", "--stage", str(s)] for s in range(4)},
-    "overlap-off": ["--config", "docs/lesson/overlap_off.json"],
-    "overlap-on": ["--config", "docs/lesson/overlap_on.json"],
-    "step5": ["--config", "docs/lesson/offload_step5.json", "--model", "tutorial-24", "--n-embd", "32",
-              "--image-size", "8", "--micro-batch", "8"],
+    "stages": f"{TRAIN} --config docs/lesson/stages.json --stage $s {SMALL} --save-dir runs/lesson-z$s --trace runs/trace-z$s",
+    "overlap": f"{TRAIN} --config docs/lesson/overlap_$k.json {SMALL} --save-dir runs/lesson-overlap-$k --trace runs/trace-overlap-$k",
+    "figure1": "python -m minizero.memory_table --paper-figure1 --png runs/figure1.png",
+    "memory": "python -m minizero.memory_table --model tutorial --world-size 2 8 64 1024",
+    "step5": f"{TRAIN} --config docs/lesson/offload_step5.json --model tutorial-24 --n-embd 32 --image-size 8 "
+             f"--micro-batch 8 {SMALL} --save-dir runs/lesson-step5 --trace runs/trace-step5",
 }
+RUNS = {**{f"z{s}": ("stages", {"$s": str(s)}) for s in range(4)},
+        **{f"overlap-{k}": ("overlap", {"$k": k}) for k in ("off", "on")}, "step5": ("step5", {})}
 
 
 def run(name: str, runs: str) -> str:
     """Run one lesson command (if its trace is not there yet); its trace folder."""
     trace = os.path.join(runs, f"trace-{name}")
     if not os.path.exists(os.path.join(trace, "rank0.json")):
-        cmd = TORCHRUN + ["-m", "minizero.train", *COMMANDS[name], "--max-steps", "3",
-                          "--save-dir", os.path.join(runs, f"lesson-{name}"), "--trace", trace]
+        command, values = RUNS[name]
+        words = COMMANDS[command].split()
+        for var, value in values.items():
+            words = [w.replace(var, value) for w in words]
+        words = [os.path.join(runs, w[len("runs/"):]) if w.startswith("runs/") else w for w in words]
+        cmd = [sys.executable, "-m", "torch.distributed.run"] + words[1:]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                        env={**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"})
     return trace
@@ -52,9 +60,15 @@ def rank0(trace: str) -> tuple[dict, list[dict]]:
     return ledger, [e for e in d["traceEvents"] if e.get("ph") == "X"]
 
 
-def memory_numbers() -> None:
+def memory_numbers(runs: str) -> None:
     from minizero.observe.memory_table import compute, figure1
     print("## part 1: memory (python -m minizero.memory_table)")
+    for name in ("figure1", "memory"):   # the page's commands, their output as printed
+        words = [os.path.join(runs, w[len("runs/"):]) if w.startswith("runs/") else w for w in COMMANDS[name].split()]
+        done = subprocess.run([sys.executable] + words[1:], cwd=ROOT, check=True, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        print(done.stdout)
+    # the same numbers, one line per row, with the sums the page quotes
     print("figure1: Ψ = 7.5B parameters, N = 64, K = 12")
     for row in figure1():
         print(f"figure1 stage {row['stage']}: {row['total'] / 1e9:.1f} GB")
@@ -143,7 +157,7 @@ def main() -> None:
     ap.add_argument("--img", action="store_true", help="also redraw docs/img/ (pictures.py; needs matplotlib)")
     args = ap.parse_args()
     runs = args.runs or tempfile.mkdtemp(prefix="minizero-lesson-")
-    memory_numbers()
+    memory_numbers(runs)
     volume_numbers()
     stage_numbers(runs)
     overlap_numbers(runs)

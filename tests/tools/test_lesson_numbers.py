@@ -72,6 +72,17 @@ def test_every_quoted_number_is_printed_by_the_pages_command(page, start, output
     assert not_printed(text, output) == [], f"{page} quotes numbers {SCRIPT} does not print"
 
 
+def test_the_script_runs_the_lessons_commands_as_printed():
+    """Each command the script runs is on the page, word for word (line continuations joined)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lesson_numbers", os.path.join(ROOT, SCRIPT))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    page = " ".join(open(os.path.join(ROOT, "docs/lesson.md")).read().replace("\\\n", " ").split())
+    for name, command in script.COMMANDS.items():
+        assert " ".join(command.split()) in page, f"docs/lesson.md does not print the script's {name} command"
+
+
 def test_a_changed_digit_is_caught(output):
     text = open(os.path.join(ROOT, "docs/lesson.md")).read()
     for was, now in [("41,881,968", "41,881,969"), ("31.4 GB", "31.5 GB"), ("870,432", "870,433"),
