@@ -89,3 +89,32 @@ def test_a_changed_digit_is_caught(output):
                      ("6 reduce-scatters", "5 reduce-scatters"), ("1,358,976", "1,358,977")]:
         assert was in text
         assert not_printed(text.replace(was, now), output) != [], f"{was} -> {now} went unnoticed"
+
+
+def test_timeline_is_legible_on_a_projector(tmp_path, monkeypatch):
+    """The timeline PNG is 1600 px wide and no text in it is under 11 px (it was 1680 px with
+    6-point unit labels, 10 px), and collective bars name the unit they moved."""
+    import matplotlib.figure
+    import matplotlib.image
+    import matplotlib.text
+    from minizero.observe import timeline
+
+    def ev(cat, name, ts, dur, **args):
+        return {"ph": "X", "pid": 0, "tid": 0, "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"step": 2, **args}}
+    doc = {"traceEvents": [ev("step", "forward", 0, 400), ev("units", "blocks.0.forward", 0, 400, unit="blocks.0", phase="forward"),
+                           ev("collectives", "all_gather blocks.0.g0.fwd", 0, 200, op="all_gather", label="blocks.0.g0.fwd"),
+                           ev("step", "backward", 400, 600)],
+           "otherData": {"stage": 3, "dtype": "torch.float32"}}
+    texts = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        texts.extend((t.get_text(), t.get_fontsize()) for t in fig.findobj(matplotlib.text.Text) if t.get_text())
+        return savefig(fig, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    path = timeline.plot(doc, str(tmp_path / "timeline.png"))
+    assert matplotlib.image.imread(path).shape[1] == 1600
+    small = [(t, round(pt * timeline.DPI / 72, 1)) for t, pt in texts if pt * timeline.DPI / 72 < 11]
+    assert small == [], f"text under 11 px: {small}"
+    assert [t for t, _ in texts].count("blocks.0") == 2, "the unit bar and its all-gather both name blocks.0"
