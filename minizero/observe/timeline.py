@@ -36,9 +36,13 @@ AXIS_PT = 10.0             # 17 px: ticks, axis label, legend
 
 
 def short_label(label: str) -> str:
-    """A collective's label without its param group and purpose: which unit or bucket it moved
-    ('blocks.0.g0.bwd' -> 'blocks.0', 'group0.bucket3.grads' -> 'bucket3')."""
-    parts = [p for p in label.split(".") if not re.fullmatch(r"g\d+|group\d+|fwd|bwd|grads|params|prefetch|recompute", p)]
+    """A collective's label without its purpose: which unit or bucket it moved
+    ('blocks.0.g0.bwd' -> 'blocks.0', 'group1.bucket3.grads' -> 'g1 bucket3'; a unit's two
+    param groups are one unit on the picture, a bucket belongs to one group)."""
+    m = re.fullmatch(r"group(\d+)\.(bucket\d+)\..*", label)
+    if m:
+        return f"g{m.group(1)} {m.group(2)}"
+    parts = [p for p in label.split(".") if not re.fullmatch(r"g\d+|fwd|bwd|grads|params|prefetch|recompute", p)]
     return ".".join(parts) or label
 
 
