@@ -81,6 +81,8 @@ def test_the_script_runs_the_lessons_commands_as_printed():
     page = " ".join(open(os.path.join(ROOT, "docs/lesson.md")).read().replace("\\\n", " ").split())
     for name, command in script.COMMANDS.items():
         assert " ".join(command.split()) in page, f"docs/lesson.md does not print the script's {name} command"
+    reading = " ".join(open(os.path.join(ROOT, "docs/reading.md")).read().replace("\\\n", " ").split())
+    assert script.COMMANDS["stages"].replace("$s", "2") in reading, "docs/reading.md's stage-2 run is not the lesson's"
 
 
 def test_a_changed_digit_is_caught(output):
