@@ -29,8 +29,10 @@ Every collective that moves a FlatParam is a method here, so they read together:
 
     all_gather()           full <- every rank's shard        (ZeRO-1/2 after the step, ZeRO-3 before use)
     free_full()            drop the full buffer's storage    (ZeRO-3 after use)
-    reduce_scatter_grad()  grad_shard += my chunk of the summed gradient   (ZeRO-1/2/3)
-    all_reduce_grad()      grad_shard  = the whole summed gradient         (stage 0)
+    reduce_scatter_grad()  grad_shard += my chunk of the rank-averaged gradient  (ZeRO-1/2/3)
+    all_reduce_grad()      grad_shard  = the whole rank-averaged gradient        (stage 0)
+
+(Averaged: each rank divides its gradient by N before the collective sums, as DeepSpeed does.)
 
 Each takes async_op (overlap_comm, ZeRO-3 prefetch): the collective is issued and a handle
 returned, whose wait() must come before the result is read or the buffers are touched.

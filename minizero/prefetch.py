@@ -19,9 +19,11 @@ which modules fetch their parameters is the same every step, so record it once a
 - **reuse** (`stage3_max_reuse_distance`, elements): when a unit is done, look ahead in the
   trace over at most that many elements of fetches; if the unit comes up again, keep it
   gathered. The root, done at the end of forward and needed first in backward, is kept:
-  one all-gather fewer per step. DeepSpeed's default (1e9) keeps every unit from its
-  forward to its backward: ZeRO-3 then moves 2Ψ per step, not the paper's 3Ψ (and holds
-  the whole model at the turn, which is what the knob trades).
+  one all-gather fewer per step. DeepSpeed's default (1e9 elements) keeps every unit from
+  its forward to its backward when fewer than 1e9 elements are gathered between a unit's
+  two uses (every model here): ZeRO-3 then moves 2Ψ per step, not the paper's 3Ψ (and
+  holds the whole model at the turn, which is what the knob trades). In a larger model
+  only the units within 1e9 elements of their backward stay.
 - **max live** (`stage3_max_live_parameters`, elements): gathered elements of partitioned
   units (`live_numel`). minizero never exceeds it: a
   prefetch stops before a unit that would, a unit is kept for reuse only within it, and a

@@ -2,8 +2,10 @@
 
 Adam keeps, per parameter, an fp32 master copy and two fp32 moments: 12 of the 16 bytes
 per parameter of mixed-precision training. None of it is needed by forward or backward,
-only by the update, and the update is element-wise. So rank r keeps those 12 bytes only
-for its 1/N slice of the flat parameter buffer and updates only that slice:
+only by the update, and the update is element-wise. So rank r keeps those 12 bytes only for its 1/N slice of the flat parameter buffer and updates only that slice. That code
+is not in this file: every stage shares it (sharded_optimizer.py, `ShardedOptimizer`, builds
+the fp32 master and Adam's moments for this rank's shard); what this file adds is only
+*how the gradient slice arrives* and the all-gather after the step:
 
     memory per rank: 2Ψ (lp params) + 2Ψ (lp grads) + 12Ψ/N
 

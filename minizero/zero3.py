@@ -8,7 +8,10 @@ just before they are used, and frees them right after:
 
 The unit of gathering is a module: each transformer block (every child of an
 `nn.ModuleList`), plus the root for what is left (embeddings, final norm, head). Never
-the whole model at once. A `Unit` holds one module's parameters and their whole lifecycle,
+the whole model at once, with one exception: the root's forward is the model's forward
+(the blocks run inside it), so the root's parameters stay gathered from the start of
+forward to its end, and from the start of backward to its end. For the image GPT that is
+the embeddings and head, gathered for the whole step. A `Unit` holds one module's parameters and their whole lifecycle,
 as PyTorch FSDP2's FSDPParamGroup does, in FSDP2's vocabulary:
 
     pre_forward    unshard: all-gather the unit's parameters
@@ -33,8 +36,10 @@ activation checkpointing recomputes a block inside backward, `.recompute`.
 That is with DeepSpeed's knobs at 0. *When* a unit is gathered and freed is prefetch.py's
 decision (the `Prefetcher`, which the unit asks at each hook and obeys): with `stage3_prefetch_bucket_size` the next units' gathers are
 issued while this one computes (`.prefetch` in the label), and `stage3_max_reuse_distance`
-keeps a unit that is used again soon (DeepSpeed's default keeps every unit from its forward
-to its backward: 2Ψ gathered per step instead of 3Ψ). With `overlap_comm` (DeepSpeed's
+keeps a unit that is used again within that many *elements* of upcoming gathers. DeepSpeed's
+default (1e9 elements) keeps every unit from its forward to its backward only while the
+model is smaller than that (every model here): 2Ψ gathered per step instead of 3Ψ. In a
+larger model only the units within 1e9 elements of their backward stay. With `overlap_comm` (DeepSpeed's
 default at stage 3) the gradients' reduce-scatters run asynchronously too (buckets.py).
 
 Small parameters (at most `stage3_param_persistence_threshold` elements, DeepSpeed's

@@ -29,8 +29,26 @@ def has_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+# Sized for a projector: 1600 px wide, and no text under 11 px (a point is DPI/72 px).
+WIDTH_PX, DPI = 1600, 120
+TEXT_PT = 8.0              # 13 px: unit and collective labels inside the bars
+AXIS_PT = 10.0             # 17 px: ticks, axis label, legend
+
+
+def short_label(label: str) -> str:
+    """A collective's label without its purpose: which unit or bucket it moved
+    ('blocks.0.g0.bwd' -> 'blocks.0', 'group1.bucket3.grads' -> 'g1 bucket3'; a unit's two
+    param groups are one unit on the picture, a bucket belongs to one group)."""
+    m = re.fullmatch(r"group(\d+)\.(bucket\d+)\..*", label)
+    if m:
+        return f"g{m.group(1)} {m.group(2)}"
+    parts = [p for p in label.split(".") if not re.fullmatch(r"g\d+|fwd|bwd|grads|params|prefetch|recompute", p)]
+    return ".".join(parts) or label
+
+
 def plot(doc: dict, path: str) -> str:
-    """Draw the first traced step of a (merged) Chrome-trace document to `path` (PNG)."""
+    """Draw the first traced step of a (merged) Chrome-trace document to `path` (PNG), with
+    each unit's forward/backward and each collective labelled by the unit or bucket it moved."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -43,7 +61,7 @@ def plot(doc: dict, path: str) -> str:
     t0 = min(e["ts"] for e in events)
     ms = lambda us: (us - t0) / 1e3
     span_ms = ms(max(e["ts"] + e["dur"] for e in events))
-    fig, ax = plt.subplots(figsize=(14, 1.3 + 1.1 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(WIDTH_PX / DPI, 2.2 + 1.5 * len(ranks)))
     for row, r in enumerate(ranks):
         y = len(ranks) - 1 - row          # rank 0 on top
         mine = [e for e in events if e["pid"] == r]
@@ -57,19 +75,23 @@ def plot(doc: dict, path: str) -> str:
                                alpha=0.35 if root else 1.0, edgecolor="white", linewidth=0.6, zorder=1 if root else 2)
                 if not root and w > span_ms / 60:
                     ax.text(x + w / 2, y + 0.7, e["args"]["unit"], ha="center", va="center",
-                            fontsize=6, zorder=5)
+                            fontsize=TEXT_PT, zorder=5)
             elif e["cat"] in ("collectives", "copies"):
                 ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor=OP_COLOURS[e["args"]["op"]], zorder=3)
+                if e["cat"] == "collectives" and e["args"].get("label") and w > span_ms / 25:
+                    ax.text(x + w / 2, y + 0.26, short_label(e["args"]["label"]), ha="center", va="center",
+                            fontsize=TEXT_PT, color="white", zorder=6)
             elif e["cat"] == "wait":
                 ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor="white", alpha=0.55, hatch="////",
                                edgecolor=OP_COLOURS[e["args"]["op"]], linewidth=0, zorder=4)
     ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.tick_params(labelsize=AXIS_PT)
     ax.set_ylim(0, len(ranks))
-    ax.set_xlabel("time in the step (ms)")
+    ax.set_xlabel("time in the step (ms)", fontsize=AXIS_PT)
     info = doc.get("otherData", {})
     dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(info.get("dtype"), "")
     ax.set_title(f"minizero, ZeRO stage {info.get('stage', '?')}, {dtype}, "
-                 f"{len(ranks)} rank{'s' * (len(ranks) > 1)}: optimizer step {step}")
+                 f"{len(ranks)} rank{'s' * (len(ranks) > 1)}: optimizer step {step}", fontsize=AXIS_PT + 2)
     ops = sorted({e["args"]["op"] for e in events if e["cat"] in ("collectives", "copies")},
                  key=list(OP_COLOURS).index)
     handles = ([Patch(color=PHASE_COLOURS[p], label=f"phase: {p}") for p in PHASE_COLOURS]
@@ -77,10 +99,10 @@ def plot(doc: dict, path: str) -> str:
                   if any(e["cat"] == "units" and e["args"]["phase"] == u for e in events)]
                + [Patch(color=OP_COLOURS[o], label=o) for o in ops]
                + [Patch(facecolor="white", edgecolor="black", hatch="////", label="waiting for other ranks")])
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / len(ranks)),
-              ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.1 / len(ranks)),
+              ncol=min(len(handles), 5), fontsize=AXIS_PT, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
