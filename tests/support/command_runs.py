@@ -51,7 +51,7 @@ def _rank(program: str, argv: list[str], folder: str, launcher: bool) -> int:
         os.dup2(f, fd)
         os.close(f)
     try:
-        rc = importlib.import_module(PROGRAMS[program]).main(argv) or 0
+        rc = importlib.import_module(PROGRAMS.get(program, program)).main(argv) or 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:   # what the interpreter would have printed before exiting 1
@@ -70,7 +70,8 @@ def run_command(program: str, argv: list[str], nproc: int = 1, *, launcher: bool
     """`torchrun --nproc-per-node nproc -m program argv` (launcher=True, the default for
     nproc > 1) or `python -m program argv` (nproc 1, launcher False), run on forked ranks.
     program is spelled as in tests.support.script_runs.PROGRAMS ("minizero.train",
-    "reference/train.py", ...). env: extra variables for the ranks."""
+    "reference/train.py", ...), or is any module with a main(argv). env: extra variables
+    for the ranks."""
     launcher = nproc > 1 if launcher is None else launcher
     with tempfile.TemporaryDirectory(prefix="command_runs-") as folder:
         rcs = spawn.run_ranks(_rank, nproc, args=(program, list(argv), folder, launcher), env=env,
