@@ -15,7 +15,8 @@ patches (DeepSpeed's module globals, ZeRO-3's F.linear) leaks into the next.
 Each rank's file descriptors 1 and 2 go to a file, so what C++ prints (gloo) is caught as
 well as Python's prints; stdout and stderr are the ranks' outputs one after the other,
 rank 0 first (torchrun interleaves them; the tests count and search lines, never their
-order across ranks). The exit status is the first nonzero rank's, as torchrun reports a
+order across ranks). The exit status is the first nonzero rank's (each rank's is in
+`.rank_returncodes`), as torchrun reports a
 failed rank (an uncaught exception prints its traceback and exits 1, as the interpreter does).
 
 Tests whose point is the launcher itself (torchrun's own handling, `python -m` as a user
@@ -35,13 +36,15 @@ from tests.support.script_runs import PROGRAMS, ROOT
 spawn.preload("tests.support.command_runs", *PROGRAMS.values())
 
 
-def _rank(program: str, argv: list[str], folder: str, launcher: bool) -> int:
+def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: list | None) -> int:
     """On each rank: run program's main(argv) with fds 1 and 2 in folder/<rank>.out/.err."""
     import importlib
     rank = os.environ["RANK"]
     if not launcher:   # `python -m ...` alone, not under torchrun: no launcher's variables
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(k, None)
+    if rank_env:       # what another launcher (srun) would set for this rank
+        os.environ.update(rank_env[int(rank)])
     os.chdir(ROOT)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -66,15 +69,16 @@ def _rank(program: str, argv: list[str], folder: str, launcher: bool) -> int:
 
 
 def run_command(program: str, argv: list[str], nproc: int = 1, *, launcher: bool | None = None,
-                env: dict | None = None, timeout: float = 400.0) -> subprocess.CompletedProcess:
+                env: dict | None = None, rank_env: list[dict] | None = None, timeout: float = 400.0) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc -m program argv` (launcher=True, the default for
     nproc > 1) or `python -m program argv` (nproc 1, launcher False), run on forked ranks.
     program is spelled as in tests.support.script_runs.PROGRAMS ("minizero.train",
     "reference/train.py", ...), or is any module with a main(argv). env: extra variables
-    for the ranks."""
+    for the ranks; rank_env: one dict per rank, set last (srun's SLURM_PROCID and the like,
+    with launcher=False)."""
     launcher = nproc > 1 if launcher is None else launcher
     with tempfile.TemporaryDirectory(prefix="command_runs-") as folder:
-        rcs = spawn.run_ranks(_rank, nproc, args=(program, list(argv), folder, launcher), env=env,
+        rcs = spawn.run_ranks(_rank, nproc, args=(program, list(argv), folder, launcher, rank_env), env=env,
                               group=False, timeout=timeout)
 
         def read(ext):
@@ -82,4 +86,6 @@ def run_command(program: str, argv: list[str], nproc: int = 1, *, launcher: bool
         out, err = read("out"), read("err")
     rc = next((c for c in rcs if c != 0), 0)
     args = (["torchrun", "--nproc-per-node", str(nproc)] if launcher else ["python"]) + ["-m", program, *argv]
-    return subprocess.CompletedProcess(args, rc, out, err)
+    done = subprocess.CompletedProcess(args, rc, out, err)
+    done.rank_returncodes = rcs     # each rank's own, where a test asserts them all
+    return done
