@@ -24,6 +24,7 @@ types it) keep running the real command in a subprocess.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -89,3 +90,44 @@ def run_command(program: str, argv: list[str], nproc: int = 1, *, launcher: bool
     done = subprocess.CompletedProcess(args, rc, out, err)
     done.rank_returncodes = rcs     # each rank's own, where a test asserts them all
     return done
+
+
+def from_torchrun(cmd: list[str]) -> tuple[str, list[str], int]:
+    """(program, argv, nproc) of `python -m torch.distributed.run [--opt value ...] (-m MODULE | SCRIPT) ARGS`,
+    the command line a tool (python -m minizero.compare) builds; SCRIPT relative to the repository."""
+    i, nproc = cmd.index("torch.distributed.run") + 1, 1
+    while cmd[i].startswith("--"):
+        opt, _, value = cmd[i].partition("=")
+        if opt == "--standalone" or value:
+            i += 1
+        else:
+            value, i = cmd[i + 1], i + 2
+        if opt in ("--nproc-per-node", "--nproc_per_node"):
+            nproc = int(value)
+    if cmd[i] == "-m":
+        return cmd[i + 1], cmd[i + 2:], nproc
+    return os.path.relpath(cmd[i], ROOT), cmd[i + 1:], nproc
+
+
+@contextlib.contextmanager
+def torchrun_on_forked_ranks():
+    """While open, subprocess.run of a `python -m torch.distributed.run ...` command line runs
+    it with run_command instead (its output into the file the caller gave as stdout); every
+    other command line runs as it would. For a tool that launches torchrun itself
+    (minizero.compare), run in this process."""
+    real = subprocess.run
+
+    def run(cmd, *args, stdout=None, **kw):
+        if "torch.distributed.run" not in cmd:
+            return real(cmd, *args, stdout=stdout, **kw)
+        program, argv, nproc = from_torchrun(cmd)
+        p = run_command(program, argv, nproc)
+        if stdout is not None:
+            stdout.write(p.stdout + p.stderr)
+            stdout.flush()
+        return subprocess.CompletedProcess(cmd, p.returncode)
+    subprocess.run = run
+    try:
+        yield
+    finally:
+        subprocess.run = real

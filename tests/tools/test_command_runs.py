@@ -42,3 +42,20 @@ def test_each_ranks_fds_are_captured_and_the_failing_ranks_status_returned():
     assert sorted(p.stderr.splitlines()) == ["fd-err 0", "fd-err 1", "py-err 0", "py-err 1"]
     one = run_command(__name__, [], nproc=1)   # `python -m ...` alone: no launcher's variables
     assert one.returncode == 0 and one.stdout.splitlines() == ["py-out none world=none", "fd-out none"]
+
+
+def test_compares_torchrun_command_lines_are_read_back():
+    """from_torchrun reads the command lines compare builds (a -m module, and a script given
+    by its absolute path) into what run_command runs."""
+    import argparse
+
+    from minizero.compare import compare
+    from tests.support.command_runs import ROOT, from_torchrun
+    args = argparse.Namespace(dtype="fp32", seed=3, nproc=2, model="tiny", dataset=None, image_size=8, max_steps=10)
+    mz = compare.run_command("minizero", 3, args, ["--num-samples", "4"], "c.json", "out")
+    ds = compare.run_command("deepspeed", 0, args, [], "c.json", "out")
+    assert from_torchrun(mz) == ("minizero.train", mz[mz.index("minizero.train") + 1:], 2)
+    assert from_torchrun(ds)[:2] == ("reference/train.py", ds[ds.index(os.path.join(ROOT, "reference", "train.py")) + 1:])
+    assert from_torchrun(mz)[1][-2:] == ["--num-samples", "4"] and "--stage" in from_torchrun(ds)[1]
+    assert from_torchrun(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                          "-m", "minizero.train", "--stage", "1"]) == ("minizero.train", ["--stage", "1"], 4)
