@@ -34,7 +34,10 @@ import traceback
 from minizero.runtime import spawn
 from tests.support.script_runs import PROGRAMS, ROOT
 
-spawn.preload("tests.support.command_runs", *PROGRAMS.values())
+# Not reference.train: importing it wraps torch.distributed's collectives process-wide (its
+# CommCounter), which would then be in every rank of every test. A run of it imports it on
+# its own rank (DeepSpeed itself is preloaded: tests/support/ds_preload.py).
+spawn.preload("tests.support.command_runs", *(m for m in PROGRAMS.values() if m != "reference.train"))
 
 
 def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: list | None) -> int:
