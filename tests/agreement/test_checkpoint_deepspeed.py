@@ -35,6 +35,7 @@ from minizero.checkpoint.deepspeed_checkpoint import (assign_groups, open_source
                                            zero12_offsets, zero12_partition_numel, zero12_tail_padding)
 from reference.ds_run import SyntheticBatches, build_model, prepare_ds_config  # noqa: E402
 from tests.support import harness  # noqa: E402
+from tests.support.command_runs import run_command  # noqa: E402  (a command line on forked ranks: no 5-10 s of imports)
 from tests.support.launcher import run_ranks  # noqa: E402
 
 N = 2
@@ -450,14 +451,11 @@ def test_train_resumes_a_deepspeed_run_with_deepspeeds_losses(tmp_path):
     continues that folder; its summary's losses are DeepSpeed's uninterrupted ones."""
     import json
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     common = ["--stage", "1", "--dtype", "bf16", "--max-steps", "4"]
-    subprocess.run([sys.executable, "reference/train.py", *common, "--save-every", "2", "--save-dir",
-                    str(tmp_path / "ds")], cwd=repo, env=env, check=True, capture_output=True)
-    done = subprocess.run([sys.executable, "-m", "minizero.train", *common, "--resume", str(tmp_path / "ds"),
-                           "--tag", "global_step2", "--save-dir", str(tmp_path / "mz")],
-                          cwd=repo, env=env, capture_output=True, text=True)
+    saved = run_command("reference/train.py", [*common, "--save-every", "2", "--save-dir", str(tmp_path / "ds")])
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    done = run_command("minizero.train", [*common, "--resume", str(tmp_path / "ds"), "--tag", "global_step2",
+                                          "--save-dir", str(tmp_path / "mz")])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "DeepSpeed checkpoint of 1 rank at ZeRO stage 1" in done.stdout + done.stderr
     ds, mz = (json.loads((tmp_path / d / "summary.json").read_text())["losses"] for d in ("ds", "mz"))

@@ -9,6 +9,10 @@ program's own main(), exactly as its command would pass it, with its stdout and 
 captured; its exit status is what the process would have exited with. The results are
 written to PLAN.json's folder as <name>.rc, <name>.out and <name>.err.
 
+The tests start it with tests/support/command_runs.run_command("tests.support.script_runs",
+[PLAN.json]): a process forked from their preloaded forkserver, so not even this process
+pays the imports.
+
 Why one process: a chain of checkpoint hand-overs (DeepSpeed saves, minizero resumes,
 minizero exports, DeepSpeed resumes the export) is a dozen single-rank runs of a few
 seconds each, and each fresh interpreter would spend most of its time importing torch,
@@ -71,7 +75,9 @@ def run_one(program: str, argv: list[str], prefix: str) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def main(plan_path: str) -> None:
+def main(argv=None) -> None:
+    """argv: [PLAN.json], as on the command line."""
+    plan_path = (sys.argv[1:] if argv is None else list(argv))[0]
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     folder = os.path.dirname(os.path.abspath(plan_path))
@@ -88,4 +94,4 @@ def main(plan_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -9,8 +9,15 @@ The config is train.py's default with gradient_clipping 0 (off). minizero and De
 differ in one piece of arithmetic, the gradient norm, which reaches the weights only
 through clipping (tests/agreement/test_agreement_loss.py: test_clipping_active_*); with it off both
 libraries run the same ops in the same order, so the losses must agree BITWISE, on any CPU.
-(With clipping on, as by default, this run measured 1-2 fp32 ulps of the loss.)"""
+(With clipping on, as by default, this run measured 1-2 fp32 ulps of the loss.)
+
+The stage 0 / 3 report runs compare's main(argv) in this process, its four torchrun launches
+on ranks forked from the tests' preloaded forkserver (tests/support/command_runs.py: twelve
+fresh interpreters' imports saved); the offload report runs `python -m minizero.compare` as
+a user types it, torchrun and all."""
+import contextlib
 import copy
+import io
 import itertools
 import json
 import os
@@ -39,9 +46,23 @@ def table_rows(md: str) -> dict:
     return {int(r["stage"]): r for r in rows}
 
 
-def run_compare(out, stages, zero=()):
+def compare_forked(*args):
+    """compare(*args), as compare's main(argv) in this process with its torchrun launches
+    on forked ranks (tests/support/command_runs.py)."""
+    from minizero.compare import compare as tool
+    from tests.support.command_runs import torchrun_on_forked_ranks
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    with torchrun_on_forked_ranks(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            tool.main(list(args))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["python", "-m", "minizero.compare", *args], rc, out.getvalue(), err.getvalue())
+
+
+def run_compare(out, stages, zero=(), forked=False):
     """compare on the tiny run, fp32, train.py's default config with clipping off and `zero`
-    added to zero_optimization."""
+    added to zero_optimization (forked: through compare_forked)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("matplotlib")
     from minizero.train.train_args import DEFAULT_CONFIG
@@ -50,7 +71,7 @@ def run_compare(out, stages, zero=()):
     cfg["gradient_clipping"] = 0.0
     cfg["zero_optimization"].update(zero)
     (out / "noclip.json").write_text(json.dumps(cfg))
-    r = compare("--stages", *map(str, stages), "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
+    r = (compare_forked if forked else compare)("--stages", *map(str, stages), "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
                 "--dataset", "synthetic", "--image-size", "8", "--max-steps", "10", "--out", str(out),
                 # passed through to both training scripts:
                 "--synthetic-train", "256", "--synthetic-test", "32", "--num-samples", "4",
@@ -61,7 +82,7 @@ def run_compare(out, stages, zero=()):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    return run_compare(tmp_path_factory.mktemp("compare"), (0, 3))
+    return run_compare(tmp_path_factory.mktemp("compare"), (0, 3), forked=True)
 
 
 @pytest.fixture(scope="module")

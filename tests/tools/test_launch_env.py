@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
 from minizero import comm
 from tests.support.launcher import free_port, run_ranks
-from tests.tools.test_train import PY, ROOT, SMALL, _env
+from tests.support.command_runs import run_command
+from tests.tools.test_train import SMALL
 
 
 def _fake_cuda(monkeypatch, n: int):
@@ -32,29 +32,28 @@ def _fake_cuda(monkeypatch, n: int):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
 
 
+def _srun(argv, nproc=2, **env):
+    """`srun --ntasks 2 python -m minizero.train ARGV`: each task gets SLURM's variables (and
+    `env`) and no torchrun's; run as the program's main(argv) on processes forked from the
+    tests' preloaded forkserver (tests/support/command_runs.py), not fresh interpreters."""
+    rank_env = [dict(SLURM_PROCID=str(r), SLURM_NTASKS=str(nproc), SLURM_STEP_NUM_TASKS=str(nproc),
+                     SLURM_LOCALID=str(r), **env) for r in range(nproc)]
+    return run_command("minizero.train", argv, nproc, launcher=False, rank_env=rank_env, timeout=240)
+
+
 def test_srun_without_torchrun_is_one_job(tmp_path):
     port, save = str(free_port()), str(tmp_path / "run")
-    procs = []
-    for r in range(2):
-        env = dict(_env(), SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(r),
-                   SLURM_JOB_ID="77",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", save], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    p = _srun([*SMALL, "--save-dir", save], SLURM_JOB_ID="77", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    assert p.returncode == 0, (p.stdout, p.stderr)
     with open(os.path.join(save, "summary.json")) as f:
         assert json.load(f)["world_size"] == 2
 
 
 def test_srun_without_torchrun_or_master_addr_is_refused_in_one_line(tmp_path):
-    procs = [subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", str(tmp_path / "r")], cwd=ROOT,
-                              env=dict(_env(), SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2",
-                                       SLURM_LOCALID=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert all(p.returncode == 1 for p in procs) and not any("Traceback" in e for e in errs), errs
-    lines = [ln for e in errs for ln in e.splitlines() if "error:" in ln]
+    p = _srun([*SMALL, "--save-dir", str(tmp_path / "r")])
+    errs = p.stderr
+    assert p.rank_returncodes == [1, 1] and "Traceback" not in errs, errs
+    lines = [ln for ln in errs.splitlines() if "error:" in ln]
     assert len(lines) == 1 and "MASTER_ADDR" in lines[0] and "torchrun" in lines[0], errs
     assert not os.path.exists(tmp_path / "r" / "metrics.csv")
 

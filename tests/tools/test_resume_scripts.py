@@ -24,11 +24,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
-from tests.tools.test_train import PY, ROOT, _env
+from tests.support.command_runs import run_command
 
 pytest.importorskip("deepspeed")
 
@@ -102,10 +101,8 @@ def runs(tmp_path_factory):
         path = os.path.join(w, f"plan{i}.json")
         with open(path, "w") as f:
             json.dump(piece, f)
-        # one thread per run: two cores, and torch's idle threads would spin against the others'
-        p = subprocess.run([PY, "-m", "tests.support.script_runs", path], cwd=ROOT, env=dict(_env(), OMP_NUM_THREADS="1"),
-                           capture_output=True,
-                           text=True, timeout=600)
+        # forked from the tests' preloaded forkserver (no imports paid); one thread per run
+        p = run_command("tests.support.script_runs", [path], timeout=600)
         assert p.returncode == 0, p.stdout + p.stderr
         for step in piece:
             rc, out, err = (open(os.path.join(w, f"{step['name']}.{ext}")).read() for ext in ("rc", "out", "err"))

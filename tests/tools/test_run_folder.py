@@ -23,6 +23,7 @@ import subprocess
 
 import pytest
 
+from tests.support.command_runs import run_command
 from tests.tools.test_train import PY, ROOT, _env, _torchrun
 
 TINY = ["--model", "micro", "--image-size", "8", "--synthetic-train", "32", "--synthetic-test", "8",
@@ -56,8 +57,7 @@ def runs(tmp_path_factory):
     plan = _plan(w)
     with open(f"{w}/plan.json", "w") as f:
         json.dump(plan, f)
-    p = subprocess.run([PY, "-m", "tests.support.script_runs", f"{w}/plan.json"], cwd=ROOT,
-                       env=dict(_env(), OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    p = run_command("tests.support.script_runs", [f"{w}/plan.json"], timeout=300)   # one thread, as each rank
     assert p.returncode == 0, p.stdout + p.stderr
     results = {s["name"]: tuple(open(f"{w}/{s['name']}.{ext}").read() for ext in ("rc", "out", "err")) for s in plan}
     return {k: (int(rc), out, err) for k, (rc, out, err) in results.items()}, w

@@ -1,9 +1,14 @@
-"""End-to-end: the training scripts as a user runs them (subprocesses), on CPU.
+"""End-to-end: the training scripts' command lines, on CPU.
 
-Each launch costs ~5-10 s of imports, so every configuration is launched once (module-
-scoped fixtures) and all its checks read the files it wrote: one single-process run
-(continued with --resume, next to a straight run), one torchrun launch per ZeRO stage at world size 2,
-one DeepSpeed reference run, and three bad-input runs started side by side.
+Every configuration is launched once (module-scoped fixtures) and all its checks read the
+files it wrote: one single-process run (continued with --resume, next to a straight run), one
+2-rank launch per ZeRO stage, one DeepSpeed reference run, and four bad-input runs.
+
+A fresh interpreter costs 5-10 s of imports (torch, dynamo, DeepSpeed) per process on this
+2-core machine, so the command lines run as each program's main(argv) on ranks forked from
+the tests' preloaded forkserver, with torchrun's environment where torchrun would start them
+(tests/support/command_runs.py). Stage 3's 2-rank launch still goes through the real
+`torchrun -m minizero.train`, as the README prints it, so the launcher itself stays tested.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import sys
 import pytest
 
 from minizero.comm import free_port
+from tests.support.command_runs import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -40,6 +46,11 @@ def _env():
 def _run(args, timeout=240):
     p = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p
+
+
+def _ok(p):
+    assert p.returncode == 0, f"{' '.join(p.args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
 
 
@@ -86,8 +97,8 @@ def single_run(tmp_path_factory, data_dir):
     save = str(tmp_path_factory.mktemp("single"))
     # A constant lr (no config scheduler): the resume test compares with a straight 5-step
     # run, and minGPT's token schedule would stretch with --max-steps.
-    p = _run([PY, "-m", "minizero.train", *SMALL, "--lr-schedule", "config", "--data-dir", data_dir,
-              "--save-dir", save])
+    p = _ok(run_command("minizero.train", [*SMALL, "--lr-schedule", "config", "--data-dir", data_dir,
+                                           "--save-dir", save]))
     return save, p
 
 
@@ -105,12 +116,9 @@ def test_resume_is_exact(single_run, tmp_path, data_dir):
     save, _ = single_run
     five = [a if a != "3" else "5" for a in SMALL] + ["--lr-schedule", "config", "--data-dir", data_dir]
     runs = {"resumed": ["--resume", save], "straight": []}
-    procs = {k: subprocess.Popen([PY, "-m", "minizero.train", *five, "--save-dir", str(tmp_path / k), *extra],
-                                 cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for k, extra in runs.items()}
-    for k, p in procs.items():
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, f"{k}:\n{out[-2000:]}\n{err[-4000:]}"
+    for k, extra in runs.items():
+        p = run_command("minizero.train", [*five, "--save-dir", str(tmp_path / k), *extra])
+        assert p.returncode == 0, f"{k}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     resumed = _check_run(str(tmp_path / "resumed"), "minizero", 0, 1, steps=5)
     straight = _check_run(str(tmp_path / "straight"), "minizero", 0, 1, steps=5)
     with open(os.path.join(save, "summary.json")) as f:
@@ -121,8 +129,12 @@ def test_resume_is_exact(single_run, tmp_path, data_dir):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_torchrun_two_ranks(stage, tmp_path, data_dir):
     save, trace = str(tmp_path / f"z{stage}"), str(tmp_path / f"trace{stage}")
-    _run([*_torchrun(2), "-m", "minizero.train", *SMALL, "--stage", str(stage),
-          "--data-dir", data_dir, "--save-dir", save, "--trace", trace, "--comms-logger"])
+    argv = [*SMALL, "--stage", str(stage), "--data-dir", data_dir, "--save-dir", save, "--trace", trace,
+            "--comms-logger"]
+    if stage == 3:   # the README's command: through torchrun itself
+        _run([*_torchrun(2), "-m", "minizero.train", *argv])
+    else:
+        _ok(run_command("minizero.train", argv, nproc=2))
     s = _check_run(save, "minizero", stage, 2)
     comm = s["comm_wire_bytes_per_step"]
     assert comm["total"] > 0
@@ -155,7 +167,7 @@ def test_torchrun_two_ranks(stage, tmp_path, data_dir):
 def test_reference_deepspeed(tmp_path, data_dir):
     pytest.importorskip("deepspeed")
     save = str(tmp_path / "ds")
-    _run([PY, "reference/train.py", *SMALL, "--data-dir", data_dir, "--save-dir", save])
+    _ok(run_command("reference/train.py", [*SMALL, "--data-dir", data_dir, "--save-dir", save]))
     s = _check_run(save, "deepspeed", 0, 1)
     assert s["config"]["optimizer"]["params"]["torch_adam"] is True
 
@@ -174,12 +186,9 @@ def test_bad_input_one_clear_line(tmp_path):
         "resume": (["--resume", str(empty)], [str(empty), "no checkpoint found"]),
         "trace": (["--trace", str(tmp_path / "t"), "--trace-steps", "5"], ["--trace-steps 5", "--max-steps 3"]),
     }
-    procs = {k: subprocess.Popen([PY, "-m", "minizero.train", *SMALL, "--save-dir", str(tmp_path / k), *extra],
-                                 cwd=ROOT, env=_env(),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for k, (extra, _) in cases.items()}   # side by side: the imports overlap
-    for k, p in procs.items():
-        out, err = p.communicate(timeout=180)
+    for k, (extra, _) in cases.items():
+        p = run_command("minizero.train", [*SMALL, "--save-dir", str(tmp_path / k), *extra], timeout=180)
+        out, err = p.stdout, p.stderr
         assert p.returncode != 0, f"{k}: exited 0\n{out}\n{err}"
         assert "Traceback" not in err, f"{k}:\n{err}"
         lines = [ln for ln in err.splitlines() if "error:" in ln]
@@ -192,8 +201,7 @@ def test_resume_from_another_model_is_one_clear_line(single_run):
     """A checkpoint of the micro model resumed into the tiny model: one line, no traceback."""
     save, _ = single_run
     args = [a if a != "micro" else "tiny" for a in SMALL]
-    p = subprocess.run([PY, "-m", "minizero.train", *args, "--resume", save, "--save-dir", save + "-tiny"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    p = run_command("minizero.train", [*args, "--resume", save, "--save-dir", save + "-tiny"], timeout=180)
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if "error:" in ln]
     assert len(lines) == 1 and "different model" in lines[0], p.stderr

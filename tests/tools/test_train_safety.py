@@ -23,19 +23,18 @@ import subprocess
 import pytest
 import torch
 
-from tests.tools.test_train import PY, ROOT, SMALL, _env, _torchrun
+from tests.support.command_runs import run_command
+from tests.tools.test_train import ROOT, SMALL, _env, _torchrun
 
 BASE = [a for a in SMALL if a not in ("--max-steps", "3")]
 
 
-def _start(args, **kw):
-    return subprocess.Popen([PY, "-m", "minizero.train", *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
-
-
-def _finish(p, timeout=240):
-    out, err = p.communicate(timeout=timeout)
-    return p.returncode, out, err
+def _train(args, timeout=240):
+    """`python -m minizero.train ARGS` -> (exit status, stdout, stderr), run as the program's
+    main(argv) in a process forked from the tests' preloaded forkserver (no 5-10 s of imports
+    per run: tests/support/command_runs.py). The torchrun case below runs torchrun itself."""
+    p = run_command("minizero.train", args, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
 
 
 def _error_lines(err: str) -> list[str]:
@@ -65,14 +64,13 @@ def _weights_finite(tag_dir) -> bool:
 
 @pytest.fixture(scope="module")
 def diverged(tmp_path_factory):
-    """lr 1000 in bf16 and in fp16, started side by side (the imports overlap)."""
+    """lr 1000 in bf16 and in fp16."""
     tmp = tmp_path_factory.mktemp("diverge")
     runs = {
         "bf16": [*BASE, "--config", _config(tmp, "bf16", bf16={"enabled": True}), "--max-steps", "60"],
         "fp16": [*BASE, "--config", _config(tmp, "fp16", fp16={"enabled": True}), "--max-steps", "60"],
     }
-    procs = {k: _start([*a, "--save-every", "2", "--save-dir", str(tmp / k)]) for k, a in runs.items()}
-    return {k: (str(tmp / k), *_finish(p)) for k, p in procs.items()}
+    return {k: (str(tmp / k), *_train([*a, "--save-every", "2", "--save-dir", str(tmp / k)])) for k, a in runs.items()}
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -107,8 +105,8 @@ def finished(tmp_path_factory):
     from minizero.train.train_args import DEFAULT_CONFIG
     cfg = tmp / "print3.json"
     cfg.write_text(json.dumps(dict(DEFAULT_CONFIG, steps_per_print=3)))
-    rc, out, err = _finish(_start([*BASE, "--config", str(cfg), "--max-steps", "6", "--save-every", "3",
-                                   "--save-dir", save]))
+    rc, out, err = _train([*BASE, "--config", str(cfg), "--max-steps", "6", "--save-every", "3",
+                           "--save-dir", save])
     assert rc == 0, err[-3000:]
     return save, out, err
 
@@ -126,7 +124,7 @@ def _digest(d):
 def test_existing_run_is_never_overwritten(finished):
     save, _, _ = finished
     before = _digest(save)
-    rc, out, err = _finish(_start([*BASE, "--max-steps", "2", "--save-dir", save]))
+    rc, out, err = _train([*BASE, "--max-steps", "2", "--save-dir", save])
     assert rc == 1 and "Traceback" not in err
     lines = _error_lines(err)
     assert len(lines) == 1 and "already holds a run" in lines[0] and f"--resume {save}" in lines[0]
@@ -137,7 +135,7 @@ def test_folder_in_use_is_refused(tmp_path):
     from minizero.train.rundir import RunDirLock
     save = str(tmp_path / "busy")
     with RunDirLock(save):           # a run that is still going (this process holds the lock)
-        rc, out, err = _finish(_start([*BASE, "--max-steps", "2", "--save-dir", save]))
+        rc, out, err = _train([*BASE, "--max-steps", "2", "--save-dir", save])
     assert rc == 1 and "Traceback" not in err
     lines = _error_lines(err)
     assert len(lines) == 1 and "in use by a run that is still going" in lines[0] and f"pid {os.getpid()}" in lines[0]
@@ -149,17 +147,17 @@ def test_resume_without_latest_lists_checkpoints_and_tag_picks_one(finished, tmp
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", save, str(copy)], check=True)
     os.remove(copy / "latest")
-    rc, out, err = _finish(_start([*BASE, "--max-steps", "6", "--resume", str(copy)]))
+    rc, out, err = _train([*BASE, "--max-steps", "6", "--resume", str(copy)])
     lines = _error_lines(err)
     assert rc == 1 and len(lines) == 1, err[-3000:]
     assert "'latest' is missing" in lines[0] and "global_step3, global_step6" in lines[0] and "--tag" in lines[0]
-    rc, out, err = _finish(_start([*BASE, "--max-steps", "6", "--resume", str(copy), "--tag", "global_step9"]))
+    rc, out, err = _train([*BASE, "--max-steps", "6", "--resume", str(copy), "--tag", "global_step9"])
     assert rc == 1 and "no complete checkpoint 'global_step9'" in _error_lines(err)[0]
 
 
 def test_resume_from_an_older_tag_into_the_same_folder_is_refused(finished):
     save, _, _ = finished
-    rc, out, err = _finish(_start([*BASE, "--max-steps", "6", "--resume", save, "--tag", "global_step3"]))
+    rc, out, err = _train([*BASE, "--max-steps", "6", "--resume", save, "--tag", "global_step3"])
     lines = _error_lines(err)
     assert rc == 1 and len(lines) == 1 and "would overwrite" in lines[0] and "global_step6" in lines[0], err
 
@@ -168,15 +166,15 @@ def test_resume_from_a_tag_equals_the_uninterrupted_run(finished, tmp_path):
     """The README's resume tour: steps 4-6 resumed from global_step3 == the straight run's, bit for bit
     (minGPT's lr schedule included: it is saved with its shape, not rebuilt)."""
     save, _, _ = finished
-    rc, out, err = _finish(_start([*BASE, "--max-steps", "6", "--resume", save, "--tag", "global_step3",
-                                   "--save-dir", str(tmp_path / "resumed")]))
+    rc, out, err = _train([*BASE, "--max-steps", "6", "--resume", save, "--tag", "global_step3",
+                           "--save-dir", str(tmp_path / "resumed")])
     assert rc == 0, err[-3000:]
     assert _summary(str(tmp_path / "resumed"))["losses"] == _summary(save)["losses"]
 
 
 def test_resume_with_a_longer_run_keeps_the_saved_schedule(finished, tmp_path):
     save, _, _ = finished
-    rc, out, err = _finish(_start([*BASE, "--max-steps", "8", "--resume", save, "--save-dir", str(tmp_path / "longer")]))
+    rc, out, err = _train([*BASE, "--max-steps", "8", "--resume", save, "--save-dir", str(tmp_path / "longer")])
     assert rc == 0, err[-3000:]
     assert "keeping the saved lr schedule (minGPT cosine ending at step 6)" in out
     with open(tmp_path / "longer" / "metrics.csv") as f:

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from minizero.comm import free_port
 from minizero.gpt.model import GPT, PRESETS
 from minizero.train.train_args import build_parser, check_args, model_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = sys.executable
-
+from tests.support.command_runs import run_command
 
 def parse(*argv):
     parser = build_parser()
@@ -94,24 +88,18 @@ NOTE = ("model tutorial-24 with n_embd=32 (--n-embd), block_size=63 (--image-siz
         "n_embd=256, block_size=1023")
 
 
-def _env():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def step5_runs(tmp_path_factory):
-    """The same command under both libraries, one after the other (2 ranks each)."""
+    """The same command under both libraries, one after the other (2 ranks each, as
+    `torchrun --nproc-per-node 2` starts them, forked from the tests' preloaded forkserver:
+    tests/support/command_runs.py)."""
     tmp = tmp_path_factory.mktemp("step5")
     out = {}
-    for library, script in (("minizero", ["-m", "minizero.train"]), ("deepspeed", ["reference/train.py"])):
+    for library, program in (("minizero", "minizero.train"), ("deepspeed", "reference/train.py")):
         save = str(tmp / library)
-        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-               *script, *STEP5, "--data-dir", str(tmp / "data"), "--save-dir", save]
-        p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
-        assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+        p = run_command(program, [*STEP5, "--data-dir", str(tmp / "data"), "--save-dir", save], nproc=2,
+                        env={"DS_ACCELERATOR": "cpu"})
+        assert p.returncode == 0, f"{' '.join(p.args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
         with open(os.path.join(save, "summary.json")) as f:
             out[library] = (p.stdout, json.load(f))
     return out

@@ -1,0 +1,136 @@
+"""Run a training command line on N ranks from the tests' preloaded forkserver, as torchrun would.
+
+    p = run_command("minizero.train", [...argv...], nproc=2)    # p.returncode, p.stdout, p.stderr
+
+What `torchrun --nproc-per-node N -m minizero.train ARGV` does for a test, without its cost:
+a fresh `torchrun` is three interpreters (the launcher and two ranks) each importing torch,
+dynamo and DeepSpeed, 4-8 s apiece on this loaded 2-core machine, before the run's own
+second or two of work. Here every rank is forked from the forkserver of
+minizero.runtime.spawn that imported all of that once for the whole test session, gets
+torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ... and one thread), and runs the
+program's own main(ARGV) from the repository root; the program starts and ends its process
+group itself, as it does under torchrun. Each run is fresh processes, so nothing one run
+patches (DeepSpeed's module globals, ZeRO-3's F.linear) leaks into the next.
+
+Each rank's file descriptors 1 and 2 go to a file, so what C++ prints (gloo) is caught as
+well as Python's prints; stdout and stderr are the ranks' outputs one after the other,
+rank 0 first (torchrun interleaves them; the tests count and search lines, never their
+order across ranks). The exit status is the first nonzero rank's (each rank's is in
+`.rank_returncodes`), as torchrun reports a
+failed rank (an uncaught exception prints its traceback and exits 1, as the interpreter does).
+
+Tests whose point is the launcher itself (torchrun's own handling, `python -m` as a user
+types it) keep running the real command in a subprocess.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+from minizero.runtime import spawn
+from tests.support.script_runs import PROGRAMS, ROOT
+
+# Not reference.train: importing it wraps torch.distributed's collectives process-wide (its
+# CommCounter), which would then be in every rank of every test. A run of it imports it on
+# its own rank (DeepSpeed itself is preloaded: tests/support/ds_preload.py).
+spawn.preload("tests.support.command_runs", *(m for m in PROGRAMS.values() if m != "reference.train"))
+
+
+def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: list | None) -> int:
+    """On each rank: run program's main(argv) with fds 1 and 2 in folder/<rank>.out/.err."""
+    import importlib
+    rank = os.environ["RANK"]
+    if not launcher:   # `python -m ...` alone, not under torchrun: no launcher's variables
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+    if rank_env:       # what another launcher (srun) would set for this rank
+        os.environ.update(rank_env[int(rank)])
+    os.chdir(ROOT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    for fd, ext in ((1, "out"), (2, "err")):
+        f = os.open(os.path.join(folder, f"{rank}.{ext}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    try:
+        rc = importlib.import_module(PROGRAMS.get(program, program)).main(argv) or 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:   # what the interpreter would have printed before exiting 1
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    return rc
+
+
+def run_command(program: str, argv: list[str], nproc: int = 1, *, launcher: bool | None = None,
+                env: dict | None = None, rank_env: list[dict] | None = None, timeout: float = 400.0) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc -m program argv` (launcher=True, the default for
+    nproc > 1) or `python -m program argv` (nproc 1, launcher False), run on forked ranks.
+    program is spelled as in tests.support.script_runs.PROGRAMS ("minizero.train",
+    "reference/train.py", ...), or is any module with a main(argv). env: extra variables
+    for the ranks; rank_env: one dict per rank, set last (srun's SLURM_PROCID and the like,
+    with launcher=False)."""
+    launcher = nproc > 1 if launcher is None else launcher
+    with tempfile.TemporaryDirectory(prefix="command_runs-") as folder:
+        rcs = spawn.run_ranks(_rank, nproc, args=(program, list(argv), folder, launcher, rank_env), env=env,
+                              group=False, timeout=timeout)
+
+        def read(ext):
+            return "".join(open(os.path.join(folder, f"{r}.{ext}")).read() for r in range(nproc))
+        out, err = read("out"), read("err")
+    rc = next((c for c in rcs if c != 0), 0)
+    args = (["torchrun", "--nproc-per-node", str(nproc)] if launcher else ["python"]) + ["-m", program, *argv]
+    done = subprocess.CompletedProcess(args, rc, out, err)
+    done.rank_returncodes = rcs     # each rank's own, where a test asserts them all
+    return done
+
+
+def from_torchrun(cmd: list[str]) -> tuple[str, list[str], int]:
+    """(program, argv, nproc) of `python -m torch.distributed.run [--opt value ...] (-m MODULE | SCRIPT) ARGS`,
+    the command line a tool (python -m minizero.compare) builds; SCRIPT relative to the repository."""
+    i, nproc = cmd.index("torch.distributed.run") + 1, 1
+    while cmd[i].startswith("--"):
+        opt, _, value = cmd[i].partition("=")
+        if opt == "--standalone" or value:
+            i += 1
+        else:
+            value, i = cmd[i + 1], i + 2
+        if opt in ("--nproc-per-node", "--nproc_per_node"):
+            nproc = int(value)
+    if cmd[i] == "-m":
+        return cmd[i + 1], cmd[i + 2:], nproc
+    return os.path.relpath(cmd[i], ROOT), cmd[i + 1:], nproc
+
+
+@contextlib.contextmanager
+def torchrun_on_forked_ranks():
+    """While open, subprocess.run of a `python -m torch.distributed.run ...` command line runs
+    it with run_command instead (its output into the file the caller gave as stdout); every
+    other command line runs as it would. For a tool that launches torchrun itself
+    (minizero.compare), run in this process."""
+    real = subprocess.run
+
+    def run(cmd, *args, stdout=None, **kw):
+        if "torch.distributed.run" not in cmd:
+            return real(cmd, *args, stdout=stdout, **kw)
+        program, argv, nproc = from_torchrun(cmd)
+        p = run_command(program, argv, nproc)
+        if stdout is not None:
+            stdout.write(p.stdout + p.stderr)
+            stdout.flush()
+        return subprocess.CompletedProcess(cmd, p.returncode)
+    subprocess.run = run
+    try:
+        yield
+    finally:
+        subprocess.run = real
