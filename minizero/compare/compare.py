@@ -37,16 +37,16 @@ import sys
 from minizero.train import output_dir
 from minizero.comm import free_port
 from minizero.compare.compare_comms import comms_section
-from minizero.compare.compare_memory import (CATEGORIES, LIBS, MOMENT_TITLES, MOMENTS, PLACES, category_bytes,
-                                     moment_entries, moments_section, moments_step, offloaded, placed_bytes,
-                                     state_bytes, state_entries)
+from minizero.compare.compare_memory import (LIBS, moments_section, offloaded, placed_bytes, state_bytes,
+                                             state_entries)
+# How the results are shown (the table, the pictures): render.py.
+from minizero.compare.render import NAMES, SHORT, moments_by_lib, plot_losses, plot_memory, table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # minizero/compare/ -> the repository
 STAGES = (0, 1, 2, 3)
 ALL_LIBS = ("minizero", "deepspeed", "torch")
 SCRIPTS = {"minizero": ["-m", "minizero.train"], "deepspeed": [os.path.join(REPO, "reference", "train.py")],
            "torch": [os.path.join(REPO, "reference", "torch_train.py")]}
-SHORT = {"minizero": "mz", "deepspeed": "DS", "torch": "PT"}   # the table's column suffixes
 # So both libraries run the same algorithm: DeepSpeed's ZeRO-3 otherwise replaces F.linear
 # (different rounding), keeps small parameters gathered, allocates a 5e8-element bucket,
 # and, with max_live/reuse_distance at 1e9, keeps a small model gathered from forward into
@@ -234,40 +234,6 @@ def versions() -> dict:
     return {"python": platform.python_version(), **{p: version(p) for p in ("torch", "deepspeed")}}
 
 
-def fmt(x, kind="g") -> str:
-    if x is None:
-        return "-"
-    return {"loss": "{:.6f}", "bytes": "{:,.0f}", "d": "{:.2e}", "g": "{:.3g}"}[kind].format(x)
-
-
-# (column title, key in each library's part of a row, format); one column per library
-PER_LIB = [("final loss", "final_loss", "loss"), ("state B r0", "state_bytes_rank0", "bytes"),
-           ("state B max", "state_bytes_max", "bytes"), ("peak MB", "peak_mem_mb", "bytes"),
-           ("samples/s", "samples_per_s", "g"), ("wire B/step", "wire_bytes_per_step", "bytes")]
-# with ZeRO-Offload, after "state B r0": where rank 0's model states live
-PLACED = [("device B r0", "device_bytes_rank0", "bytes"), ("host B r0", "host_bytes_rank0", "bytes")]
-
-
-def table(rows) -> str:
-    """The markdown table, one row per stage, a column per library for each number. Device /
-    host columns appear when a run offloads (some library holds model states in host memory)."""
-    libs = rows[0].get("libs", list(LIBS))
-    first, others = SHORT[libs[0]], libs[1:]
-    placed = any(r[lib]["host_bytes_rank0"] for r in rows for lib in libs if "host_bytes_rank0" in r[lib])
-    columns = PER_LIB[:2] + (PLACED if placed else []) + PER_LIB[2:]
-    dloss = ["max abs dloss/step"] if len(others) == 1 else [f"max abs dloss/step {first}-{SHORT[o]}" for o in others]
-    speed_at = 1 + len(dloss) + len(libs) * (columns.index(PER_LIB[4]) + 1)   # after the samples/s group
-    head = ["stage"] + dloss + [f"{t} {SHORT[lib]}" for t, _, _ in columns for lib in libs]
-    head[speed_at:speed_at] = [f"{first}/{SHORT[o]} speed" for o in others]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [str(r["stage"])] + [fmt(r.get("dloss", {}).get(o, r["max_abs_dloss"]), "d") for o in others]
-        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in libs]
-        cells[speed_at:speed_at] = [fmt(r.get("speed", {}).get(o, r["speed_ratio"])) for o in others]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def note(args, offload: bool = False) -> str:
     agreement = os.path.join(REPO, "docs", "agreement.md")   # relative when the report is inside the repo
     agreement = os.path.relpath(agreement, args.out) if args.out.startswith(REPO + os.sep) else agreement
@@ -318,9 +284,6 @@ def note(args, offload: bool = False) -> str:
     return "\n".join(lines)
 
 
-NAMES = {"minizero": "minizero", "deepspeed": "DeepSpeed", "torch": "PyTorch (DDP / FSDP2)"}
-
-
 def torch_note(args) -> str:
     fsdp = os.path.join(REPO, "docs", "fsdp.md")   # relative when the report is inside the repo
     fsdp = os.path.relpath(fsdp, args.out) if args.out.startswith(REPO + os.sep) else fsdp
@@ -331,23 +294,6 @@ def torch_note(args) -> str:
             "`zero_grad`, and its optimizer steps the fp32 shard itself (no separate master). Its gradient-norm "
             "all-reduce goes through DTensor's functional collectives and is not counted. "
             f"Details: [docs/fsdp.md]({fsdp}).")
-
-
-def moments_by_lib(results, libs) -> list:
-    """Rank 0's model states at the two moments, one column per library (no byte naming: that
-    is moments_section's, minizero against DeepSpeed)."""
-    stages = sorted(results)
-    if not all(moment_entries(results[s][lib], m) for s in stages for lib in libs for m in MOMENTS):
-        return []
-    head = ["stage", "moment", "category"] + [SHORT[lib] for lib in libs]
-    lines = [f"## Model states at the same moments, every library (rank 0, step {moments_step(results, libs)})", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for s in stages:
-        for m in MOMENTS:
-            for c in CATEGORIES:
-                cells = [fmt(category_bytes(moment_entries(results[s][lib], m)[0], c), "bytes") for lib in libs]
-                lines.append("| " + " | ".join([str(s), MOMENT_TITLES[m], c] + cells) + " |")
-    return lines + [""]
 
 
 def report_md(info, args, rows, offload: bool = False, results=None) -> str:
@@ -372,72 +318,6 @@ def report_md(info, args, rows, offload: bool = False, results=None) -> str:
         *(moments_section(ds_results, args.dtype) if pair else []),
         *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
         "![memory](memory.png)", "", *(comms_section(ds_results) if pair else [])])
-
-
-def pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def savefig(fig, path) -> None:
-    fig.tight_layout(), fig.savefig(path, dpi=100), pyplot().close(fig)
-
-
-def plot_losses(path, results) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
-    for ax, (stage, runs) in zip(axes[0], sorted(results.items())):
-        for lib, style in zip(runs, ("-", "--", ":")):
-            ax.plot(range(1, len(runs[lib]["losses"]) + 1), runs[lib]["losses"], style, label=lib)
-        ax.set(title=f"ZeRO-{stage}", xlabel="optimizer step", ylabel="train loss")
-        ax.legend()
-    savefig(fig, path)
-
-
-def plot_memory(path, results) -> None:
-    """Rank 0's model states per stage, minizero | DeepSpeed, stacked by category: one row of
-    panels per moment (end of backward, after the step) when the summaries have them, else
-    summary.json's model_state_bytes; with offload two panels per row on one scale, the
-    device's and the host's."""
-    plt = pyplot()
-    stages = sorted(results)
-    libs = list(results[stages[0]])
-    places = PLACES if offloaded(results) else (None,)
-    timed = all(moment_entries(results[s][lib], m) for s in stages for lib in libs for m in MOMENTS)
-    moments = MOMENTS if timed else (None,)
-    fig, axes = plt.subplots(len(moments), len(places), figsize=(len(places) * max(5, len(libs) * len(stages)),
-                                                                 4 * len(moments)),
-                             squeeze=False, sharey=True)
-    name = NAMES if len(libs) <= 2 else SHORT   # three full names do not fit above the panels
-    title = " | ".join(name[lib] + (" (hatched)" if j == 1 else " (dotted)" if j == 2 else "")
-                       for j, lib in enumerate(libs))
-    colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
-    for row, moment in zip(axes, moments):
-        for ax, place in zip(row, places):
-            width = 0.76 / len(libs)
-            for j, (lib, hatch) in enumerate(zip(libs, ("", "//", ".."))):
-                xs = [i + (j - (len(libs) - 1) / 2) * width for i in range(len(stages))]
-                bottom = [0.0] * len(stages)
-                for c in CATEGORIES:
-                    entries = [(moment_entries(results[s][lib], moment) if moment else
-                                results[s][lib]["model_state_bytes"])[0] for s in stages]
-                    h = [category_bytes(e, c, place) / 2**20 for e in entries]
-                    ax.bar(xs, h, width * 0.95, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="black",
-                           label=None if j else c)
-                    bottom = [b + x for b, x in zip(bottom, h)]
-            ax.set_xticks(range(len(stages)), [f"ZeRO-{s}\n" + " | ".join(SHORT[lib] for lib in libs) for s in stages])
-            where = f" on the {place}" if place else ""
-            when = f"{MOMENT_TITLES[moment]}" if moment else ""
-            ax.set(ylabel=f"model-state MiB{where} (rank 0)",
-                   title=", ".join(filter(None, [when, f"on the {place}" if place else ""])) or
-                   "Model states, rank 0: " + title)
-            ax.legend(fontsize=8)
-    if places != (None,) or moments != (None,):
-        step = moments_step(results, libs) if moments != (None,) else None
-        fig.suptitle("Model states, rank 0: " + title + (f", step {step}" if step else ""))
-    savefig(fig, path)
 
 
 def main(argv=None) -> None:
