@@ -7,8 +7,8 @@ checkpointing.configure/checkpoint), so one script runs under either:
     loss = engine(x, y)[1]; engine.backward(loss); engine.step()
 """
 import logging as _logging
-import os as _os
 
+from .runtime.launcher_env import launcher_rank as _launcher_rank
 from .runtime.version import __version__  # noqa: F401
 
 _log = _logging.getLogger("minizero")
@@ -16,10 +16,9 @@ if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's lo
     _h = _logging.StreamHandler()
     _h.setFormatter(_logging.Formatter("[minizero] %(message)s"))
     _log.addHandler(_h)
-    # The launcher's rank, before any process group exists; read from the environment, not
-    # through comm (torch): `python -m minizero.train` checks its command line before torch.
-    _rank = int(_os.environ.get("RANK", _os.environ.get("SLURM_PROCID", 0)))
-    _log.setLevel(_logging.INFO if _rank == 0 else _logging.WARNING)
+    # The launcher's rank, before any process group exists (torch-free: `python -m
+    # minizero.train` checks its command line before torch is imported).
+    _log.setLevel(_logging.INFO if _launcher_rank() == 0 else _logging.WARNING)
     _log.propagate = False
 
 

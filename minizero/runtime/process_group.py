@@ -19,6 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .launcher_env import launcher_rank
+
 
 class LaunchError(RuntimeError):
     """The launcher's environment cannot start a correct job; the message says what to do."""
@@ -107,7 +109,7 @@ def get_rank() -> int:
     """The global rank; before the group starts, the launcher's (so only rank 0 reports early errors)."""
     if is_distributed():
         return dist.get_rank()
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    return launcher_rank()
 
 
 def get_world_size() -> int:

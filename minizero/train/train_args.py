@@ -19,6 +19,7 @@ import io
 import os
 import time
 
+from minizero.runtime.launcher_env import launcher_rank
 from minizero.train import output_dir
 from minizero.gpt.presets import DATASETS, PRESETS, GPTConfig, ModelConfigError, get_preset
 
@@ -108,12 +109,6 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
                    help="add DeepSpeed's comms_logger section: time every collective and write DeepSpeed's "
                         "summary table to comms_summary.txt (numbers in comms_summary.json)")
     return p
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher set it (torchrun's RANK, srun's SLURM_PROCID),
-    read before torch or any process group (process_group.get_rank, without the import)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def precheck(parser: argparse.ArgumentParser, argv=None) -> None:

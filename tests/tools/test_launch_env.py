@@ -157,3 +157,30 @@ def test_deterministic_mode_alone_sets_the_cublas_workspace(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     train.deterministic_from_env()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_launcher_rank_is_one_torch_free_rule(monkeypatch):
+    """RANK wins, then srun's SLURM_PROCID, then 0; the package logger, the pre-torch
+    command-line check and process_group.get_rank (before a group exists) all ask the same
+    torch-free function, so only rank 0 speaks before the group starts."""
+    import subprocess
+    import sys
+
+    from minizero.runtime import launcher_env, process_group
+    from minizero.train import train_args
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    for env, want in (({}, 0), ({"SLURM_PROCID": "3"}, 3), ({"RANK": "1", "SLURM_PROCID": "3"}, 1)):
+        monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.delenv("SLURM_PROCID", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert launcher_env.launcher_rank() == want
+        assert process_group.get_rank() == want
+    assert train_args.launcher_rank is launcher_env.launcher_rank
+    code = ("import sys, minizero, minizero.runtime.launcher_env, minizero.train.train_args; "
+            "import logging; print('torch' in sys.modules, logging.getLogger('minizero').level)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, SLURM_PROCID="2"),
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", str(__import__("logging").WARNING)]  # torch-free; rank 2 stays quiet
