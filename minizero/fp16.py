@@ -68,19 +68,12 @@ def has_inf_or_nan(tensor: torch.Tensor) -> bool:
     return bool(torch.isnan(hi) | torch.isinf(hi) | torch.isinf(lo))
 
 
-def overflow_across_ranks(local_overflow: bool) -> bool:
-    """True if any rank saw an overflow: every rank must skip the same step, or the replicas
-    (and the partitions of the sharded optimizer) drift apart. One MAX all-reduce of a flag,
-    as in DS `DeepSpeedZeroOptimizer.has_overflow`."""
-    flag = torch.tensor([1.0 if local_overflow else 0.0], device=comm.get_device())
-    comm.all_reduce(flag, op="max", label="overflow")
-    return bool(flag.item() > 0)
-
-
 def overflow_vote(norm_sq: torch.Tensor) -> torch.Tensor:
-    """overflow_across_ranks without a host sync: "my gradient norm is inf/NaN" as a flag on
-    the device, MAX all-reduced, for the engine to read with the norm in the step's one
-    sync. The same collective (one fp32 element, MAX, label "overflow")."""
+    """True (1.0) on every rank if any rank's gradient norm is inf/NaN: every rank must skip
+    the same step, or the replicas (and the partitions of the sharded optimizer) drift apart.
+    One MAX all-reduce of a one-element fp32 flag (label "overflow"), as DeepSpeed's
+    `DeepSpeedZeroOptimizer.has_overflow`; the flag stays on the device, so the engine reads
+    it together with the norm in the step's one host sync instead of syncing for it."""
     flag = torch.isfinite(norm_sq).logical_not().to(torch.float32).reshape(1)
     comm.all_reduce(flag, op="max", label="overflow")
     return flag

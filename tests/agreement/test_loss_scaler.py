@@ -186,6 +186,9 @@ def test_has_inf_or_nan():
     assert mz.has_inf_or_nan(torch.tensor([65504.0], dtype=torch.float16) * 2)   # fp16 overflow
 
 
-def test_overflow_across_ranks_single_process():
-    assert mz.overflow_across_ranks(True) is True
-    assert mz.overflow_across_ranks(False) is False
+def test_overflow_vote_single_process():
+    """The flag is a device tensor (no host sync): 1.0 for an inf/NaN norm, 0.0 otherwise."""
+    for norm_sq, want in ((float("inf"), 1.0), (float("nan"), 1.0), (3.0, 0.0), (0.0, 0.0)):
+        flag = mz.overflow_vote(torch.tensor(norm_sq))
+        assert isinstance(flag, torch.Tensor) and flag.dtype == torch.float32 and flag.shape == (1,)
+        assert flag.item() == want
