@@ -37,7 +37,11 @@ from tests.support.script_runs import PROGRAMS, ROOT
 # Not reference.train: importing it wraps torch.distributed's collectives process-wide (its
 # CommCounter), which would then be in every rank of every test. A run of it imports it on
 # its own rank (DeepSpeed itself is preloaded: tests/support/ds_preload.py).
-spawn.preload("tests.support.command_runs", *(m for m in PROGRAMS.values() if m != "reference.train"))
+# torchvision.utils: rank 0 of every training run draws samples.png with it
+# (minizero/train/runlog.py imports it there), 0.6-0.9 s of import per run (cProfile of a
+# 2-step run's rank 0); preloaded, it is paid once per test session. It starts no thread.
+spawn.preload("tests.support.command_runs", "torchvision.utils",
+              *(m for m in PROGRAMS.values() if m != "reference.train"))
 
 
 def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: list | None) -> int:
