@@ -151,11 +151,11 @@ def offload_numbers(runs: str) -> None:
     print(f"step5 shrunk Ψ = {psi:,}; 2Ψ/N (fp16, N = 2) = {psi:,} bytes")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", help="folder of the lesson's runs (default: a new temporary one)")
     ap.add_argument("--img", action="store_true", help="also redraw docs/img/ (pictures.py; needs matplotlib)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = args.runs or tempfile.mkdtemp(prefix="minizero-lesson-")
     memory_numbers(runs)
     volume_numbers()

@@ -37,7 +37,11 @@ from tests.support.script_runs import PROGRAMS, ROOT
 # Not reference.train: importing it wraps torch.distributed's collectives process-wide (its
 # CommCounter), which would then be in every rank of every test. A run of it imports it on
 # its own rank (DeepSpeed itself is preloaded: tests/support/ds_preload.py).
-spawn.preload("tests.support.command_runs", *(m for m in PROGRAMS.values() if m != "reference.train"))
+# torchvision.utils: rank 0 of every training run draws samples.png with it
+# (minizero/train/runlog.py imports it there), 0.6-0.9 s of import per run (cProfile of a
+# 2-step run's rank 0); preloaded, it is paid once per test session. It starts no thread.
+spawn.preload("tests.support.command_runs", "torchvision.utils",
+              *(m for m in PROGRAMS.values() if m != "reference.train"))
 
 
 def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: list | None) -> int:
@@ -112,23 +116,63 @@ def from_torchrun(cmd: list[str]) -> tuple[str, list[str], int]:
     return os.path.relpath(cmd[i], ROOT), cmd[i + 1:], nproc
 
 
+def _forked(cmd) -> tuple[str, list[str], int, bool] | None:
+    """(program, argv, nproc, launcher) when cmd is a command line run_command can take:
+    `python -m torch.distributed.run ...`, or `python -m PROGRAM ARGS` for a program of
+    script_runs.PROGRAMS (its main(argv) in a forked process); else None."""
+    if not isinstance(cmd, (list, tuple)):
+        return None
+    cmd = [str(c) for c in cmd]
+    if "torch.distributed.run" in cmd:
+        return (*from_torchrun(cmd), True)
+    if len(cmd) > 2 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in PROGRAMS:
+        return cmd[2], cmd[3:], 1, False
+    return None
+
+
+def _deliver(stream, text: str, as_text: bool, own):
+    """What subprocess.run makes of a child's output for its stdout/stderr argument: None
+    (the caller's own stream), PIPE (returned), DEVNULL (dropped), or a file object."""
+    if stream is None:
+        own.write(text)
+    elif stream == subprocess.PIPE:
+        return text if as_text else text.encode()
+    elif stream != subprocess.DEVNULL:
+        stream.write(text)
+        stream.flush()
+    return None
+
+
 @contextlib.contextmanager
 def torchrun_on_forked_ranks():
-    """While open, subprocess.run of a `python -m torch.distributed.run ...` command line runs
-    it with run_command instead (its output into the file the caller gave as stdout); every
-    other command line runs as it would. For a tool that launches torchrun itself
-    (minizero.compare), run in this process."""
+    """While open, subprocess.run of a `python -m torch.distributed.run ...` command line
+    (or of `python -m PROGRAM ...`, PROGRAM one of script_runs.PROGRAMS) runs it with
+    run_command instead, honouring stdout/stderr (None, PIPE, DEVNULL, a file; stderr=STDOUT),
+    capture_output, text and check as subprocess.run does; every other command line runs as
+    it would. For a tool that launches its commands itself (minizero.compare,
+    docs/lesson/lesson_numbers.py), run in this process. env and cwd are not passed on: the
+    ranks run from the repository root with the test session's environment."""
     real = subprocess.run
 
-    def run(cmd, *args, stdout=None, **kw):
-        if "torch.distributed.run" not in cmd:
-            return real(cmd, *args, stdout=stdout, **kw)
-        program, argv, nproc = from_torchrun(cmd)
-        p = run_command(program, argv, nproc)
-        if stdout is not None:
-            stdout.write(p.stdout + p.stderr)
-            stdout.flush()
-        return subprocess.CompletedProcess(cmd, p.returncode)
+    def run(cmd, *args, stdout=None, stderr=None, capture_output=False, check=False, text=None,
+            universal_newlines=None, **kw):
+        forked = _forked(cmd)
+        if forked is None:
+            return real(cmd, *args, stdout=stdout, stderr=stderr, capture_output=capture_output, check=check,
+                        text=text, universal_newlines=universal_newlines, **kw)
+        program, argv, nproc, launcher = forked
+        p = run_command(program, argv, nproc, launcher=launcher)
+        if capture_output:
+            stdout = stderr = subprocess.PIPE
+        as_text = bool(text or universal_newlines)
+        if stderr == subprocess.STDOUT:
+            out, err = _deliver(stdout, p.stdout + p.stderr, as_text, sys.stdout), None
+        else:
+            out, err = _deliver(stdout, p.stdout, as_text, sys.stdout), _deliver(stderr, p.stderr, as_text, sys.stderr)
+        done = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        if check:
+            done.check_returncode()
+        return done
     subprocess.run = run
     try:
         yield

@@ -8,6 +8,14 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402,F401
 
+# deepspeed.initialize imports this on every run (runtime/zero/utils.py,
+# is_zero_supported_optimizer, checks for Muon), and its @compiler.compile() decorators import
+# torch._inductor: 1.8 of a 2.0 s DeepSpeed run (cProfile of rank 0, ZeRO-2 bf16 offload, tiny
+# GPT, 2 steps), in every rank of every DeepSpeed launch. Imported here, once per test session.
+# It starts no thread (checked: threading.enumerate() is the main thread alone after it), so
+# forking after it is as safe as after torch.
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+
 from reference.ds_run import skip_inference_shm_op  # noqa: E402
 
 skip_inference_shm_op()

@@ -4,7 +4,7 @@
 
 PLAN.json is a list of {"name": ..., "cmd": [program, *args]}, program one of
 `python -m minizero.train`, `reference/train.py`, `python -m minizero.export_deepspeed`,
-`python -m minizero.reshard` (spelled as in PROGRAMS). Each command line goes to that
+`python -m minizero.reshard`, `python -m minizero.memory_table` (spelled as in PROGRAMS). Each command line goes to that
 program's own main(), exactly as its command would pass it, with its stdout and stderr
 captured; its exit status is what the process would have exited with. The results are
 written to PLAN.json's folder as <name>.rc, <name>.out and <name>.err.
@@ -37,6 +37,7 @@ PROGRAMS = {   # as a user types it -> the module whose main(argv) it runs
     "reference/train.py": "reference.train",
     "minizero.export_deepspeed": "minizero.checkpoint.export_deepspeed",
     "minizero.reshard": "minizero.checkpoint.reshard",
+    "minizero.memory_table": "minizero.observe.memory_table",
 }
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

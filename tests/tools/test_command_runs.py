@@ -59,3 +59,36 @@ def test_compares_torchrun_command_lines_are_read_back():
     assert from_torchrun(mz)[1][-2:] == ["--num-samples", "4"] and "--stage" in from_torchrun(ds)[1]
     assert from_torchrun(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                           "-m", "minizero.train", "--stage", "1"]) == ("minizero.train", ["--stage", "1"], 4)
+
+
+def test_wrapped_subprocess_run_keeps_its_arguments_meaning(tmp_path, monkeypatch):
+    """Inside torchrun_on_forked_ranks, subprocess.run of a `python -m PROGRAM` command line
+    (docs/lesson/lesson_numbers.py's memory_table and torchrun launches) answers as the real
+    one would: capture_output with text gives str, without it bytes, DEVNULL drops the
+    output, a file gets it, check=True raises on a nonzero exit; other command lines go
+    to the real subprocess.run."""
+    import subprocess
+
+    from tests.support.command_runs import torchrun_on_forked_ranks
+    table = [sys.executable, "-m", "minizero.memory_table", "--paper-figure1"]
+    started = []   # the command lines a real process was started for
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, *a, **kw: started.append(cmd) or real_popen(cmd, *a, **kw))
+    with torchrun_on_forked_ranks():
+        text = subprocess.run(table, capture_output=True, text=True, check=True)
+        raw = subprocess.run(table, stdout=subprocess.PIPE)
+        dropped = subprocess.run(table, stdout=subprocess.DEVNULL)
+        with open(tmp_path / "log", "w") as log:
+            subprocess.run(table, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            subprocess.run([sys.executable, "-m", "minizero.memory_table", "--no-such-flag"], capture_output=True, check=True)
+            raised = None
+        except subprocess.CalledProcessError as e:
+            raised = e
+        other = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert text.returncode == 0 and "7,500,000,000 parameters" in text.stdout and isinstance(text.stdout, str)
+    assert raw.stdout == text.stdout.encode() and dropped.stdout is None and dropped.returncode == 0
+    assert (tmp_path / "log").read_text() == text.stdout + text.stderr
+    assert raised is not None and raised.returncode == 2 and b"--no-such-flag" in raised.stderr
+    assert other.returncode == 0 and int(other.stdout) != os.getpid()
+    assert started == [other.args], started      # the memory_table runs started no interpreter

@@ -3,7 +3,8 @@
 docs/lesson.md, docs/reading.md and the README's teaching section ("See each collective",
 "Memory at any world size") name `python docs/lesson/lesson_numbers.py`, which runs
 the lesson's training commands (tiny model, 3 steps each) and the layout code and prints
-every number they quote. This test runs it once and checks each page against its output:
+every number they quote. This test runs it once (its launches on forked ranks: the `lesson`
+fixture) and checks each page against its output:
 
 - every number with a thousands comma, a decimal point, or three digits or more;
 - every count of collectives or copies ("7 all-reduces", "200 host-to-device", "6 of the 7").
@@ -16,6 +17,8 @@ numbers, N = 2, minutes), which are names rather than measurements.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -46,14 +49,47 @@ def not_printed(page_text: str, output: str) -> list[str]:
     return sorted(values - printed_values) + sorted(f"{c} (a count)" for c in counts - printed_counts)
 
 
+def load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lesson_numbers", os.path.join(ROOT, SCRIPT))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 @pytest.fixture(scope="module")
-def output(tmp_path_factory):
+def lesson(tmp_path_factory):
+    """(the runs folder, what `python docs/lesson/lesson_numbers.py --runs RUNS` prints):
+    its main(argv) in this process, its seven torchrun runs and two `python -m
+    minizero.memory_table` runs as those programs' main(argv) on processes forked from the
+    tests' preloaded forkserver (tests/support/command_runs.py), not nine fresh
+    interpreters that each import torch (and DeepSpeed) again. Each run is still its own
+    processes, started from its command line; test_the_script_as_a_command_prints_the_same
+    runs the script itself."""
+    from tests.support.command_runs import torchrun_on_forked_ranks
     runs = tmp_path_factory.mktemp("lesson-runs")
+    out = io.StringIO()
+    with torchrun_on_forked_ranks(), contextlib.redirect_stdout(out):
+        load_script().main(["--runs", str(runs)])
+    return runs, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def output(lesson):
+    return lesson[1]
+
+
+def test_the_script_as_a_command_prints_the_same(lesson):
+    """The page's command itself, in a fresh interpreter, on the runs the fixture made (its
+    second form, `--runs runs/`, reads the traces the lesson's commands wrote, so it
+    launches no training): it prints exactly what the in-process run printed (the times
+    too: they are read from the same traces)."""
+    runs, printed = lesson
     env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run([sys.executable, SCRIPT, "--runs", str(runs)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    assert done.stdout == printed
 
 
 def teaching_text(page: str, start: str | None) -> str:
@@ -74,10 +110,7 @@ def test_every_quoted_number_is_printed_by_the_pages_command(page, start, output
 
 def test_the_script_runs_the_lessons_commands_as_printed():
     """Each command the script runs is on the page, word for word (line continuations joined)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("lesson_numbers", os.path.join(ROOT, SCRIPT))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script()
     page = " ".join(open(os.path.join(ROOT, "docs/lesson.md")).read().replace("\\\n", " ").split())
     for name, command in script.COMMANDS.items():
         assert " ".join(command.split()) in page, f"docs/lesson.md does not print the script's {name} command"
