@@ -55,9 +55,14 @@ def paper_bytes(psi: int, world_size: int, stage: int, mixed: bool = True) -> di
 CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
 
 
-def placed(device: dict, host: dict) -> dict:
-    """The breakdown's shape: per-category totals, then the `device` and `host` split."""
-    return {**{k: device[k] + host[k] for k in CATEGORIES}, "device": dict(device), "host": dict(host)}
+def placed(device: dict, host: dict, nvme: dict | None = None) -> dict:
+    """The breakdown's shape: per-category totals, then the `device` and `host` split, and
+    `nvme` when something is swapped to files ("device": "nvme", nvme.py)."""
+    out = {**{k: device[k] + host[k] + (nvme[k] if nvme else 0) for k in CATEGORIES},
+           "device": dict(device), "host": dict(host)}
+    if nvme is not None:
+        out["nvme"] = dict(nvme)
+    return out
 
 
 def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixed: bool = True,
