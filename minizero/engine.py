@@ -233,6 +233,12 @@ class Engine(torch.nn.Module):
         with self._states_in_memory():
             return self.sharded_optimizer.full_fp32_state()
 
+    def destroy(self) -> None:
+        """Let go of what outlives a step (DeepSpeed's engine.destroy()): "device": "nvme"'s
+        swap files and folder, after the writes in flight. Also done at interpreter exit."""
+        if self.offload is not None:
+            self.offload.close()
+
     def _states_in_memory(self):
         """"device": "nvme": swapped states back in host memory for the block (offload.py);
         a checkpoint then holds what it holds with "device": "cpu"."""

@@ -74,8 +74,8 @@ class HostOffload:
         self.nvme_optimizer, self.nvme_params, self.read_ahead = nvme_optimizer, nvme_params, read_ahead
         self.swappers: dict[str, Swapper] = {}     # by nvme_path; empty until start_swapping
         self.sharded_optimizer = None
-        self._next_of: dict = {}                   # offload_param to NVMe: the shard used after each, last time
-        self._last_fetched = None
+        self._order_last: list = []                # offload_param to NVMe: the shards' gathers, last step
+        self._order_now: list = []                 # ... and this step so far
 
     @classmethod
     def from_config(cls, zero_cfg, device: torch.device) -> "HostOffload | None":
@@ -163,7 +163,8 @@ class HostOffload:
         orders them before the gathers that read them.)"""
         if not self.optimizer and any(f.shard_on_host for f in flat_params):
             wait_for_device(self.device)
-        self.swap_out()                              # nvme: the new states to their files, in the background
+        self.swap_out()
+        self._order_last, self._order_now = self._order_now, []   # read ahead by the order of this step                              # nvme: the new states to their files, in the background
 
     # ------------------------------------------------------------------ NVMe (nvme.py)
     def start_swapping(self, sharded_optimizer, aio) -> None:
@@ -243,9 +244,27 @@ class HostOffload:
         try:
             yield
         finally:
+            self._own_states()
             for key, t, p in self._swapped():
                 self.swappers[p].resident.add(key)   # a load may have replaced the tensors
             self.swap_out()
+
+    def _own_states(self) -> None:
+        """After a checkpoint load, Adam's moments may share a storage that cannot be resized
+        (a view of what torch.load read): give each one a storage of its own to swap."""
+        if self.nvme_optimizer is None:
+            return
+        opt = self.sharded_optimizer.optimizer
+        for st in opt.state.values():
+            for name, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and (
+                        not v.untyped_storage().resizable() or v.untyped_storage().nbytes() != nbytes(v)):
+                    st[name] = v.clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        """Writes in flight finished, swap files and folders removed (a clean exit)."""
+        for s in self.swappers.values():
+            s.close()
 
     def nvme_places(self, where: dict) -> dict:
         """memory_breakdown's split with an "nvme" place: what lives in files between uses."""
@@ -277,8 +296,10 @@ class HostOffload:
 class ParamSwap:
     """offload_param to NVMe: a FlatParam's host shard, read from its file just before its
     gather and dropped right after (its file still holds it: no write). Each read also starts
-    the reads of the next `read_ahead` shards, in the order the shards were used last time
-    (forward, then backward's reverse), so the disk works while this unit computes."""
+    the reads of the next `read_ahead` shards, in the order the previous step gathered them
+    (the same order every step: forward, then backward's reverse, per micro-step), so the
+    disk works while this unit computes. No read-ahead crosses a step: the step rewrites
+    every shard."""
 
     def __init__(self, offload: HostOffload, f: FlatParam):
         self.offload, self.flat, self.key = offload, f, f"{f.label}.shard"
@@ -286,17 +307,14 @@ class ParamSwap:
 
     def fetch(self) -> None:
         off = self.offload
-        last = off._last_fetched
-        if last is not None and last is not self:
-            off._next_of[last.key] = self
-        off._last_fetched = self
+        i = len(off._order_now)
+        off._order_now.append(self)
         self.swapper.swap_in(self.key, self.flat.shard)
-        ahead = off._next_of.get(self.key)
-        for _ in range(off.read_ahead):
-            if ahead is None or ahead is self:
-                break
-            self.swapper.prefetch(ahead.key, ahead.flat.shard)
-            ahead = off._next_of.get(ahead.key)
+        last = off._order_last
+        if i < len(last) and last[i] is self:           # on the same path as last step
+            for ahead in last[i + 1:i + 1 + off.read_ahead]:
+                if ahead is not self:
+                    self.swapper.prefetch(ahead.key, ahead.flat.shard)
 
     def done(self) -> None:
         self.swapper.swap_out(self.key, self.flat.shard, write=False)
