@@ -24,6 +24,9 @@ four categories' totals plus the same four split by place:
     {"params": b, "grads": b, "master_params": b, "optimizer_states": b,
      "device": {the four categories}, "host": {the four categories}}
 
+With `"device": "nvme"` (nvme.py) a third place, "nvme", holds what the offloads would keep
+in host memory: it lives in files between uses, and "host" counts none of it.
+
 Without offload everything is on the device. `offload_optimizer` moves the optimizer's
 shard (fp32 master + moments: 12Ψ/N in mixed precision) to the host; in fp32 training the
 device keeps its fp32 shard to compute with, so the host needs its own master: the device
@@ -67,11 +70,13 @@ def placed(device: dict, host: dict, nvme: dict | None = None) -> dict:
 
 def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixed: bool = True,
                    persistent: Iterable[bool] | None = None, offload_optimizer: bool = False,
-                   offload_param: bool = False) -> dict:
+                   offload_param: bool = False, nvme: bool = False) -> dict:
     """Per-rank bytes for minizero's layout: `flat_numels` are the Ψ of each FlatParam.
 
     `persistent` marks ZeRO-3 FlatParams kept gathered (small parameters): their params
-    count in full, their gradients and optimizer state stay partitioned.
+    count in full, their gradients and optimizer state stay partitioned. `nvme`: the
+    offloads are `"device": "nvme"` (nvme.py): what they put in host memory lives in files
+    between uses, a third place, "nvme".
     """
     n = world_size if stage >= 1 else 1
     lp = 2 if mixed else 4
@@ -93,7 +98,9 @@ def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixe
     host = {"params": shards if offload_param else 0, "grads": 0,
             "master_params": master if offload_optimizer else 0,
             "optimizer_states": opt if offload_optimizer else 0}
-    return placed(device, host)
+    if not nvme:
+        return placed(device, host)
+    return placed(device, dict.fromkeys(CATEGORIES, 0), host)   # all the host held, in files
 
 
 def total(breakdown: dict) -> int:

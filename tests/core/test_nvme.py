@@ -235,3 +235,20 @@ def test_killed_during_a_swap_resumes_bit_identically(tmp_path):
         if device == "nvme":
             assert all(res[2][0] > 0 for res in resumed)    # the stale files were found and removed
     assert not (tmp_path / "swap" / "minizero_swap").exists()
+
+
+# ----------------------------------------------------------------------------- memory_table
+
+def test_memory_table_nvme_column_is_the_engines_and_the_hosts_share():
+    """`python -m minizero.memory_table --offload nvme`: computed from the layout, equal to the
+    real engines' memory_breakdown() (2 ranks), and what "both" puts on the host is what
+    "nvme" puts in files, byte for byte, the host then holding none of it."""
+    from minizero.observe import memory_table as mt
+    computed = mt.compute("micro", [2], offload="nvme")[2]
+    both = mt.compute("micro", [2], offload="both")[2]
+    measured = mt.measure("micro", 2, "bf16", offload="nvme")
+    for stage in range(4):
+        assert measured[0][stage][0] == measured[1][stage][0] == computed[stage][0], stage
+        b, n = both[stage][0], computed[stage][0]
+        assert n["device"] == b["device"] and n.get("nvme", b["host"]) == b["host"]
+        assert sum(n["host"].values()) == 0 and (stage == 0) == (sum(b["host"].values()) == 0)
