@@ -166,4 +166,13 @@ def held_bytes(engine) -> dict:
         claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
     elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.keep_full),
                 "shard": sum(f.shard_numel for f in zero.flat_params)}
-    return {**placed(where["device"], where["host"]), "elements": elements}
+    offload = getattr(engine, "offload", None)
+    if offload is None or not offload.swappers:
+        return {**placed(where["device"], where["host"]), "elements": elements}
+    # "device": "nvme": a tensor swapped out right now holds no storage; its bytes are in its file
+    nvme = dict.fromkeys(CATEGORIES, 0)
+    kind = {"master": "master_params", "shard": "params"}
+    for key, t, _ in offload._swapped():
+        if t.untyped_storage().nbytes() == 0:
+            nvme[kind.get(key.rsplit(".", 1)[1], "optimizer_states")] += t.numel() * t.element_size()
+    return {**placed(where["device"], where["host"], nvme), "elements": elements}

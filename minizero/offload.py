@@ -52,6 +52,7 @@ from contextlib import contextmanager
 from . import comm
 from .flat_param import FlatParam
 from .nvme import SwapFolder, Swapper, agree_on_errors, check_free_space, logger, nbytes
+from .runtime.errors import ConfigError
 
 HOST = torch.device("cpu")
 
@@ -175,29 +176,38 @@ class HostOffload:
         paths = {p for p in (self.nvme_optimizer, self.nvme_params) if p is not None}
         if not paths:
             return
-        names = {self.nvme_optimizer: "zero_optimization.offload_optimizer.nvme_path",
-                 self.nvme_params: "zero_optimization.offload_param.nvme_path"}
+        names = {self.nvme_params: "zero_optimization.offload_param.nvme_path",
+                 self.nvme_optimizer: "zero_optimization.offload_optimizer.nvme_path"}
         folders = {}
 
         def make_folders():
             for p in sorted(paths):
                 folders[p] = SwapFolder(p, comm.get_rank(), names[p])
-        agree_on_errors(make_folders)
-        for p, folder in folders.items():
+        try:
+            agree_on_errors(make_folders)
+            for p, folder in folders.items():
+                self.swappers[p] = Swapper(folder, aio.intra_op_parallelism, aio.block_size)
+            if self.nvme_params is not None:
+                for f in sharded_optimizer.flat_params:
+                    if f.shard_on_host:
+                        f.swap = ParamSwap(self, f)
+            for p in sorted(paths):
+                need = sum(nbytes(t) for key, t, q in self._swapped() if q == p)
+                check_free_space(folders[p], need, names[p])
+        except ConfigError:                          # leave no folder behind, on any rank
+            for f in sharded_optimizer.flat_params:
+                f.swap = None
+            for folder in folders.values():
+                folder.remove()
+            self.swappers.clear()
+            raise
+        for folder in folders.values():
             if folder.removed_stale:
                 logger.warning(f"rank {comm.get_rank()}: removed {folder.removed_stale} swap file(s) in "
                                f"{folder.path} left by a run that did not exit cleanly (swap files are not a "
                                f"checkpoint: a run resumes from its checkpoint)")
-            self.swappers[p] = Swapper(folder, aio.intra_op_parallelism, aio.block_size)
-        for p in sorted(paths):
-            need = sum(nbytes(t) for key, t, q in self._swapped() if q == p)
-            check_free_space(folders[p], need, names[p])
         if self.nvme_optimizer is not None:        # Adam waits for the reads grads_to_host issued
             sharded_optimizer.optimizer.register_step_pre_hook(lambda *_: self.swap_in_optimizer())
-        if self.nvme_params is not None:
-            for f in sharded_optimizer.flat_params:
-                if f.shard_on_host:
-                    f.swap = ParamSwap(self, f)
         for key, t, p in self._swapped():
             self.swappers[p].resident.add(key)       # all in host memory now: write each once
         self.swap_out()

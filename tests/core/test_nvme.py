@@ -166,12 +166,15 @@ def _start(path, mode=None):
 def test_unwritable_path_on_one_rank_is_one_line_on_every_rank(tmp_path):
     out = run_ranks(_start, N, args=(str(tmp_path), "rank1_blocked"))
     assert out[0] == out[1] and "cannot write swap files there" in out[0] and "\n" not in out[0]
+    assert not (tmp_path / "minizero_swap" / "rank0").exists()   # rank 0 made its folder, then removed it
 
 
 def test_full_disk_is_one_line_at_start(tmp_path):
     out = run_ranks(_start, N, args=(str(tmp_path), "full"))
-    assert out[0] == out[1] and "only 1,000 are free" in out[0] and "2 rank(s) sharing the disk" in out[0]
-    assert not list((tmp_path / "minizero_swap").glob("rank*/*.swp"))   # nothing was written
+    # the files of both ranks: 12Σs + 2Σs each (Σs = 7,551 elements of the micro GPT at N = 2)
+    assert out[0] == out[1] and "need 211,428 bytes" in out[0] and "only 1,000 are free" in out[0]
+    assert "2 rank(s) sharing the disk" in out[0] and "\n" not in out[0]
+    assert not (tmp_path / "minizero_swap").exists()   # nothing written, no folder left
 
 
 def test_folder_in_use_is_refused_and_stale_files_are_removed(tmp_path):
