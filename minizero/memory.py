@@ -143,6 +143,9 @@ def held_bytes(engine) -> dict:
     are the whole model), so a comparison can tell padding from anything else.
     """
     zero, opt = engine.zero, engine.sharded_optimizer
+    offload = getattr(engine, "offload", None)
+    for swapper in (offload.swappers.values() if offload is not None else ()):
+        swapper.wait_all()     # "nvme": writes in flight finished, so each state is in one place
     where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
     seen: set[int] = set()
 
@@ -166,7 +169,6 @@ def held_bytes(engine) -> dict:
         claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
     elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.keep_full),
                 "shard": sum(f.shard_numel for f in zero.flat_params)}
-    offload = getattr(engine, "offload", None)
     if offload is None or not offload.swappers:
         return {**placed(where["device"], where["host"]), "elements": elements}
     # "device": "nvme": a tensor swapped out right now holds no storage; its bytes are in its file

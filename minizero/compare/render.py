@@ -43,7 +43,7 @@ def table(rows) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["stage"])] + [fmt(r.get("dloss", {}).get(o, r["max_abs_dloss"]), "d") for o in others]
-        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in libs]
+        cells += [fmt(r[lib].get(key), kind) for _, key, kind in columns for lib in libs]
         cells[speed_at:speed_at] = [fmt(r.get("speed", {}).get(o, r["speed_ratio"])) for o in others]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -50,7 +50,7 @@ def _cfg(stage, dtype, offloads, persist, device, path):
 
 def _run_all(base):
     import minizero
-    from minizero import comm
+    from minizero import comm, memory
     from tests.support.harness import build_model, prepare_ds_config, train_steps
     out = {}
     for i, case in enumerate(CASES):
@@ -64,6 +64,7 @@ def _run_all(base):
             r["comm"] = {k: dict(v) for k, v in comm.ledger.by_label.items()}
             r["taken"] = engine.global_steps - engine.skipped_steps   # a skipped step swaps nothing
             r["memory"] = engine.memory_breakdown()
+            r["held"] = memory.held_bytes(engine)   # measured from the tensors, after the step
             r["final_state"] = engine.full_fp32_state_dict()
             r["shards"] = [(f.shard_numel, f.keep_full, f.shard.element_size()) for f in engine.zero.flat_params]
             folder = os.path.join(path, "minizero_swap", f"rank{comm.get_rank()}")
@@ -97,6 +98,9 @@ def test_nvme_changes_no_bit_and_moves_the_bytes(runs, i):
         assert nvme["memory"]["device"] == cpu["memory"]["device"]
         assert nvme["memory"]["host"] == want_host and nvme["memory"]["nvme"] == want_nvme
         assert sum(want_nvme.values()) > 0 and "nvme" not in cpu["memory"]
+        # measured after the step (no gradients then): what cpu holds on the host, nvme holds in files
+        assert nvme["held"]["nvme"] == {k: (v if k in moved else 0) for k, v in cpu["held"]["host"].items()}
+        assert nvme["held"]["device"] == cpu["held"]["device"] and "nvme" not in cpu["held"]
 
         # bytes per step, from the ledger (it starts after init's first writes)
         def swapped(op, suffixes):
@@ -255,3 +259,19 @@ def test_memory_table_nvme_column_is_the_engines_and_the_hosts_share():
         b, n = both[stage][0], computed[stage][0]
         assert n["device"] == b["device"] and n.get("nvme", b["host"]) == b["host"]
         assert sum(n["host"].values()) == 0 and (stage == 0) == (sum(b["host"].values()) == 0)
+
+
+def test_compare_table_shows_the_nvme_place():
+    """The compare report's table: an "NVMe B r0" column once a run swapped to NVMe."""
+    from minizero.compare.render import table
+    lib = {"final_loss": 3.0, "state_bytes_rank0": 10, "state_bytes_max": 10, "peak_mem_mb": 1.0, "samples_per_s": 1.0,
+           "wire_bytes_per_step": 0, "test_loss": 3.0, "skipped_steps": 0, "device_bytes_rank0": 2,
+           "host_bytes_rank0": 0}
+    row = {"stage": 3, "libs": ["minizero", "deepspeed"], "max_abs_dloss": 0.0, "dloss": {"deepspeed": 0.0},
+           "speed": {"deepspeed": 1.0}, "speed_ratio": 1.0,
+           "minizero": {**lib, "nvme_bytes_rank0": 8}, "deepspeed": {**lib, "host_bytes_rank0": 8}}
+    head, first = table([row]).splitlines()[0], table([row]).splitlines()[2]
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    cells = [c.strip() for c in first.strip("|").split("|")]
+    assert cells[cols.index("NVMe B r0 mz")] == "8" and cells[cols.index("NVMe B r0 DS")] == "-"
+    assert "NVMe" not in table([{**row, "minizero": lib}])
