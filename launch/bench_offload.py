@@ -65,10 +65,21 @@ OFFLOADS = {
     "none": {},
     "optimizer": {"offload_optimizer": {"device": "cpu"}},
     "optimizer+param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    # ZeRO-Infinity's NVMe tier (--nvme-path): the same, swapped to files between uses
+    "nvme:optimizer": {"offload_optimizer": {"device": "nvme"}},
+    "nvme:optimizer+param": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
 }
 # (stage, offload): offload_param exists at stage 3 only
 CASES = [(1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
          (3, "none"), (3, "optimizer"), (3, "optimizer+param")]
+NVME_CASES = [(1, "nvme:optimizer"), (2, "nvme:optimizer"), (3, "nvme:optimizer"), (3, "nvme:optimizer+param")]
+
+
+def cases_for(args) -> list:
+    """CASES, and with --nvme-path the same offloads to NVMe."""
+    return CASES + (NVME_CASES if getattr(args, "nvme_path", None) else [])
+
+
 # minizero.compare's settings: both libraries run the same ZeRO-3 algorithm (gather on use,
 # every parameter partitioned, same F.linear, a small reduce bucket)
 SAME_ALGORITHM_ZERO = COMPARE_DEFAULTS
@@ -120,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-adam", action="store_true", help="skip the Adam table")
     p.add_argument("--tutorial-zero", action="store_true",
                    help="zero_optimization values of launch/ds_config_step5.json instead of minizero.compare's")
+    p.add_argument("--nvme-path", help="also run the offloads with \"device\": \"nvme\", swap files in this folder "
+                                        "(one subfolder per run; docs/offload.md, \"ZeRO-Infinity\")")
     p.add_argument("--out", help="also write the markdown report to this file")
     p.add_argument("--json", help="also write every number to this JSON file")
     p.add_argument("--seed", type=int, default=0)
@@ -208,6 +221,9 @@ def make_config(stage: int, offload: str, args, lib: str) -> dict:
            "zero_optimization": zero_section(stage, offload, args.tutorial_zero)}
     if args.dtype != "fp32":
         cfg[args.dtype] = {"enabled": True}
+    for section in cfg["zero_optimization"].values():
+        if isinstance(section, dict) and section.get("device") == "nvme":   # a folder per run: each is locked
+            section["nvme_path"] = os.path.join(os.path.abspath(args.nvme_path), f"{lib}-s{stage}-{offload[5:]}")
     return cfg
 
 
@@ -217,7 +233,7 @@ def jobs_for(args) -> list[list[dict]]:
     the load of a shared machine hits both libraries' runs of a case alike. minizero alone
     patches nothing process-wide: all its runs share one launch."""
     launches = []
-    for stage, offload in CASES:
+    for stage, offload in cases_for(args):
         if stage not in args.stages:
             continue
         for lib in args.libs:
@@ -318,6 +334,7 @@ def bench_job(job: dict, args_d: dict) -> dict:
         out["breakdown"] = breakdown(ranges_of(prof), wall_us, n_prof)
     if lib != "deepspeed":
         out["memory"] = engine.memory_breakdown()
+        engine.destroy()   # "nvme": its swap files and folder
     out["peak_cuda_bytes"] = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     return out
 
@@ -337,8 +354,11 @@ def copy_counts(engine, lib: str) -> dict | None:
     if lib == "deepspeed":
         return None
     st = engine.comm_stats()
-    return {"d2h": st["d2h"]["bytes"], "h2d": st["h2d"]["bytes"],
-            "wire": sum(st[op]["wire_bytes"] for op in COLLECTIVES)}
+    out = {"d2h": st["d2h"]["bytes"], "h2d": st["h2d"]["bytes"],
+           "wire": sum(st[op]["wire_bytes"] for op in COLLECTIVES)}
+    if engine.offload is not None and engine.offload.swappers:   # "nvme": file reads and writes
+        out.update({op: st.get(op, {}).get("bytes", 0) for op in ("nvme_read", "nvme_write")})
+    return out
 
 
 def ranges_of(prof) -> list[tuple[str, float, float]]:
@@ -534,12 +554,14 @@ def step_rows(results: list[dict], args) -> tuple[list[str], list[list[str]]]:
     for lib in libs:
         head += [f"{lib} ms/step (min)", f"{lib} samples/s", f"{lib} vs none"]
     mz_cols = any(lib.startswith("minizero") for lib in libs)
+    nvme = any(off.startswith("nvme:") for _, off in cases_for(args))
     if mz_cols:
         head += ["mz d2h MiB/step", "mz h2d MiB/step", "mz device MiB", "mz host MiB"]
+        head += ["mz NVMe read / write MiB/step", "mz NVMe MiB"] if nvme else []
     if args.cuda:
         head += [f"{lib} peak CUDA MiB" for lib in libs]
     rows = []
-    for stage, offload in CASES:
+    for stage, offload in cases_for(args):
         here = {r["lib"]: r for r in results if (r["stage"], r["offload"]) == (stage, offload)}
         if not here:
             continue
@@ -554,6 +576,9 @@ def step_rows(results: list[dict], args) -> tuple[list[str], list[list[str]]]:
             cp, mem = (mz or {}).get("copies_per_step"), (mz or {}).get("memory")
             row += [mib(cp and cp["d2h"]), mib(cp and cp["h2d"]),
                     mib(mem and sum(mem["device"].values())), mib(mem and sum(mem["host"].values()))]
+            if nvme:
+                row += [f"{mib(cp and cp.get('nvme_read', 0))} / {mib(cp and cp.get('nvme_write', 0))}",
+                        mib(mem and sum(mem.get("nvme", {}).values()))]
         if args.cuda:
             row += [mib(here[lib]["peak_cuda_bytes"]) if lib in here else "-" for lib in libs]
         rows.append(row)
@@ -620,7 +645,9 @@ def report(info: dict, results: list[dict], adam: list[dict], args) -> str:
              f"{args.warmup} warmup + {args.steps} timed steps (median of the slowest rank), {args.profile_steps} "
              f"profiled; {args.threads} torch thread(s) per rank",
              f"- zero_optimization: {'launch/ds_config_step5.json values' if args.tutorial_zero else 'minizero.compare settings'}"
-             f" {json.dumps(zero_section(3, 'none', args.tutorial_zero))} (offload keys per row)", ""]
+             f" {json.dumps(zero_section(3, 'none', args.tutorial_zero))} (offload keys per row)",
+             *([f"- NVMe rows: swap files under {args.nvme_path}, on {info.get('nvme_disk')}"] if args.nvme_path else []),
+             ""]
     if results:
         head, rows = step_rows(results, args)
         lines += ["## Step time", "", md_table(head, rows), "",
@@ -645,6 +672,29 @@ def report(info: dict, results: list[dict], adam: list[dict], args) -> str:
                   f"{args.adam_steps} steps after 2 warmup steps; bitwise: parameter and both moments equal the "
                   "for-loop's after all steps.", ""]
     return "\n".join(lines)
+
+
+def disk_of(path: str) -> str:
+    """What backs `path` (the "NVMe" of the nvme rows): its mount's device and file system from
+    /proc/mounts, and whether the kernel calls the block device rotational."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    best = ("?", "?", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[2]):
+                    best = (dev, fs, mnt)
+    except OSError:
+        return "unknown (no /proc/mounts)"
+    name = os.path.basename(best[0])
+    rota = f"/sys/block/{name.rstrip('0123456789') if name.startswith(('sd', 'vd')) else name}/queue/rotational"
+    kind = ""
+    if os.path.exists(rota):
+        kind = ", rotational" if open(rota).read().strip() == "1" else ", non-rotational"
+    return f"{best[0]} ({best[1]} mounted at {best[2]}{kind}); files through the page cache (no O_DIRECT)"
 
 
 def log(msg: str) -> None:
@@ -672,6 +722,8 @@ def main(argv=None) -> int:
             "versions": ", ".join(f"{p} {importlib.metadata.version(p)}" for p in ("torch", "deepspeed")
                                   if p == "torch" or "deepspeed" in args.libs),
             "model": model_numbers(args)}
+    if args.nvme_path:
+        info["nvme_disk"] = disk_of(args.nvme_path)
     log(f"model {args.model} {info['model']['config']}: Ψ = {info['model']['psi']:,}; {args.world_size} ranks on "
         f"{info['device']}")
     results = []

@@ -23,7 +23,8 @@ Two byte counts are kept per op:
 
 Offload (offload.py) adds a second kind of traffic, between the rank's device and its host
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
-same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network).
+same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network). The NVMe tier
+(nvme.py) adds "nvme_read" and "nvme_write", file to host memory and back, once a run swaps.
 
 Each collective and copy runs through `_issue`, which also announces it to the *observers*
 (`observers`, below): tools in minizero/observe/ (the desync check, the timeline trace,
@@ -66,6 +67,8 @@ class CommLedger:
         self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
 
     def record(self, op: str, nbytes: int, wire_bytes: int, label: str | None) -> None:
+        if op not in self.stats:   # NVMe swaps (nvme.py): listed from their first, so runs without show none
+            self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0}
         s = self.stats[op]
         s["calls"] += 1
         s["bytes"] += int(nbytes)

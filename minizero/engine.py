@@ -23,6 +23,7 @@ return value), docs/deepspeed.md says so (what each method returns: docs/deepspe
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -71,6 +72,7 @@ class Engine(torch.nn.Module):
         self.optimizer = self.sharded_optimizer.optimizer   # torch's Adam(W), on the fp32 master shards
         if self.offload is not None:
             self.offload.move_param_shards(self.zero.flat_params)   # offload_param: ZeRO-3's shards to the host
+            self.offload.start_swapping(self.sharded_optimizer, self.config.aio)   # "nvme": on to their files
             if self.global_rank == 0:
                 logger.info(self.offload.describe(self.zero.flat_params))
 
@@ -215,18 +217,34 @@ class Engine(torch.nn.Module):
         opt_place = "host" if opt.on_host else "device"
         where[opt_place]["master_params"] = opt.master_bytes()
         where[opt_place]["optimizer_states"] = opt.state_bytes()
-        return placed(where["device"], where["host"])
+        nvme = self.offload.nvme_places(where) if self.offload is not None and self.offload.swappers else None
+        return placed(where["device"], where["host"], nvme)
 
     def comm_stats(self) -> dict:
         """Calls, payload bytes and ring wire bytes per collective since this engine was
         created (its initial broadcast of the weights included). At world size 1 calls are
         still counted; wire_bytes are 0."""
         now = comm.ledger.snapshot()
-        return {op: {k: now[op][k] - self._comm_start[op][k] for k in now[op]} for op in now}
+        start = self._comm_start
+        return {op: {k: now[op][k] - start.get(op, {}).get(k, 0) for k in now[op]} for op in now}
 
     def full_fp32_state_dict(self) -> dict:
         """Every parameter's full fp32 (master) value; a collective: call on every rank."""
-        return self.sharded_optimizer.full_fp32_state()
+        with self._states_in_memory():
+            return self.sharded_optimizer.full_fp32_state()
+
+    def destroy(self) -> None:
+        """Let go of what outlives a step (DeepSpeed's engine.destroy()): "device": "nvme"'s
+        swap files and folder, after the writes in flight. Also done at interpreter exit."""
+        if self.offload is not None:
+            self.offload.close()
+
+    def _states_in_memory(self):
+        """"device": "nvme": swapped states back in host memory for the block (offload.py);
+        a checkpoint then holds what it holds with "device": "cpu"."""
+        if self.offload is not None and self.offload.swappers:
+            return self.offload.resident()
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -234,14 +252,16 @@ class Engine(torch.nn.Module):
         """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
         Must be called at a gradient-accumulation boundary. Returns the tag's folder."""
         from .checkpoint import checkpoint_io
-        return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
+        with self._states_in_memory():
+            return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
         """Returns (the tag's folder, client_state), or (None, None) when `load_dir` holds
         no checkpoint."""
         from .checkpoint import checkpoint_io
-        path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        with self._states_in_memory():
+            path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:
             logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return path, client

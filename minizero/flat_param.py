@@ -82,6 +82,8 @@ class FlatParam:
         # offload_param (offload.py) moves a partitioned shard into host memory; all_gather
         # then copies it to the device first.
         self.shard_on_host = False
+        # offload_param to NVMe (offload.ParamSwap): the host shard lives in a file between gathers
+        self.swap = None
         # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
         # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
@@ -113,6 +115,8 @@ class FlatParam:
         if not self.full_is_allocated():
             self.alloc_full()
         shard = self.shard
+        if self.swap is not None:
+            self.swap.fetch()                    # the shard's bytes from its file into host memory
         side = copy_stream(self.device) if self.shard_on_host and async_op else None
         if side is not None:
             # A prefetch of a host shard on a GPU: the copy, and the gather that reads it, go on
@@ -128,10 +132,14 @@ class FlatParam:
                 shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
                                             label=f"{self.label}.{label}")
                 pending = comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}", async_op=True)
+                if self.swap is not None:
+                    self.swap.done()             # pinned: torch's host allocator keeps it until the copy ran
                 return CopiedThenGathered(pending, side.record_event(), self.device)
         if self.shard_on_host:
             shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
                                         label=f"{self.label}.{label}")
+            if self.swap is not None:
+                self.swap.done()                 # its file still holds it: dropped, not written
         pending = comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}", async_op=async_op)
         return pending if async_op else None
 

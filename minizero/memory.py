@@ -24,6 +24,9 @@ four categories' totals plus the same four split by place:
     {"params": b, "grads": b, "master_params": b, "optimizer_states": b,
      "device": {the four categories}, "host": {the four categories}}
 
+With `"device": "nvme"` (nvme.py) a third place, "nvme", holds what the offloads would keep
+in host memory: it lives in files between uses, and "host" counts none of it.
+
 Without offload everything is on the device. `offload_optimizer` moves the optimizer's
 shard (fp32 master + moments: 12Ψ/N in mixed precision) to the host; in fp32 training the
 device keeps its fp32 shard to compute with, so the host needs its own master: the device
@@ -55,18 +58,25 @@ def paper_bytes(psi: int, world_size: int, stage: int, mixed: bool = True) -> di
 CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
 
 
-def placed(device: dict, host: dict) -> dict:
-    """The breakdown's shape: per-category totals, then the `device` and `host` split."""
-    return {**{k: device[k] + host[k] for k in CATEGORIES}, "device": dict(device), "host": dict(host)}
+def placed(device: dict, host: dict, nvme: dict | None = None) -> dict:
+    """The breakdown's shape: per-category totals, then the `device` and `host` split, and
+    `nvme` when something is swapped to files ("device": "nvme", nvme.py)."""
+    out = {**{k: device[k] + host[k] + (nvme[k] if nvme else 0) for k in CATEGORIES},
+           "device": dict(device), "host": dict(host)}
+    if nvme is not None:
+        out["nvme"] = dict(nvme)
+    return out
 
 
 def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixed: bool = True,
                    persistent: Iterable[bool] | None = None, offload_optimizer: bool = False,
-                   offload_param: bool = False) -> dict:
+                   offload_param: bool = False, nvme: bool = False) -> dict:
     """Per-rank bytes for minizero's layout: `flat_numels` are the Ψ of each FlatParam.
 
     `persistent` marks ZeRO-3 FlatParams kept gathered (small parameters): their params
-    count in full, their gradients and optimizer state stay partitioned.
+    count in full, their gradients and optimizer state stay partitioned. `nvme`: the
+    offloads are `"device": "nvme"` (nvme.py): what they put in host memory lives in files
+    between uses, a third place, "nvme".
     """
     n = world_size if stage >= 1 else 1
     lp = 2 if mixed else 4
@@ -88,7 +98,9 @@ def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixe
     host = {"params": shards if offload_param else 0, "grads": 0,
             "master_params": master if offload_optimizer else 0,
             "optimizer_states": opt if offload_optimizer else 0}
-    return placed(device, host)
+    if not nvme:
+        return placed(device, host)
+    return placed(device, dict.fromkeys(CATEGORIES, 0), host)   # all the host held, in files
 
 
 def total(breakdown: dict) -> int:
@@ -131,6 +143,9 @@ def held_bytes(engine) -> dict:
     are the whole model), so a comparison can tell padding from anything else.
     """
     zero, opt = engine.zero, engine.sharded_optimizer
+    offload = getattr(engine, "offload", None)
+    for swapper in (offload.swappers.values() if offload is not None else ()):
+        swapper.wait_all()     # "nvme": writes in flight finished, so each state is in one place
     where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
     seen: set[int] = set()
 
@@ -154,4 +169,12 @@ def held_bytes(engine) -> dict:
         claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
     elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.keep_full),
                 "shard": sum(f.shard_numel for f in zero.flat_params)}
-    return {**placed(where["device"], where["host"]), "elements": elements}
+    if offload is None or not offload.swappers:
+        return {**placed(where["device"], where["host"]), "elements": elements}
+    # "device": "nvme": a tensor swapped out right now holds no storage; its bytes are in its file
+    nvme = dict.fromkeys(CATEGORIES, 0)
+    kind = {"master": "master_params", "shard": "params"}
+    for key, t, _ in offload._swapped():
+        if t.untyped_storage().nbytes() == 0:
+            nvme[kind.get(key.rsplit(".", 1)[1], "optimizer_states")] += t.numel() * t.element_size()
+    return {**placed(where["device"], where["host"], nvme), "elements": elements}

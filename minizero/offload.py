@@ -38,13 +38,21 @@ default): pinned memory is what lets a copy run asynchronously at full PCIe spee
 Staging buffers (the gradient shard as it lands on the host, the low-precision shard on
 its way back) live for one step, like the fp32 gradient the step makes without offload;
 they are not model state and memory_breakdown does not count them.
+
+`"device": "nvme"` (ZeRO-Infinity's NVMe tier, nvme.py) is this same host offload with one
+more tier below it: the host tensors above keep their identity and their arithmetic, and
+between uses their bytes wait in files (`start_swapping`, and the few `swap` lines below).
 """
 from __future__ import annotations
 
 import torch
 
+from contextlib import contextmanager
+
 from . import comm
 from .flat_param import FlatParam
+from .nvme import SwapFolder, Swapper, agree_on_errors, check_free_space, logger, nbytes
+from .runtime.errors import ConfigError
 
 HOST = torch.device("cpu")
 
@@ -57,11 +65,18 @@ class HostOffload:
     """
 
     def __init__(self, device: torch.device, *, optimizer: bool, params: bool,
-                 pin_optimizer: bool = True, pin_params: bool = True):
+                 pin_optimizer: bool = True, pin_params: bool = True,
+                 nvme_optimizer: str | None = None, nvme_params: str | None = None, read_ahead: int = 0):
         self.device = device
         self.optimizer, self.params = optimizer, params
         on_gpu = device.type == "cuda"
         self.pin_optimizer, self.pin_params = pin_optimizer and on_gpu, pin_params and on_gpu
+        # "device": "nvme": the folder each tier swaps to (None: it stays in host memory)
+        self.nvme_optimizer, self.nvme_params, self.read_ahead = nvme_optimizer, nvme_params, read_ahead
+        self.swappers: dict[str, Swapper] = {}     # by nvme_path; empty until start_swapping
+        self.sharded_optimizer = None
+        self._order_last: list = []                # offload_param to NVMe: the shards' gathers, last step
+        self._order_now: list = []                 # ... and this step so far
 
     @classmethod
     def from_config(cls, zero_cfg, device: torch.device) -> "HostOffload | None":
@@ -69,9 +84,12 @@ class HostOffload:
         opt, par = zero_cfg.offload_optimizer_enabled, zero_cfg.offload_param_enabled
         if not (opt or par):
             return None
+        oo, op = zero_cfg.offload_optimizer, zero_cfg.offload_param
         return cls(device, optimizer=opt, params=par,
-                   pin_optimizer=opt and zero_cfg.offload_optimizer.pin_memory,
-                   pin_params=par and zero_cfg.offload_param.pin_memory)
+                   pin_optimizer=opt and oo.pin_memory, pin_params=par and op.pin_memory,
+                   nvme_optimizer=oo.nvme_path if opt and oo.device == "nvme" else None,
+                   nvme_params=op.nvme_path if par and op.device == "nvme" else None,
+                   read_ahead=op.buffer_count if par else 0)
 
     # ------------------------------------------------------------------ parameters (stage 3)
     def move_param_shards(self, flat_params: list[FlatParam]) -> int:
@@ -103,7 +121,10 @@ class HostOffload:
     def grads_to_host(self, flat_params: list[FlatParam]) -> list[torch.Tensor]:
         """Each FlatParam's reduced gradient shard, copied into host memory as it is (low
         precision: the fewest bytes over PCIe); zeros for a FlatParam that got none.
-        All copies are queued first, then one wait: the CPU's Adam needs the data."""
+        All copies are queued first, then one wait: the CPU's Adam needs the data.
+        nvme: the optimizer's reads are issued first, so the disk works during the copies."""
+        for key, t in self._optimizer_tensors():
+            self.swappers[self.nvme_optimizer].prefetch(key, t)
         out = []
         for f in flat_params:
             g = f.grad_shard
@@ -118,6 +139,8 @@ class HostOffload:
     def write_shard(self, f: FlatParam, master: torch.Tensor) -> None:
         """f.shard <- the updated fp32 master, rounded to the training dtype where the master
         lives, then copied to where the shard lives (2 bytes per element in bf16/fp16)."""
+        if f.swap is not None:                       # nvme: the shard's storage back, unread (overwritten)
+            f.swap.swapper.prefetch(f.swap.key, f.shard, read=False)
         if not self.optimizer:                       # the master is on the device
             if f.shard_on_host:                      # offload_param alone: round there, copy over
                 comm.copy_to_host(f.shard, master.to(f.dtype), label=f"{f.label}.params")
@@ -141,6 +164,126 @@ class HostOffload:
         orders them before the gathers that read them.)"""
         if not self.optimizer and any(f.shard_on_host for f in flat_params):
             wait_for_device(self.device)
+        self.swap_out()
+        self._order_last, self._order_now = self._order_now, []   # read ahead by the order of this step                              # nvme: the new states to their files, in the background
+
+    # ------------------------------------------------------------------ NVMe (nvme.py)
+    def start_swapping(self, sharded_optimizer, aio) -> None:
+        """"device": "nvme": make each rank's swap folder (one line at start on every rank if
+        it cannot be written or the files would not fit), then move the states there. A
+        collective: every rank calls it, after move_param_shards."""
+        self.sharded_optimizer = sharded_optimizer
+        paths = {p for p in (self.nvme_optimizer, self.nvme_params) if p is not None}
+        if not paths:
+            return
+        names = {self.nvme_params: "zero_optimization.offload_param.nvme_path",
+                 self.nvme_optimizer: "zero_optimization.offload_optimizer.nvme_path"}
+        folders = {}
+
+        def make_folders():
+            for p in sorted(paths):
+                folders[p] = SwapFolder(p, comm.get_rank(), names[p])
+        try:
+            agree_on_errors(make_folders)
+            for p, folder in folders.items():
+                self.swappers[p] = Swapper(folder, aio.intra_op_parallelism, aio.block_size)
+            if self.nvme_params is not None:
+                for f in sharded_optimizer.flat_params:
+                    if f.shard_on_host:
+                        f.swap = ParamSwap(self, f)
+            for p in sorted(paths):
+                need = sum(nbytes(t) for key, t, q in self._swapped() if q == p)
+                check_free_space(folders[p], need, names[p])
+        except ConfigError:                          # leave no folder behind, on any rank
+            for f in sharded_optimizer.flat_params:
+                f.swap = None
+            for folder in folders.values():
+                folder.remove()
+            self.swappers.clear()
+            raise
+        for folder in folders.values():
+            if folder.removed_stale:
+                logger.warning(f"rank {comm.get_rank()}: removed {folder.removed_stale} swap file(s) in "
+                               f"{folder.path} left by a run that did not exit cleanly (swap files are not a "
+                               f"checkpoint: a run resumes from its checkpoint)")
+        if self.nvme_optimizer is not None:        # Adam waits for the reads grads_to_host issued
+            sharded_optimizer.optimizer.register_step_pre_hook(lambda *_: self.swap_in_optimizer())
+        for key, t, p in self._swapped():
+            self.swappers[p].resident.add(key)       # all in host memory now: write each once
+        self.swap_out()
+        for s in self.swappers.values():
+            s.wait_all()                             # a disk error surfaces here, at start
+
+    def _optimizer_tensors(self):
+        """(key, tensor) of the optimizer's swapped state: fp32 master and Adam's moments
+        (looked up each time: loading a checkpoint gives the optimizer new state tensors)."""
+        if self.nvme_optimizer is None or self.sharded_optimizer is None:
+            return
+        opt = self.sharded_optimizer
+        for f, m in zip(opt.flat_params, opt.masters):
+            yield f"{f.label}.master", m
+            for name, v in opt.optimizer.state.get(m, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0:   # not Adam's scalar step
+                    yield f"{f.label}.{name}", v
+
+    def _swapped(self):
+        """(key, tensor, nvme_path) of everything that lives in files between uses."""
+        for key, t in self._optimizer_tensors():
+            yield key, t, self.nvme_optimizer
+        if self.nvme_params is not None and self.sharded_optimizer is not None:
+            for f in self.sharded_optimizer.flat_params:
+                if f.swap is not None:
+                    yield f.swap.key, f.shard, self.nvme_params
+
+    def swap_out(self) -> None:
+        """Write what is in host memory to its file and let the memory go, in the background."""
+        for key, t, p in self._swapped():
+            self.swappers[p].swap_out(key, t)
+
+    def swap_in_optimizer(self) -> None:
+        """Before Adam (a step pre-hook): the reads grads_to_host issued, done."""
+        for key, t in self._optimizer_tensors():
+            self.swappers[self.nvme_optimizer].swap_in(key, t)
+
+    @contextmanager
+    def resident(self):
+        """Everything swapped in for the block (a checkpoint's save or load reads and writes
+        the states as with "device": "cpu"), written back after it."""
+        for key, t, p in self._swapped():
+            self.swappers[p].swap_in(key, t)
+        try:
+            yield
+        finally:
+            self._own_states()
+            for key, t, p in self._swapped():
+                self.swappers[p].resident.add(key)   # a load may have replaced the tensors
+            self.swap_out()
+
+    def _own_states(self) -> None:
+        """After a checkpoint load, Adam's moments may share a storage that cannot be resized
+        (a view of what torch.load read): give each one a storage of its own to swap."""
+        if self.nvme_optimizer is None:
+            return
+        opt = self.sharded_optimizer.optimizer
+        for st in opt.state.values():
+            for name, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and (
+                        not v.untyped_storage().resizable() or v.untyped_storage().nbytes() != nbytes(v)):
+                    st[name] = v.clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        """Writes in flight finished, swap files and folders removed (a clean exit)."""
+        for s in self.swappers.values():
+            s.close()
+
+    def nvme_places(self, where: dict) -> dict:
+        """memory_breakdown's split with an "nvme" place: what lives in files between uses."""
+        nvme = dict.fromkeys(where["host"], 0)
+        moves = (["params"] if self.nvme_params else []) + \
+            (["master_params", "optimizer_states"] if self.nvme_optimizer else [])
+        for k in moves:
+            nvme[k], where["host"][k] = where["host"][k], 0
+        return nvme
 
     def describe(self, flat_params: list[FlatParam]) -> str:
         """The one log line saying what lives where."""
@@ -154,7 +297,37 @@ class HostOffload:
                          + (f"; {len(kept)} persistent FlatParam(s) (parameters <= "
                             f"stage3_param_persistence_threshold) stay gathered on the device" if kept else ""))
         pinned = self.pin_optimizer or self.pin_params
+        for what, p in (("optimizer", self.nvme_optimizer), ("parameter shards", self.nvme_params)):
+            if p is not None:
+                parts.append(f"{what} swapped to NVMe files in {self.swappers[p].folder.path} between uses")
         return "; ".join(parts) + f" (host buffers {'pinned' if pinned else 'not pinned'})"
+
+
+class ParamSwap:
+    """offload_param to NVMe: a FlatParam's host shard, read from its file just before its
+    gather and dropped right after (its file still holds it: no write). Each read also starts
+    the reads of the next `read_ahead` shards, in the order the previous step gathered them
+    (the same order every step: forward, then backward's reverse, per micro-step), so the
+    disk works while this unit computes. No read-ahead crosses a step: the step rewrites
+    every shard."""
+
+    def __init__(self, offload: HostOffload, f: FlatParam):
+        self.offload, self.flat, self.key = offload, f, f"{f.label}.shard"
+        self.swapper = offload.swappers[offload.nvme_params]
+
+    def fetch(self) -> None:
+        off = self.offload
+        i = len(off._order_now)
+        off._order_now.append(self)
+        self.swapper.swap_in(self.key, self.flat.shard)
+        last = off._order_last
+        if i < len(last) and last[i] is self:           # on the same path as last step
+            for ahead in last[i + 1:i + 1 + off.read_ahead]:
+                if ahead is not self:
+                    self.swapper.prefetch(ahead.key, ahead.flat.shard)
+
+    def done(self) -> None:
+        self.swapper.swap_out(self.key, self.flat.shard, write=False)
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -202,6 +202,7 @@ def stage_row(stage, *summaries, libs=LIBS) -> dict:
         where = placed_bytes(state_entries(s)[0])
         row[lib] = {"final_loss": s["final_loss"], "test_loss": s["test_loss"], "state_bytes_rank0": sb[0],
                     "device_bytes_rank0": where["device"], "host_bytes_rank0": where["host"],
+                    **({"nvme_bytes_rank0": where["nvme"]} if "nvme" in where else {}),
                     "state_bytes_max": max(sb), "peak_mem_mb": max(s["peak_mem_mb"]),
                     "samples_per_s": s["samples_per_s"],
                     "wire_bytes_per_step": (s["comm_wire_bytes_per_step"] or {}).get("total", 0),

@@ -23,6 +23,7 @@ PER_LIB = [("final loss", "final_loss", "loss"), ("state B r0", "state_bytes_ran
 
 # with ZeRO-Offload, after "state B r0": where rank 0's model states live
 PLACED = [("device B r0", "device_bytes_rank0", "bytes"), ("host B r0", "host_bytes_rank0", "bytes")]
+NVME = [("NVMe B r0", "nvme_bytes_rank0", "bytes")]
 
 
 def table(rows) -> str:
@@ -30,8 +31,11 @@ def table(rows) -> str:
     host columns appear when a run offloads (some library holds model states in host memory)."""
     libs = rows[0].get("libs", list(LIBS))
     first, others = SHORT[libs[0]], libs[1:]
-    placed = any(r[lib]["host_bytes_rank0"] for r in rows for lib in libs if "host_bytes_rank0" in r[lib])
-    columns = PER_LIB[:2] + (PLACED if placed else []) + PER_LIB[2:]
+    placed = any(r[lib]["host_bytes_rank0"] or r[lib].get("nvme_bytes_rank0")
+                 for r in rows for lib in libs if "host_bytes_rank0" in r[lib])
+    # "device": "nvme" (minizero/nvme.py): a third place, the states in swap files
+    nvme = any(r[lib].get("nvme_bytes_rank0") for r in rows for lib in libs)
+    columns = PER_LIB[:2] + (PLACED if placed else []) + (NVME if nvme else []) + PER_LIB[2:]
     dloss = ["max abs dloss/step"] if len(others) == 1 else [f"max abs dloss/step {first}-{SHORT[o]}" for o in others]
     speed_at = 1 + len(dloss) + len(libs) * (columns.index(PER_LIB[4]) + 1)   # after the samples/s group
     head = ["stage"] + dloss + [f"{t} {SHORT[lib]}" for t, _, _ in columns for lib in libs]
@@ -39,7 +43,7 @@ def table(rows) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["stage"])] + [fmt(r.get("dloss", {}).get(o, r["max_abs_dloss"]), "d") for o in others]
-        cells += [fmt(r[lib][key], kind) for _, key, kind in columns for lib in libs]
+        cells += [fmt(r[lib].get(key), kind) for _, key, kind in columns for lib in libs]
         cells[speed_at:speed_at] = [fmt(r.get("speed", {}).get(o, r["speed_ratio"])) for o in others]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

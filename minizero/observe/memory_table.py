@@ -11,7 +11,8 @@ for byte to `engine.memory_breakdown()` of real engines (tests/tools/test_memory
 `--nproc 2 4` instead builds the real engine at every stage on N gloo ranks (CPU is fine:
 nothing is trained, only laid out) and prints each rank's `engine.memory_breakdown()`: the
 measured table the per-stage tables in docs/zero.md come from. `--offload optimizer` adds
-offload_optimizer at stages 1-3, `both` also offload_param at stage 3 (docs/offload.md).
+offload_optimizer at stages 1-3, `both` also offload_param at stage 3, `nvme` both with
+`"device": "nvme"`, in a column of their own (docs/offload.md).
 `--paper-figure1` prints the ZeRO paper's Figure 1 example (Ψ = 7.5B, N = 64, K = 12);
 `--paper-figure1 --png docs/img/zero_figure1.png` also draws it.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 import torch
 
@@ -26,14 +28,15 @@ from ..memory import CATEGORIES, expected_bytes, human, paper_bytes, total
 from ..partition import FlatPlan
 
 
-def offload_section(stage: int, offload: str) -> dict:
+def offload_section(stage: int, offload: str, nvme_path: str = "nvme") -> dict:
     """The zero_optimization keys `--offload` adds at this stage (stage 0 offloads nothing,
-    offload_param exists at stage 3 only)."""
+    offload_param exists at stage 3 only). "nvme": both, with "device": "nvme" (nvme.py)."""
     out = {}
-    if offload in ("optimizer", "both") and stage >= 1:
-        out["offload_optimizer"] = {"device": "cpu"}
-    if offload == "both" and stage == 3:
-        out["offload_param"] = {"device": "cpu"}
+    where = {"device": "nvme", "nvme_path": nvme_path} if offload == "nvme" else {"device": "cpu"}
+    if offload in ("optimizer", "both", "nvme") and stage >= 1:
+        out["offload_optimizer"] = dict(where)
+    if offload in ("both", "nvme") and stage == 3:
+        out["offload_param"] = dict(where)
     return out
 
 
@@ -67,7 +70,8 @@ def computed_breakdown(plans: list[FlatPlan], world: int, stage: int, dtype: str
     off = offload_section(stage, offload)
     return expected_bytes([p.numel for p in plans], world, stage, mixed=dtype != "fp32",
                           persistent=[p.keep_full for p in plans],
-                          offload_optimizer="offload_optimizer" in off, offload_param="offload_param" in off)
+                          offload_optimizer="offload_optimizer" in off, offload_param="offload_param" in off,
+                          nvme=offload == "nvme" and bool(off))
 
 
 def compute(model_name: str, worlds, dtype: str = "bf16", stages=(0, 1, 2, 3), offload: str = "none",
@@ -146,7 +150,9 @@ def _rank(model_name, dtype, stages, offload="none"):
     import minizero
     from minizero.gpt.model import GPT, get_preset
 
+    import tempfile
     out = {}
+    swap = tempfile.mkdtemp(prefix="minizero-memory-table-")   # --offload nvme: the swap files' folder
     for stage in stages:
         torch.manual_seed(0)
         model = GPT(get_preset(model_name))
@@ -154,13 +160,15 @@ def _rank(model_name, dtype, stages, offload="none"):
         cfg = {"train_micro_batch_size_per_gpu": 1,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                     **offload_section(stage, offload)}}
+                                     **offload_section(stage, offload, swap)}}
         if dtype != "fp32":
             cfg[dtype] = {"enabled": True}
         engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1),
                                          config=cfg)
         out[stage] = (engine.memory_breakdown(), psi)
+        engine.destroy()
         del engine, model
+    shutil.rmtree(swap, ignore_errors=True)
     return out
 
 
@@ -181,8 +189,9 @@ def main(argv=None) -> None:
                     help="measure instead: spawn N gloo ranks, build the real engines, read memory_breakdown()")
     ap.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--offload", default="none", choices=["none", "optimizer", "both"],
-                    help="offload_optimizer at stages 1-3; both: also offload_param at stage 3")
+    ap.add_argument("--offload", default="none", choices=["none", "optimizer", "both", "nvme"],
+                    help="offload_optimizer at stages 1-3; both: also offload_param at stage 3; "
+                         "nvme: both, swapped to NVMe files (a third place)")
     ap.add_argument("--reduce-bucket-size", type=int, default=500_000_000,
                     help="ZeRO-2's bucket size in elements (computed mode; DeepSpeed's default 5e8)")
     ap.add_argument("--persistence-threshold", type=int, default=0,
@@ -210,9 +219,10 @@ def main(argv=None) -> None:
     how = "measured on N gloo ranks: rank 0; max over ranks if different" if measured else \
         "computed from the layout plan, no processes: every rank holds the same"
     print(f"model={args.model} dtype={args.dtype} offload={args.offload}; bytes per rank ({how})\n")
-    print("| N | stage | params | grads | master | optimizer | total | on device | on host | paper formula | "
-          "total (human) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    nvme = args.offload == "nvme"
+    print("| N | stage | params | grads | master | optimizer | total | on device | on host | "
+          + ("on NVMe | " if nvme else "") + "paper formula | total (human) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if nvme else ""))
     if not measured:
         computed = compute(args.model, worlds, args.dtype, args.stage, args.offload, args.reduce_bucket_size,
                            args.persistence_threshold)
@@ -226,7 +236,8 @@ def main(argv=None) -> None:
             tot = f"{t0:,}" + (f" (max {tmax:,})" if tmax != t0 else "")
             print(f"| {n} | {stage} | {b0['params']:,} | {b0['grads']:,} | {b0['master_params']:,} | "
                   f"{b0['optimizer_states']:,} | {tot} | {total(b0['device']):,} | {total(b0['host']):,} | "
-                  f"{paper:,.0f} | {human(t0)} |")
+                  + (f"{total(b0['nvme']) if 'nvme' in b0 else 0:,} | " if nvme else "")
+                  + f"{paper:,.0f} | {human(t0)} |")
 
 
 if __name__ == "__main__":

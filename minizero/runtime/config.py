@@ -34,10 +34,10 @@ from minizero.runtime import lr_schedules
 from minizero.runtime.config_schema import (Section, anything, boolean, integer, key, list_of, number, only, optional, real,
                                     string)
 from minizero.runtime.errors import ConfigError
-from minizero.runtime.zero_config import (OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,
+from minizero.runtime.zero_config import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,
                                           _zero, ignored_knobs, ignored_knobs_note)
 
-__all__ = ["ConfigError", "Config", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
+__all__ = ["ConfigError", "Config", "AioConfig", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
            "ActivationCheckpointingConfig", "CollectivesConfig", "CommsLoggerConfig", "TraceConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
            "ignored_knobs", "ignored_knobs_note", "resolve_batch_size"]
 
@@ -225,6 +225,7 @@ class Config(Section):
     collectives: CollectivesConfig = key(CollectivesConfig, CollectivesConfig.parse, name="minizero_collectives")
     comms_logger: CommsLoggerConfig = key(CommsLoggerConfig, CommsLoggerConfig.parse)
     trace: TraceConfig = key(TraceConfig, TraceConfig.parse, name="minizero_trace")
+    aio: AioConfig = key(AioConfig, AioConfig.parse)       # the NVMe swapper's I/O (nvme.py)
     wall_clock_breakdown: bool = key(False, boolean, acts=False)
     zero_allow_untested_optimizer: bool = key(False, boolean, acts=False)
     zero_force_ds_cpu_optimizer: bool = key(True, boolean, acts=False)

@@ -11,18 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from minizero.runtime.config_schema import Section, anything, boolean, integer, key, number, only, optional
+from minizero.runtime.config_schema import Section, boolean, integer, key, number, only, optional
 from minizero.runtime.errors import ConfigError
 
 
 def _offload_device(v, path):
     dev = "none" if v is None else v
-    if dev == "nvme":
-        raise ConfigError(f"{path} = \"nvme\": minizero offloads to CPU memory only (ZeRO-Infinity's NVMe "
-                          f"tier is not implemented); set it to \"cpu\" or \"none\"")
-    if dev not in ("none", "cpu"):
-        raise ConfigError(f"{path} must be \"none\" or \"cpu\" (DeepSpeed also has \"nvme\"), got {dev!r}")
+    if dev not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"{path} must be \"none\", \"cpu\" or \"nvme\", got {dev!r}")
     return dev
+
+
+def _nvme_path(v, path):
+    if v is not None and (not isinstance(v, str) or not v):
+        raise ConfigError(f"{path} must be a folder's path (a string), got {v!r}")
+    return v
+
+
+def _needs_nvme_path(section, path):
+    """device "nvme" without a folder to swap to: one line (DeepSpeed asserts it deep inside)."""
+    if section.device == "nvme" and section.nvme_path is None:
+        raise ConfigError(f"{path}.device = \"nvme\" needs {path}.nvme_path, a folder on a fast local "
+                          f"disk for the swap files")
 
 
 def _fraction(v, path):
@@ -37,10 +47,12 @@ def _fraction(v, path):
 class OffloadOptimizerConfig(Section):
     """`zero_optimization.offload_optimizer` (ZeRO-Offload; minizero/offload.py), with
     DeepSpeed 0.19.8's defaults (DeepSpeedZeroOffloadOptimizerConfig, runtime/zero/offload_config.py).
-    acts=False: DeepSpeed's tuning of its own CPU Adam and NVMe swapper."""
-    device: str = key("none", _offload_device)
+    acts=False: DeepSpeed's tuning of its own CPU Adam and NVMe swapper (minizero/nvme.py
+    swaps the whole optimizer shard in for the step, reads issued when the step starts, and
+    always lets the writes finish during the next forward and backward)."""
+    device: str = key("none", _offload_device)            # "nvme": minizero/nvme.py
     pin_memory: bool = key(True, boolean)                 # pinned host buffers when the device is a GPU
-    nvme_path: Optional[str] = key(None, anything, acts=False)
+    nvme_path: Optional[str] = key(None, _nvme_path)      # the swap files' folder (device "nvme")
     buffer_count: int = key(4, integer(lo=0), acts=False)
     pipeline_read: bool = key(False, boolean, acts=False)
     pipeline_write: bool = key(False, boolean, acts=False)
@@ -49,26 +61,35 @@ class OffloadOptimizerConfig(Section):
     super_offload: bool = key(False, boolean, acts=False)
     cpuadam_cores_perc: float = key(0.8, _fraction, acts=False)
 
+    def __post_init__(self):
+        _needs_nvme_path(self, "zero_optimization.offload_optimizer")
+
     @property
     def enabled(self) -> bool:
-        return self.device == "cpu"
+        """In host memory (cpu), or swapped between host memory and files (nvme)."""
+        return self.device in ("cpu", "nvme")
 
 
 @dataclass
 class OffloadParamConfig(Section):
-    """`zero_optimization.offload_param` (ZeRO-Infinity's CPU tier, stage 3 only), with
-    DeepSpeed 0.19.8's defaults (DeepSpeedZeroOffloadParamConfig). acts=False: sizes of
-    DeepSpeed's NVMe swap buffers and its CPU parameter cache."""
-    device: str = key("none", _offload_device)
+    """`zero_optimization.offload_param` (ZeRO-Infinity, stage 3 only), with DeepSpeed
+    0.19.8's defaults (DeepSpeedZeroOffloadParamConfig). With "nvme", buffer_count is how
+    many parameter shards minizero reads ahead of their gather (nvme.py). acts=False: the
+    size of DeepSpeed's swap buffers and of its CPU parameter cache (minizero keeps no cache:
+    a shard is in host memory from its read to its gather)."""
+    device: str = key("none", _offload_device)            # "nvme": minizero/nvme.py
     pin_memory: bool = key(True, boolean)
-    nvme_path: Optional[str] = key(None, anything, acts=False)
-    buffer_count: int = key(5, integer(lo=0), acts=False)
+    nvme_path: Optional[str] = key(None, _nvme_path)
+    buffer_count: int = key(5, integer(lo=0))             # nvme: shards read ahead of use
     buffer_size: int = key(100_000_000, integer(lo=0), acts=False)
     max_in_cpu: int = key(1_000_000_000, integer(lo=0), acts=False)
 
+    def __post_init__(self):
+        _needs_nvme_path(self, "zero_optimization.offload_param")
+
     @property
     def enabled(self) -> bool:
-        return self.device == "cpu"
+        return self.device in ("cpu", "nvme")
 
 
 OffloadConfig = OffloadOptimizerConfig   # the name earlier versions exported
@@ -163,6 +184,21 @@ def _zero(v, path) -> ZeroConfig:
     return ZeroConfig.parse(v, path)
 
 
+@dataclass
+class AioConfig(Section):
+    """`aio`, the top-level section of DeepSpeed's NVMe swapper (runtime/swap_tensor/aio_config.py,
+    DeepSpeed 0.19.8's defaults). minizero's swapper (nvme.py) reads and writes with plain
+    file I/O in threads: `intra_op_parallelism` is how many (DeepSpeed's earlier name,
+    `thread_count`, is its alias) and `block_size` the bytes of one read or write call.
+    acts=False: libaio's queue and submission knobs, which plain file I/O does not have."""
+    block_size: int = key(1_048_576, integer(lo=1))
+    intra_op_parallelism: int = key(1, integer(lo=1), alias="thread_count")
+    queue_depth: int = key(8, integer(lo=1), acts=False)
+    single_submit: bool = key(False, boolean, acts=False)
+    overlap_events: bool = key(True, boolean, acts=False)
+    use_gds: bool = key(False, only(False, "GPUDirect Storage needs CUDA and DeepSpeed's GDS op"))
+
+
 def ignored_knobs(cfg) -> list[str]:
     """The zero_optimization keys `cfg` sets (as it spells them) that minizero accepts for
     DeepSpeed compatibility but does nothing with (acts=False), offload sub-keys as
@@ -173,6 +209,9 @@ def ignored_knobs(cfg) -> list[str]:
         if sub is not None:
             rows = type(sub).rows()
             out += [f"{name}.{k}" for k in sub.given if not rows[k].metadata["acts"]]
+    aio = getattr(cfg, "aio", None)
+    if aio is not None:
+        out += [f"aio.{k}" for k in aio.given if not AioConfig.rows()[k].metadata["acts"]]
     return out
 
 
@@ -181,5 +220,7 @@ def ignored_knobs_note(cfg) -> str | None:
     knobs = ignored_knobs(cfg)
     if not knobs:
         return None
-    return (f"zero_optimization {', '.join(knobs)}: accepted for DeepSpeed compatibility; they tune "
-            f"DeepSpeed's own buffers, copies and CPU Adam, which minizero does not have (docs/zero.md)")
+    zero = [k for k in knobs if not k.startswith("aio.")]
+    named = ", ".join(([f"zero_optimization {', '.join(zero)}"] if zero else []) + [k for k in knobs if k not in zero])
+    return (f"{named}: accepted for DeepSpeed compatibility; they tune "
+            f"DeepSpeed's own buffers, copies, CPU Adam and libaio, which minizero does not have (docs/zero.md)")

@@ -278,9 +278,9 @@ def test_deprecated_and_new_offload_spelling_together_are_refused(ds_parse, old,
 
 
 @pytest.mark.parametrize("zero,needle,deepspeed_refuses", [
-    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "offloads to CPU memory only", False),
-    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "offloads to CPU memory only", False),
-    ({"stage": 3, "offload_param": {"device": "gpu"}}, "must be \"none\" or \"cpu\"", True),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "needs zero_optimization.offload_optimizer.nvme_path", False),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, "needs zero_optimization.offload_param.nvme_path", False),
+    ({"stage": 3, "offload_param": {"device": "gpu"}}, "must be \"none\", \"cpu\" or \"nvme\"", True),
     ({"stage": 0, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3", False),
     ({"stage": 1, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3", False),
     ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3", False),
@@ -293,7 +293,8 @@ def test_deprecated_and_new_offload_spelling_together_are_refused(ds_parse, old,
     ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": -1}}, "buffer_count must be >= 0", True),
 ])
 def test_offload_bad_values(ds_parse, zero, needle, deepspeed_refuses):
-    """One line each. Where DeepSpeed accepts the config (nvme: minizero has no NVMe tier;
+    """One line each. Where DeepSpeed accepts the config (nvme without nvme_path: DeepSpeed
+    fails only when it builds the swapper;
     offload_param below stage 3 and offload_optimizer at stage 0: DeepSpeed ignores them
     silently), minizero refuses it rather than train without the offload asked for."""
     raw = {"train_batch_size": 8, "zero_optimization": zero}
@@ -320,8 +321,9 @@ def test_ignored_knobs_lists_offload_keys_minizero_does_not_act_on():
     # minizero acts on device and pin_memory: never listed
     acting = {f"{section}.{k}" for section, cls, _ in OFFLOAD_SECTIONS
               for k, row in cls.rows().items() if row.metadata["acts"]}
-    assert acting == {"offload_optimizer.device", "offload_optimizer.pin_memory", "offload_param.device",
-                      "offload_param.pin_memory"}
+    assert acting == {"offload_optimizer.device", "offload_optimizer.pin_memory", "offload_optimizer.nvme_path",
+                      "offload_param.device", "offload_param.pin_memory", "offload_param.nvme_path",
+                      "offload_param.buffer_count"}   # nvme: the swap folder; shards read ahead (nvme.py)
     plain = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
              "offload_param": {"device": "cpu"}}
     assert ignored_knobs(load_config({"train_batch_size": 8, "zero_optimization": plain}, 1)) == []

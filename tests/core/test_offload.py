@@ -176,7 +176,7 @@ def test_offload_param_copies_each_gather(runs):
 def test_bad_offload_configs_are_one_line_errors():
     from minizero.runtime.config import ConfigError, load_config
     base = {"train_batch_size": 8}
-    for zero, needle in [({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "CPU memory only"),
+    for zero, needle in [({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "needs zero_optimization.offload_optimizer.nvme_path"),
                          ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs stage 3"),
                          ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs stage 1, 2 or 3")]:
         with pytest.raises(ConfigError, match=needle) as e:

@@ -102,6 +102,24 @@ def test_configs_cover_the_cases_and_offload_param_only_at_stage_3():
         assert j["config"]["bf16"] == {"enabled": True}
 
 
+def test_nvme_path_adds_the_nvme_rows_each_in_its_own_folder(tmp_path):
+    """--nvme-path: the offloads again with "device": "nvme", one swap folder per run (each
+    run locks its folder), and the note names the disk behind the path."""
+    args = bench.parse_args(["--libs", "minizero,deepspeed", "--nvme-path", str(tmp_path)])
+    bench.check_args(args, cuda=False, gpus=0)
+    jobs = [j for launch in bench.jobs_for(args) for j in launch]
+    nvme = [j for j in jobs if j["offload"].startswith("nvme:")]
+    assert {(j["stage"], j["offload"]) for j in nvme} == set(bench.NVME_CASES)
+    folders = []
+    for j in nvme:
+        paths = {sec["nvme_path"] for sec in j["config"]["zero_optimization"].values()
+                 if isinstance(sec, dict) and sec.get("device") == "nvme"}
+        assert paths == {str(tmp_path / f'{j["lib"]}-s{j["stage"]}-{j["offload"][5:]}')}
+        folders += paths
+    assert len(folders) == len(set(folders)) == 8
+    assert "mounted at" in bench.disk_of(str(tmp_path / "not-yet"))
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--libs", "minizero,torchzero"], "--libs"),
     (["--stages", "0"], "--stages"),

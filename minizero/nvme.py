@@ -1,0 +1,250 @@
+"""ZeRO-Infinity's NVMe tier: model states that live in files, and come to host memory to be used.
+
+offload.py puts the optimizer's shard (fp32 master + Adam's moments) and ZeRO-3's
+parameter shards in host memory. ZeRO-Infinity (Rajbhandari et al., SC'21) goes one tier
+further: between uses they live on an NVMe drive, so a model larger than the hosts' memory
+still trains. With `"device": "nvme"` minizero keeps every such tensor object (the optimizer
+and the FlatParam hold the same ones as with `"device": "cpu"`) but gives its storage back
+while it is not in use, using the storage-resize trick ZeRO-3 already uses for gathered
+parameters (flat_param.py):
+
+    swap_out(t)   write t's bytes to its file, then resize t's storage to 0 bytes
+    swap_in(t)    resize the storage back, read the file into it
+    prefetch(t)   swap_in issued now, waited for at the next access to t
+
+So the arithmetic is the host offload's, on the same tensors, bit for bit; only where the
+bytes wait between uses changes. What moves, per rank and step (Ψ/N elements per rank):
+
+    optimizer (offload_optimizer.device = nvme)
+      reads   master + exp_avg + exp_avg_sq   12Ψ/N bytes   issued when the step starts
+              (with the gradient copies), waited for just before Adam
+      writes  the same 12Ψ/N bytes after Adam, issued at once and finished in the background
+              during the next forward and backward; waited for before the next read
+    parameters (offload_param.device = nvme, ZeRO-3)
+      reads   a unit's shard before each gather (2Ψ/N bytes per gather), the next ones
+              read ahead in the order the previous step used them (`read_ahead` shards)
+      writes  the new shards after the step (2Ψ/N bytes); an unchanged shard is never
+              rewritten: after its gather it is simply dropped from host memory
+
+Why plain Python file I/O in threads (`os.pread`/`os.pwrite` in a ThreadPoolExecutor, one
+block of `aio.block_size` bytes at a time): a reader can follow it line by line, it needs no
+compiled extension, and CPython releases the GIL during each system call, so `thread_count`
+threads keep that many requests in flight while the training thread computes. What it
+does not do, and DeepSpeed's libaio op does: O_DIRECT. These files go through the kernel's
+page cache, which the kernel may keep in host RAM until it needs the memory; the swap
+saves the process's memory, and the machine's only once the page cache is reclaimed.
+
+The files are not a checkpoint. Each rank has its own folder, `<nvme_path>/minizero_swap/rank<r>`,
+held with a file lock while the run lives and removed at a clean exit. A checkpoint holds
+the same state as with `"device": "cpu"` (everything is swapped in to save or load it), so a
+run killed mid-swap resumes from its last checkpoint, with either setting.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import shutil
+import socket
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch.profiler import record_function
+
+from . import comm
+from .runtime.errors import ConfigError
+
+logger = logging.getLogger("minizero")
+
+SWAP_DIR = "minizero_swap"
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the file system that holds `path` (a function of its own: tests replace it)."""
+    return shutil.disk_usage(path).free
+
+
+class SwapFolder:
+    """This rank's folder of swap files: made, locked, and cleared of a dead run's files at start."""
+
+    def __init__(self, nvme_path: str, rank: int, what: str):
+        self.path = os.path.join(nvme_path, SWAP_DIR, f"rank{rank}")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            probe = os.path.join(self.path, ".probe")
+            with open(probe, "wb") as fh:
+                fh.write(b"0")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"{what} = {nvme_path!r}: cannot write swap files there ({e.strerror}); "
+                              f"point it at a writable folder on a local disk") from None
+        self._lock = open(os.path.join(self.path, ".lock"), "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.seek(0)
+            owner = self._lock.read().strip() or "another process"
+            self._lock.close()
+            raise ConfigError(f"{what} = {nvme_path!r}: {self.path} is in use by a running training "
+                              f"({owner}); give each run its own nvme_path") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self._lock.flush()
+        stale = [n for n in os.listdir(self.path) if n.endswith(".swp")]
+        for n in stale:
+            os.remove(os.path.join(self.path, n))
+        self.removed_stale = len(stale)
+
+    def file(self, key: str) -> str:
+        return os.path.join(self.path, f"{key}.swp")
+
+    def remove(self) -> None:
+        """At a clean exit: the files, the lock, the folder (and minizero_swap/ once empty)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.path))
+        except OSError:
+            pass                                   # another rank's folder is still there
+        self._lock.close()
+
+
+class Swapper:
+    """Tensors whose bytes live in files between uses. Every access to a key first waits for
+    that key's read or write in flight, so no tensor is read while it is being filled, and no
+    file is read before its write has finished."""
+
+    def __init__(self, folder: SwapFolder, threads: int, block_size: int):
+        self.folder, self.block_size = folder, block_size
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="minizero-nvme")
+        self.in_flight: dict[str, Future] = {}
+        self.resident: set[str] = set()          # keys whose storage is in host memory now
+        self.written: set[str] = set()           # keys whose file holds their current value
+        self._finalizer = weakref.finalize(self, _shutdown, self.pool, folder)
+
+    # -- the three operations ---------------------------------------------------------------
+    def swap_out(self, key: str, t: torch.Tensor, write: bool = True) -> None:
+        """Drop t from host memory; write it first unless its file already holds it (write=False)."""
+        self.wait(key)
+        if key not in self.resident:
+            return
+        self.resident.discard(key)
+        if not write and key in self.written:
+            free_storage(t)
+            return
+        comm.ledger.record("nvme_write", nbytes(t), 0, key)
+        self.in_flight[key] = self.pool.submit(self._write, self.folder.file(key), t)
+        self.written.add(key)                     # once waited for; a failed write raises at the wait
+
+    def prefetch(self, key: str, t: torch.Tensor, read: bool = True) -> None:
+        """Give t its storage back and start reading its file into it (read=False: the caller
+        overwrites all of it, so only the storage comes back)."""
+        self.wait(key)
+        if not read:
+            self.written.discard(key)            # the caller is about to change it: the file is stale
+        if key in self.resident:
+            return
+        self.resident.add(key)
+        t.untyped_storage().resize_(nbytes(t))
+        if read:
+            comm.ledger.record("nvme_read", nbytes(t), 0, key)
+            self.in_flight[key] = self.pool.submit(self._read, self.folder.file(key), t)
+
+    def swap_in(self, key: str, t: torch.Tensor, read: bool = True) -> None:
+        self.prefetch(key, t, read)
+        self.wait(key)
+
+    def wait(self, key: str) -> None:
+        fut = self.in_flight.pop(key, None)
+        if fut is not None:
+            with record_function(f"minizero::nvme_wait::{key}"):
+                fut.result()                     # an OSError (a full disk) surfaces here
+
+    def wait_all(self) -> None:
+        for key in list(self.in_flight):
+            self.wait(key)
+
+    # -- the worker threads' part -----------------------------------------------------------
+    def _write(self, path: str, t: torch.Tensor) -> None:
+        view = byte_view(t)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for start in range(0, len(view), self.block_size):
+                chunk = view[start:start + self.block_size]
+                done = 0
+                while done < len(chunk):
+                    done += os.pwrite(fd, chunk[done:], start + done)
+        finally:
+            os.close(fd)
+        free_storage(t)                           # only once the file holds every byte
+
+    def _read(self, path: str, t: torch.Tensor) -> None:
+        view = byte_view(t)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for start in range(0, len(view), self.block_size):
+                end = min(start + self.block_size, len(view))
+                while start < end:
+                    got = os.preadv(fd, [view[start:end]], start)
+                    if got == 0:
+                        raise OSError(f"{path} ends before byte {start}: a swap file was truncated")
+                    start += got
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """t's bytes, shared with t (no copy), as a writable flat memoryview. Through ctypes,
+    not t.numpy(): handing a storage to numpy makes it non-resizable for good, and swapping
+    is resizing it."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview((ctypes.c_char * nbytes(t)).from_address(t.data_ptr())).cast("B")
+
+
+def free_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _shutdown(pool: ThreadPoolExecutor, folder: SwapFolder) -> None:
+    pool.shutdown(wait=True)
+    folder.remove()
+
+
+def check_free_space(folder: SwapFolder, need: int, what: str) -> None:
+    """One line at start, on every rank, when the swap files would not fit: the ranks on one
+    host that share a file system add up. A collective: call on every rank."""
+    st = os.stat(folder.path)
+    mine = (socket.gethostname(), st.st_dev, need, free_bytes(folder.path))
+    everyone = comm.all_gather_object(mine)
+    together = sum(n for host, dev, n, _ in everyone if (host, dev) == mine[:2])
+    short = [(host, n, free) for host, dev, n, free in everyone if n and free < sum(
+        m for h, d, m, _ in everyone if (h, d) == (host, dev))]
+    if short:
+        host, _, free = short[0]
+        sharing = sum(1 for h, d, _, _ in everyone if (h, d) == mine[:2])
+        raise ConfigError(f"{what}: the swap files need {together:,} bytes on {host} ({sharing} rank(s) "
+                          f"sharing the disk), but only {free:,} are free; free space there or point "
+                          f"nvme_path at a larger disk")
+
+
+def agree_on_errors(fn):
+    """Run fn() on every rank; if it fails on any, every rank raises that rank's ConfigError,
+    so no rank goes on into a collective the failed one will never join. Rank 0's message
+    first, else the lowest failing rank's."""
+    try:
+        fn()
+        err = None
+    except ConfigError as e:
+        err = str(e)
+    errors = [e for e in comm.all_gather_object(err) if e]
+    if errors:
+        raise ConfigError(errors[0])

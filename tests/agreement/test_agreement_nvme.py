@@ -1,0 +1,162 @@
+"""ZeRO-Infinity's NVMe tier: minizero against DeepSpeed's NVMe offload, on the same config.
+
+DeepSpeed swaps with its `async_io` op (libaio), JIT-built into ~/.cache/torch_extensions on
+first use; on its CPU accelerator it builds and runs when libaio's header is installed
+(Debian: libaio-dev; .ci/run installs it where apt-get works). Where it cannot build these
+tests skip with the reason; minizero's side is tested without DeepSpeed (tests/core/test_nvme.py).
+
+One config, ZeRO-3 bf16, both offloads on NVMe, every parameter partitioned, clipping off (the
+micro GPT at width 171, 3 steps, torch_adam in both), run by each library with "device": "cpu" and "nvme":
+
+(Clipping is off because at DeepSpeed's default 1.0 it fires here, norms 1.1-1.4, and then
+minizero's and DeepSpeed's weights differed by up to 3.7e-9 after 3 steps, with "cpu" as with
+"nvme": a clip-factor rounding that does not involve NVMe and is not this test's subject.)
+
+- losses and final fp32 weights: each library's nvme run equals its cpu run bit for bit, and
+  minizero's equals DeepSpeed's (the same arithmetic in the same order on a CPU, as the
+  offload agreement tests find for "cpu");
+- bytes on NVMe, measured as the swap files' sizes on disk at the end of training, per rank:
+  the optimizer's files hold fp32 master + two moments. minizero's are 12 x its shard
+  (Σs, its FlatParams padded to N); DeepSpeed's are 12 x its partition S (ceil(n/N) per
+  parameter) rounded up per file to its I/O alignment: the named difference below.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from tests.support.harness import PatternBatches, make_config, make_model
+from tests.support.launcher import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+deepspeed = pytest.importorskip("deepspeed")
+
+N, STEPS = 2, 3
+# The micro GPT at width 171 (odd, 3 heads): its decay group's fp32 partition, 4 x 355,000 bytes
+# per rank, is above the 1 MiB DeepSpeed swaps at least (below it a sub-group stays in memory)
+MODEL = functools.partial(make_model, "micro", "gpt", n_embd=171, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+BATCHES = PatternBatches(62, 16, 8)
+
+
+def aio_unavailable() -> str | None:
+    """Why DeepSpeed's async_io op cannot run here, in one line; None when it can."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    if not os.path.exists("/usr/include/libaio.h"):
+        return ("DeepSpeed's async_io op needs libaio's header (/usr/include/libaio.h is missing): "
+                "apt-get install libaio-dev (.ci/run does it where apt-get works)")
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return "DeepSpeed's AsyncIOBuilder().is_compatible() is False on this machine (no libaio to link)"
+    try:   # JIT-builds it on first use (minutes; .ci/run does it before the tests)
+        AsyncIOBuilder().load(verbose=False)
+    except Exception as e:   # a compiler error, a missing toolchain: the reason, not a crash
+        return f"DeepSpeed's async_io op did not build ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def config(device: str, path: str) -> dict:
+    """max_in_cpu 0: DeepSpeed keeps no parameter partition in host memory between uses (its
+    default, 1e9 elements, would keep this whole model there); buffer_size 1e6 elements: its
+    pinned swap buffers (5 of them) hold the largest partition without 1 GB of host memory."""
+    where = {"device": device, **({"nvme_path": path} if device == "nvme" else {})}
+    par = {**where, **({"max_in_cpu": 0, "buffer_size": 1_000_000} if device == "nvme" else {})}
+    return make_config(3, "bf16", micro_batch=4, lr=3e-3, clip=0.0, zero={
+        "offload_optimizer": dict(where), "offload_param": par, "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0})
+
+
+def swap_file_bytes(path: str, rank: int) -> dict:
+    """{"optimizer": bytes, "params": bytes} of this rank's swap files under `path`, by file name:
+    minizero's minizero_swap/rank<r>/<label>.<master|exp_avg|exp_avg_sq|shard>.swp, DeepSpeed's
+    zero_stage_3/optimizer/rank<r>/... and zero_stage_3/<dtype>params/rank<r>/...."""
+    out = {"optimizer": 0, "params": 0}
+    for root, _, files in os.walk(path):
+        if f"rank{rank}" not in root.split(os.sep):
+            continue
+        for name in files:
+            if name.startswith("."):
+                continue
+            kind = "params" if (name.endswith(".shard.swp") or "params" in root) else "optimizer"
+            out[kind] += os.path.getsize(os.path.join(root, name))
+    return out
+
+
+def _run(lib: str, device: str, path: str) -> dict:
+    from minizero import comm
+    from tests.support.harness import build_model, prepare_ds_config, train_steps
+    cfg = prepare_ds_config(config(device, path))
+    model, groups = build_model(MODEL, cfg, 0, None)
+    numels = [[p.numel() for p in g["params"]] for g in groups]   # before initialize takes them
+    if lib == "deepspeed":
+        engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)[0]
+        state = lambda: _ds_fp32_state(engine)
+    else:
+        import minizero
+        engine = minizero.initialize(model=model, model_parameters=groups, config=cfg)[0]
+        state = engine.full_fp32_state_dict
+    r = train_steps(engine, BATCHES, STEPS, lambda e: 1.0)
+    r["files"] = swap_file_bytes(path, comm.get_rank()) if device == "nvme" else None
+    r["final_state"] = state()
+    if lib == "minizero":
+        r["shard"] = sum(f.shard_numel for f in engine.zero.flat_params)
+        r["memory"] = engine.memory_breakdown()
+        engine.destroy()
+    else:
+        r["groups"] = [sum(-(-n // comm.get_world_size()) for n in g) for g in numels]   # S per param group
+    return r
+
+
+def _ds_fp32_state(engine):
+    from reference.ds_run import full_fp32_state_dict
+    return full_fp32_state_dict(engine)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    why = aio_unavailable()
+    if why:
+        pytest.skip(why)
+    base = tmp_path_factory.mktemp("nvme_agree")
+    out = {}
+    for lib in ("deepspeed", "minizero"):   # one launch each: DeepSpeed's ZeRO-3 patches torch process-wide
+        for device in ("cpu", "nvme"):
+            out[(lib, device)] = run_ranks(_run, N, args=(lib, device, str(base / f"{lib}-{device}")),
+                                           env={"DS_ACCELERATOR": "cpu"}, timeout=900)
+    return out
+
+
+def test_nvme_trains_as_cpu_offload_in_both_libraries_and_they_agree(runs):
+    for rank in range(N):
+        mz, ds = runs[("minizero", "nvme")][rank], runs[("deepspeed", "nvme")][rank]
+        for lib in ("minizero", "deepspeed"):
+            cpu, nvme = runs[(lib, "cpu")][rank], runs[(lib, "nvme")][rank]
+            assert cpu["losses"] == nvme["losses"], lib
+            assert all(torch.equal(cpu["final_state"][k], nvme["final_state"][k]) for k in cpu["final_state"]), lib
+        assert mz["losses"] == ds["losses"]
+        assert all(torch.equal(mz["final_state"][k], ds["final_state"][k].float()) for k in mz["final_state"])
+
+
+def test_bytes_on_nvme_per_rank(runs):
+    """minizero: the files hold exactly what memory_breakdown()["nvme"] says: 12Σs of optimizer
+    state and 2Σs of parameters, every FlatParam. DeepSpeed (measured, and from its source):
+    - optimizer: one file each for fp32 partition, exp_avg, exp_avg_sq of each sub-group (here a
+      param group: sub_group_size 1e9) whose fp32 bytes reach MIN_AIO_BYTES = 1 MiB
+      (runtime/swap_tensor/utils.py; is_swappable_tensor in optimizer_utils.py), its numel
+      rounded up to AIO_ALIGNED_BYTES x intra_op_parallelism / 4 = 256 elements. The no-decay
+      group (biases, layer norms) is below it and stays in host memory;
+    - parameters: no swap file is left under zero_stage_3/bfloat16params/ at the end of training,
+      though max_in_cpu is 0: the partitions sit in DeepSpeed's pinned swap buffers
+      (buffer_count x buffer_size elements), which hold this whole model."""
+    MIN_AIO_BYTES, ALIGN = 1 << 20, 256
+    for rank in range(N):
+        mz, ds = runs[("minizero", "nvme")][rank], runs[("deepspeed", "nvme")][rank]
+        assert mz["files"] == {"optimizer": 12 * mz["shard"], "params": 2 * mz["shard"]}
+        nv = mz["memory"]["nvme"]
+        assert mz["files"]["optimizer"] == nv["master_params"] + nv["optimizer_states"]
+        assert mz["files"]["params"] == nv["params"]
+        swapped = [-(-n // ALIGN) * ALIGN for n in ds["groups"] if 4 * n >= MIN_AIO_BYTES]
+        assert len(swapped) == 1 and len(ds["groups"]) == 2, ds["groups"]
+        assert ds["files"] == {"optimizer": 12 * sum(swapped), "params": 0}
