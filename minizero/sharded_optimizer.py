@@ -105,9 +105,15 @@ class ShardedOptimizer:
         else:
             grads = [f.grad_shard for f in self.flat_params]
         combined = self.combined_scale(norm_sq, loss_scale, clip_value)
+        # bf16/fp16 on the host: Adam converts each slice as it steps it (chunked_adam.py),
+        # rather than a whole fresh fp32 copy of the gradient here
+        sliced = getattr(self.optimizer, "steps_in_slices", lambda: False)()
         for f, m, g in zip(self.flat_params, self.masters, grads):
             if g is None:
                 g = torch.zeros(f.shard_numel, dtype=torch.float32, device=m.device)
+            if sliced and g.dtype != torch.float32 and g.is_contiguous():
+                self.optimizer.set_low_precision_grad(m, g, 1.0 / combined)
+                continue
             g = g.float()          # a copy in bf16/fp16; in fp32 the reduced buffer itself
             g.mul_(1.0 / combined)
             m.grad = g

@@ -54,3 +54,25 @@ def test_the_engine_builds_the_sliced_class():
     from types import SimpleNamespace
     opt = build_optimizer([{"params": [torch.zeros(3)]}], SimpleNamespace(type="AdamW", params={"torch_adam": True}))
     assert isinstance(opt, ChunkedAdamW) and isinstance(opt, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_gradient_converted_per_slice_is_the_whole_conversion(dtype):
+    """ShardedOptimizer hands a bf16/fp16 gradient and 1/divisor to the sliced Adam: the same
+    weights as converting the whole gradient first (g.float().mul_(1 / divisor)), bit for bit."""
+    torch.manual_seed(0)
+    lp = [torch.randn(1000).to(dtype) for _ in range(3)]
+    inv = 1.0 / torch.full((), 1024.0 * 1.7)
+    ref_p, got_p = torch.randn(1000), None
+    got_p = ref_p.clone()
+    ref, got = torch.optim.AdamW([ref_p], lr=1e-2), ChunkedAdamW([got_p], lr=1e-2)
+    got.chunk_numel = 96
+    for g in lp:
+        ref_p.grad = g.float().mul_(inv)
+        ref.step()
+        assert got.steps_in_slices()
+        got.set_low_precision_grad(got_p, g, inv)
+        got.step()
+        assert got_p.grad is None
+    assert torch.equal(ref_p, got_p)
+    assert all(torch.equal(ref.state[ref_p][k], got.state[got_p][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
