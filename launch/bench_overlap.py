@@ -5,6 +5,7 @@ overlap/prefetch knobs at DeepSpeed's defaults and at 0/off.
     python launch/bench_overlap.py                                     # the full table: ~15 min on 2 busy CPU cores
     python launch/bench_overlap.py --stages 0,3 --dtypes bf16 --reps 1 # a part of it
     python launch/bench_overlap.py --model micro --n-embd 21 --seq 16 --reps 1 --stages 0 --steps 2   # seconds
+    python launch/bench_overlap.py --step5                             # the tutorial's step 5: ZeRO-3, both offloads, tutorial-24
 
 What it runs: the tutorial GPT (10M parameters; the preset with --n-embd 256 and 8x8 images,
 --seq 63 tokens, dropout off) on `--world-size` ranks (gloo on a CPU, NCCL on GPUs), micro-batch
@@ -85,6 +86,8 @@ KNOBS = ("default", "off", "on")
 OVERLAP_ON = {"overlap_comm": True}
 OVERLAP_OFF = {"overlap_comm": False, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
                "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
+# --step5: the tutorial's step 5 (launch/ds_config_step5.json) moves both to the host
+STEP5_OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
 # pinned in both settings: not about overlap (module docstring)
 PINNED = {"memory_efficient_linear": False, "reduce_bucket_size": 500_000}
 
@@ -107,12 +110,12 @@ def _list(text: str, choices, what: str, cast=str) -> list:
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(prog="python launch/bench_overlap.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--libs", default="minizero,deepspeed", help="comma-separated, of minizero, deepspeed")
-    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
+    p.add_argument("--stages", help="comma-separated ZeRO stages (default 0,1,2,3; --step5: 3)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32, bf16 (default both)")
-    p.add_argument("--knobs", default="default,off", help="comma-separated, of default, off, on (default: default,off)")
+    p.add_argument("--knobs", help="comma-separated, of default, off, on (default: default,off; --step5: default)")
     p.add_argument("--reps", type=int, default=2, help="repetitions of every cell, interleaved (default 2)")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2; on a GPU machine min(2, GPUs))")
-    p.add_argument("--model", default="tutorial", help="GPT preset (default tutorial: 10M parameters)")
+    p.add_argument("--model", help="GPT preset (default tutorial: 10M parameters; --step5: tutorial-24)")
     p.add_argument("--n-layer", type=int, help="override the preset's depth")
     p.add_argument("--n-embd", type=int, default=256, help="width (default 256, the tutorial's)")
     p.add_argument("--n-head", type=int, help="heads (default: the preset's, or 4 when it does not divide --n-embd)")
@@ -125,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1, as torchrun's)")
     p.add_argument("--no-trace", action="store_true", help="skip minizero's traced step")
     p.add_argument("--no-floor", action="store_true", help="skip measuring the floor (floor_ranks)")
+    p.add_argument("--step5", action="store_true",
+                   help="the tutorial's step 5 instead: ZeRO-3 with offload_optimizer and offload_param on the "
+                        "host, the tutorial-24 model, default knobs (sets --stages 3 --knobs default --model "
+                        "tutorial-24 unless given); its floor adds the copies to and from the host")
     p.add_argument("--trace-dir", help="where the traces go (default: a new temporary folder)")
     p.add_argument("--out", help="also write the table to this file")
     p.add_argument("--json", help="also write every number to this JSON file")
@@ -135,6 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
     """Normalise args in place; BenchError with one line for anything that cannot run."""
+    step5 = args.step5   # the tutorial's step 5 has its own defaults
+    args.stages = args.stages or ("3" if step5 else "0,1,2,3")
+    args.knobs = args.knobs or ("default" if step5 else "default,off")
+    args.model = args.model or ("tutorial-24" if step5 else "tutorial")
     args.libs = _list(args.libs, LIBS, "libs")
     args.stages = _list(args.stages, STAGES, "stages", int)
     args.dtypes = _list(args.dtypes, DTYPES, "dtypes")
@@ -161,6 +172,8 @@ def make_config(stage: int, dtype: str, knobs: str, args) -> dict:
                steps_per_print=10 ** 9, zero_optimization=zero_section(stage, knobs))
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
+    if args.step5:
+        cfg["zero_optimization"].update(STEP5_OFFLOAD)
     return cfg
 
 
@@ -306,6 +319,19 @@ def floor_ranks(args_d: dict) -> dict:
         "all_gather": [lambda i: dist.all_gather_into_tensor(full, shard),
                        bucketed(lambda a, b: dist.all_gather_into_tensor(padded(a, b), shard_of(a, b), async_op=True))],
     }
+    if args_d["step5"]:
+        # what offload must copy per step, device to host or back (on a CPU, memory to memory):
+        # the gradient shard out, the new low-precision shard back, and the parameter shard in
+        # before each of forward and backward (offload_param)
+        host = torch.empty(-(-psi // world), dtype=dtype, pin_memory=device.type == "cuda")
+        dev = torch.empty_like(host, device=device)
+
+        def copies(i):
+            host.copy_(dev, non_blocking=True)
+            for _ in range(3):
+                dev.copy_(host, non_blocking=True)
+
+        res["copies"] = min(timed(copies))
     needed = {0: ("all_reduce",), 1: ("reduce_scatter", "all_gather"), 2: ("reduce_scatter", "all_gather"),
               3: ("reduce_scatter", "all_gather")}[stage] if world > 1 else ()
     for name in needed:
@@ -325,7 +351,7 @@ def floor_ms(parts: dict, stage: int) -> dict:
     comm = {0: lambda: parts["all_reduce"], 1: lambda: parts["reduce_scatter"] + parts["all_gather"],
             2: lambda: parts["reduce_scatter"] + parts["all_gather"],
             3: lambda: parts["reduce_scatter"] + 2 * parts["all_gather"]}[stage]() if parts["world_size"] > 1 else 0.0
-    out = {"fwd_bwd": parts["fwd_bwd"], "optimizer": parts["opt"], "comm": comm}
+    out = {"fwd_bwd": parts["fwd_bwd"], "optimizer": parts["opt"] + parts.get("copies", 0.0), "comm": comm}
     out = {k: 1e3 * v for k, v in out.items()}
     out["floor"] = sum(out.values())
     return out
@@ -337,7 +363,9 @@ FLOOR_NOTE = ("floor: what a step must cost on this machine, measured in the sam
               "stage's collectives at their fastest measured time (stage 0 all-reduce; ZeRO-1/2 reduce-scatter + "
               "all-gather; ZeRO-3 two all-gathers + reduce-scatter), all counted as unhidden: every cell runs them "
               "with no compute beside them except ZeRO-3 with the default knobs (prefetch and overlap_comm), whose "
-              "floor is therefore an upper one. Compute parts: median over timed iterations and repetitions; "
+              "floor is therefore an upper one. With --step5 the optimizer part also holds the copies offload "
+              "must make (gradient shard out, new shard back, parameter shard in before forward and backward). "
+              "Compute parts: median over timed iterations and repetitions; "
               "collectives: the fastest. Steps: the slowest rank's median step, median over repetitions. "
               "minizero speed / DeepSpeed's: DeepSpeed's step over minizero's (above 1: minizero is faster).")
 
@@ -534,7 +562,10 @@ def report(info: dict, rows: list[dict], args, frows: list[dict] | None = None) 
              f"gas {args.gas} x {args.world_size} ranks of {args.seq} tokens; {args.warmup} warmup + {args.steps} "
              f"timed steps per run, {args.reps} repetition(s), interleaved",
              f"- knobs default: DeepSpeed's defaults (keys left out); off: {json.dumps(OVERLAP_OFF)}; on: "
-             f"{json.dumps(OVERLAP_ON)}; all: {json.dumps(PINNED)}", ""]
+             f"{json.dumps(OVERLAP_ON)}; all: {json.dumps(PINNED)}"]
+    if args.step5:
+        lines.append(f"- the tutorial's step 5: every run adds {json.dumps(STEP5_OFFLOAD)}")
+    lines.append("")
     if frows:
         lines += [floor_table(frows, args), "", FLOOR_NOTE, ""]
     lines += [table(rows, args), "",

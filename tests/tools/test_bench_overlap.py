@@ -71,6 +71,18 @@ def test_floor_adds_the_stages_collectives():
     assert bench.floor_ms({**parts, "world_size": 1}, 3)["comm"] == 0
 
 
+def test_step5_is_zero3_with_both_offloads_on_the_24_layer_model():
+    args = bench.parse_args(["--step5", "--no-trace"])
+    bench.check_args(args, cuda=False, gpus=0)
+    assert (args.stages, args.knobs, args.model) == ([3], ["default"], "tutorial-24")
+    zero = bench.schedule(args)[0]["config"]["zero_optimization"]
+    assert zero["offload_optimizer"] == zero["offload_param"] == {"device": "cpu"} and zero["stage"] == 3
+    plain = bench.parse_args(["--no-trace"])
+    bench.check_args(plain, cuda=False, gpus=0)
+    assert (plain.stages, plain.model) == ([0, 1, 2, 3], "tutorial")
+    assert "offload_param" not in bench.schedule(plain)[0]["config"]["zero_optimization"]
+
+
 def test_knobs_on_turn_overlap_on_at_every_stage():
     assert bench.zero_section(1, "on") == {"stage": 1, **bench.PINNED, "overlap_comm": True}
     assert "overlap_comm" not in bench.zero_section(1, "default")
