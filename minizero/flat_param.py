@@ -87,6 +87,12 @@ class FlatParam:
         # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
         # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
+        # Stage 0 and ZeRO-1 on a CPU (zero0.py, zero1.py) keep the flat gradient buffer from
+        # step to step: they hold the full gradient anyway, and a fresh one is an mmap of the
+        # whole bucket that the kernel zeroes page by page, every step (glibc maps any block
+        # over 32 MB). On a GPU the caching allocator keeps the block between steps already.
+        self.keep_grad_buffer = False
+        self._grad_buffer: torch.Tensor | None = None
 
     # -- parameters: gather, free ---------------------------------------------------------
     def full_is_allocated(self) -> bool:
@@ -150,13 +156,19 @@ class FlatParam:
     # -- gradients: reduce ----------------------------------------------------------------
     def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
         """Padded flat copy of the parameters' `.grad` (zeros where a parameter got none),
-        pre-divided by `divide_by` in the gradients' own dtype.
+        pre-divided by `divide_by` in the gradients' own dtype. With keep_grad_buffer the
+        same buffer every call (its previous contents are no longer read by then: the
+        reduction that used it was waited for, and the step that read grad_shard is over).
 
         Dividing *before* summing across ranks is what DeepSpeed does (`average_tensor`):
         in bf16/fp16 it keeps the sum from overflowing and rounds the same way, so the
         reduced gradient is lp(g0/N) + lp(g1/N) + ... exactly as in DeepSpeed.
         """
-        buf = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        buf = self._grad_buffer
+        if buf is None:
+            buf = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            if self.keep_grad_buffer:
+                self._grad_buffer = buf
         for piece, p in zip(buf[:self.numel].split(self.numels), self.params):   # views, no copy
             if p.grad is not None:
                 piece.copy_(p.grad.reshape(-1))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .chunked_adam import ChunkedAdam, ChunkedAdamW
 from .flat_param import FlatParam
 from .offload import HostOffload
 from .partition import unflatten
@@ -104,9 +105,15 @@ class ShardedOptimizer:
         else:
             grads = [f.grad_shard for f in self.flat_params]
         combined = self.combined_scale(norm_sq, loss_scale, clip_value)
+        # bf16/fp16 on the host: Adam converts each slice as it steps it (chunked_adam.py),
+        # rather than a whole fresh fp32 copy of the gradient here
+        sliced = getattr(self.optimizer, "steps_in_slices", lambda: False)()
         for f, m, g in zip(self.flat_params, self.masters, grads):
             if g is None:
                 g = torch.zeros(f.shard_numel, dtype=torch.float32, device=m.device)
+            if sliced and g.dtype != torch.float32 and g.is_contiguous():
+                self.optimizer.set_low_precision_grad(m, g, 1.0 / combined)
+                continue
             g = g.float()          # a copy in bf16/fp16; in fp32 the reduced buffer itself
             g.mul_(1.0 / combined)
             m.grad = g
@@ -211,6 +218,8 @@ def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim
       CPU AdamW (`fused=True`), the fastest Adam torch has on a CPU (launch/bench_offload.py
       measures it against the default for-loop). It rounds differently from the for-loop:
       with `torch_adam` both libraries run torch's default, so they stay bit-identical.
+    - the class is torch's, stepped a slice at a time on a CPU (chunked_adam.py): the same
+      numbers bit for bit and the same state, without two mmap'd temporaries per step.
     """
     params = dict(opt_cfg.params)
     adam_w_mode = params.pop("adam_w_mode", True)
@@ -220,5 +229,5 @@ def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim
         params.setdefault("weight_decay", 0.0)   # FusedAdam.__init__ / DeepSpeedCPUAdam default
         if on_host:
             params["fused"] = True
-    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    cls = ChunkedAdamW if adam_w_mode else ChunkedAdam
     return cls(param_groups, **params)

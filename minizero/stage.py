@@ -53,3 +53,11 @@ class Stage:
     def grad_bytes(self) -> int:
         """The full low-precision gradient (stage 0, ZeRO-1 hold it at the end of backward)."""
         return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()
+
+
+def keep_grad_buffers(flat_params) -> None:
+    """Stage 0 and ZeRO-1 on a CPU: reuse each bucket's flat gradient buffer every step
+    (flat_param.py, keep_grad_buffer). They hold the full gradient at the end of backward
+    anyway (grad_bytes); ZeRO-2/3 must not, so they keep allocating per reduction."""
+    for f in flat_params:
+        f.keep_grad_buffer = f.device.type == "cpu"

@@ -20,7 +20,7 @@ import torch
 
 from .buckets import replicated_buckets
 from .flat_param import FlatParam
-from .stage import Stage
+from .stage import Stage, keep_grad_buffers
 
 
 class DataParallel(Stage):
@@ -33,3 +33,4 @@ class DataParallel(Stage):
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
         buckets = replicated_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
         super().__init__(buckets, FlatParam.all_reduce_grad, every_micro_step=False, zero_cfg=zero_cfg)
+        keep_grad_buffers(self.flat_params)

@@ -35,7 +35,7 @@ import torch
 
 from .buckets import size_buckets
 from .flat_param import FlatParam, all_gather_params
-from .stage import Stage
+from .stage import Stage, keep_grad_buffers
 
 
 class Zero1(Stage):
@@ -47,6 +47,7 @@ class Zero1(Stage):
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
         buckets = size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
         super().__init__(buckets, FlatParam.reduce_scatter_grad, every_micro_step=False, zero_cfg=zero_cfg)
+        keep_grad_buffers(self.flat_params)
 
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters.

@@ -62,6 +62,27 @@ def test_union_length(spans, length):
     assert bench.union_length(spans) == length
 
 
+def test_floor_adds_the_stages_collectives():
+    parts = {"psi": 10, "world_size": 2, "fwd_bwd": 0.5, "opt": 0.1, "all_reduce": 0.04,
+             "reduce_scatter": 0.03, "all_gather": 0.02}
+    assert bench.floor_ms(parts, 0) == pytest.approx({"fwd_bwd": 500, "optimizer": 100, "comm": 40, "floor": 640})
+    assert bench.floor_ms(parts, 2)["comm"] == pytest.approx(50)     # reduce-scatter + all-gather
+    assert bench.floor_ms(parts, 3)["comm"] == pytest.approx(70)     # + a second all-gather (backward)
+    assert bench.floor_ms({**parts, "world_size": 1}, 3)["comm"] == 0
+
+
+def test_step5_is_zero3_with_both_offloads_on_the_24_layer_model():
+    args = bench.parse_args(["--step5", "--no-trace"])
+    bench.check_args(args, cuda=False, gpus=0)
+    assert (args.stages, args.knobs, args.model) == ([3], ["default"], "tutorial-24")
+    zero = bench.schedule(args)[0]["config"]["zero_optimization"]
+    assert zero["offload_optimizer"] == zero["offload_param"] == {"device": "cpu"} and zero["stage"] == 3
+    plain = bench.parse_args(["--no-trace"])
+    bench.check_args(plain, cuda=False, gpus=0)
+    assert (plain.stages, plain.model) == ([0, 1, 2, 3], "tutorial")
+    assert "offload_param" not in bench.schedule(plain)[0]["config"]["zero_optimization"]
+
+
 def test_knobs_on_turn_overlap_on_at_every_stage():
     assert bench.zero_section(1, "on") == {"stage": 1, **bench.PINNED, "overlap_comm": True}
     assert "overlap_comm" not in bench.zero_section(1, "default")
@@ -91,7 +112,20 @@ def test_tiny_run_prints_the_table(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     tables = [t.splitlines() for t in r.stdout.split("\n\n") if t.startswith("|")]
-    assert len(tables) == 2, r.stdout      # samples/s, then where the step goes
+    assert len(tables) == 3, r.stdout      # against the floor, samples/s, where the step goes
+    floor_table, tables = tables[0], tables[1:]
+    fhead = [c.strip() for c in floor_table[0].strip("|").split("|")]
+    assert fhead[:3] == ["dtype", "knobs", "stage"] and "minizero step / floor" in fhead \
+        and "deepspeed step / floor" in fhead and "minizero speed / DeepSpeed's" in fhead
+    frows = [[c.strip() for c in x.strip("|").split("|")] for x in floor_table[2:]]
+    assert [row[:3] for row in frows] == [["fp32", "default", "0"], ["fp32", "off", "0"]]
+    for row in frows:
+        assert len(row) == len(fhead) and "-" not in row, row
+        assert len(row[3].replace("=", "/").split("/")) == 4          # fwd+bwd / optimizer / comm = floor
+    floors = json.loads(js.read_text())["floors"]
+    assert len(floors) == 1 and all(floors[0]["parts"][k] > 0 for k in ("fwd_bwd", "opt", "all_reduce"))
+    for row in json.loads(js.read_text())["floor_rows"]:
+        assert row["minizero_over_floor"] > 0 and row["deepspeed_over_floor"] > 0
     lines = tables[0]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:3] == ["dtype", "knobs", "stage"] and "minizero / DeepSpeed" in head

@@ -1,0 +1,78 @@
+"""Adam stepped in slices (minizero/chunked_adam.py) is torch's Adam bit for bit.
+
+The slicing exists for speed only (no mmap'd temporaries per step); these tests pin that
+it changes no number and no state layout, so checkpoints written with torch's class load."""
+import pytest
+import torch
+
+from minizero.chunked_adam import ChunkedAdam, ChunkedAdamW
+from minizero.sharded_optimizer import build_optimizer
+
+HYPER = [dict(), dict(weight_decay=0.1, amsgrad=True), dict(betas=(0.8, 0.95), eps=1e-6, maximize=True)]
+
+
+def run(cls, numel, hyper, steps=4, chunk=None, state=None):
+    torch.manual_seed(0)
+    master = torch.randn(numel)
+    grads = [torch.randn(numel) * 10 ** -k for k in range(steps)]
+    opt = cls([master], lr=1e-2, **hyper)
+    if chunk is not None:
+        opt.chunk_numel = chunk
+    if state is not None:
+        opt.load_state_dict(state)
+    for g in grads:
+        master.grad = g.clone()
+        opt.step()
+    return master, opt
+
+
+@pytest.mark.parametrize("hyper", HYPER)
+@pytest.mark.parametrize("pair", [(torch.optim.AdamW, ChunkedAdamW), (torch.optim.Adam, ChunkedAdam)])
+def test_slices_equal_one_flat_step_bitwise(pair, hyper):
+    # 1000 elements in slices of 96 (not a divisor, a short last slice) and of 1000 (one slice)
+    ref, ref_opt = run(pair[0], 1000, hyper)
+    for chunk in (96, 1000):
+        got, opt = run(pair[1], 1000, hyper, chunk=chunk)
+        assert torch.equal(got, ref), f"chunk {chunk}: weights differ from torch's one flat step"
+        for k, v in ref_opt.state[next(iter(ref_opt.state))].items():
+            assert torch.equal(opt.state[got][k], v), f"chunk {chunk}: state {k!r} differs"
+        assert float(opt.state[got]["step"]) == 4.0   # steps, not slices
+
+
+def test_state_layout_is_torchs_both_ways():
+    """A state saved by torch's AdamW loads into the sliced one and the other way round, and
+    stepping on from it is the same: the layout (one entry per flat master) is unchanged."""
+    _, plain = run(torch.optim.AdamW, 1000, {}, steps=2)
+    _, sliced = run(ChunkedAdamW, 1000, {}, steps=2, chunk=96)
+    assert plain.state_dict()["param_groups"] == sliced.state_dict()["param_groups"]
+    a, _ = run(torch.optim.AdamW, 1000, {}, state=sliced.state_dict())
+    b, _ = run(ChunkedAdamW, 1000, {}, chunk=96, state=plain.state_dict())
+    assert torch.equal(a, b)
+
+
+def test_the_engine_builds_the_sliced_class():
+    from types import SimpleNamespace
+    opt = build_optimizer([{"params": [torch.zeros(3)]}], SimpleNamespace(type="AdamW", params={"torch_adam": True}))
+    assert isinstance(opt, ChunkedAdamW) and isinstance(opt, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_gradient_converted_per_slice_is_the_whole_conversion(dtype):
+    """ShardedOptimizer hands a bf16/fp16 gradient and 1/divisor to the sliced Adam: the same
+    weights as converting the whole gradient first (g.float().mul_(1 / divisor)), bit for bit."""
+    torch.manual_seed(0)
+    lp = [torch.randn(1000).to(dtype) for _ in range(3)]
+    inv = 1.0 / torch.full((), 1024.0 * 1.7)
+    ref_p, got_p = torch.randn(1000), None
+    got_p = ref_p.clone()
+    ref, got = torch.optim.AdamW([ref_p], lr=1e-2), ChunkedAdamW([got_p], lr=1e-2)
+    got.chunk_numel = 96
+    for g in lp:
+        ref_p.grad = g.float().mul_(inv)
+        ref.step()
+        assert got.steps_in_slices()
+        got.set_low_precision_grad(got_p, g, inv)
+        got.step()
+        assert got_p.grad is None
+    assert torch.equal(ref_p, got_p)
+    assert all(torch.equal(ref.state[ref_p][k], got.state[got_p][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
