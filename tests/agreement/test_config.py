@@ -8,7 +8,7 @@ import torch
 
 from minizero.runtime.config import (ActivationCheckpointingConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig,
                              ZeroConfig, ignored_knobs, ignored_knobs_note, load_config, resolve_batch_size)
-from minizero.sharded_optimizer import build_optimizer
+from minizero.sharded_optimizer import ChunkedAdam, ChunkedAdamW, build_optimizer
 
 deepspeed = pytest.importorskip("deepspeed")
 import deepspeed.runtime.config as ds_config_mod  # noqa: E402
@@ -439,22 +439,26 @@ def _opt(section):
 
 
 def test_build_optimizer_mapping():
+    # torch's AdamW/Adam classes, stepped in slices on a CPU (bit-identical to torch's own
+    # step: tests/core/test_chunked_adam.py); the subclass is what DeepSpeed's torch_adam builds
+    assert issubclass(ChunkedAdamW, torch.optim.AdamW) and issubclass(ChunkedAdam, torch.optim.Adam)
+
     def build(params):
         return build_optimizer(_params(), _opt({"type": "Adam", "params": params}))
     opt = build({"lr": 1e-3, "torch_adam": True})
-    assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.01   # torch AdamW default
+    assert type(opt) is ChunkedAdamW and opt.defaults["weight_decay"] == 0.01   # torch AdamW default
     opt = build({"lr": 1e-3, "torch_adam": True, "adam_w_mode": False})
-    assert type(opt) is torch.optim.Adam and opt.defaults["weight_decay"] == 0
+    assert type(opt) is ChunkedAdam and opt.defaults["weight_decay"] == 0
     opt = build_optimizer(_params(), _opt({"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True,
                                                                        "adam_w_mode": False}}))
-    assert type(opt) is torch.optim.AdamW        # "AdamW" forces adam_w_mode
+    assert type(opt) is ChunkedAdamW        # "AdamW" forces adam_w_mode
     opt = build_optimizer(_params(), _opt({"type": "adamw", "params": {"lr": 2e-3, "betas": [0.9, 0.95],
                                                                        "weight_decay": 0.1, "torch_adam": True}}))
-    assert type(opt) is torch.optim.AdamW
+    assert type(opt) is ChunkedAdamW
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.1
     # Without torch_adam DS builds FusedAdam, whose weight_decay default is 0.0: keep that.
     opt = build({"lr": 1e-3})
-    assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.0
+    assert type(opt) is ChunkedAdamW and opt.defaults["weight_decay"] == 0.0
     from deepspeed.ops.adam import FusedAdam
     import inspect
     assert inspect.signature(FusedAdam.__init__).parameters["weight_decay"].default == 0.0
@@ -463,6 +467,6 @@ def test_build_optimizer_mapping():
 def test_build_optimizer_from_config_and_unknown_params():
     cfg = load_config(LAUNCH / "ds_config_basic.json", 2)
     opt = build_optimizer(_params(), cfg.optimizer)
-    assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 3e-3
+    assert type(opt) is ChunkedAdamW and opt.defaults["lr"] == 3e-3
     with pytest.raises(ConfigError, match="momentum"):
         _opt({"type": "Adam", "params": {"momentum": 0.9}})

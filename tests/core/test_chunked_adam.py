@@ -1,11 +1,11 @@
-"""Adam stepped in slices (minizero/chunked_adam.py) is torch's Adam bit for bit.
+"""Adam stepped in slices (minizero/sharded_optimizer.py, ChunkedAdam/ChunkedAdamW) is torch's Adam bit for bit.
 
 The slicing exists for speed only (no mmap'd temporaries per step); these tests pin that
 it changes no number and no state layout, so checkpoints written with torch's class load."""
 import pytest
 import torch
 
-from minizero.chunked_adam import ChunkedAdam, ChunkedAdamW
+from minizero.sharded_optimizer import ChunkedAdam, ChunkedAdamW
 from minizero.sharded_optimizer import build_optimizer
 
 HYPER = [dict(), dict(weight_decay=0.1, amsgrad=True), dict(betas=(0.8, 0.95), eps=1e-6, maximize=True)]
