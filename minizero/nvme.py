@@ -48,6 +48,7 @@ import os
 import shutil
 import socket
 import weakref
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -222,18 +223,18 @@ def _shutdown(pool: ThreadPoolExecutor, folder: SwapFolder) -> None:
 def check_free_space(folder: SwapFolder, need: int, what: str) -> None:
     """One line at start, on every rank, when the swap files would not fit: the ranks on one
     host that share a file system add up. A collective: call on every rank."""
-    st = os.stat(folder.path)
-    mine = (socket.gethostname(), st.st_dev, need, free_bytes(folder.path))
-    everyone = comm.all_gather_object(mine)
-    together = sum(n for host, dev, n, _ in everyone if (host, dev) == mine[:2])
-    short = [(host, n, free) for host, dev, n, free in everyone if n and free < sum(
-        m for h, d, m, _ in everyone if (h, d) == (host, dev))]
+    here = (socket.gethostname(), os.stat(folder.path).st_dev)
+    everyone = comm.all_gather_object((*here, need, free_bytes(folder.path)))
+    need_on, ranks_on = Counter(), Counter()          # per (host, file system): bytes needed, ranks
+    for host, dev, n, _ in everyone:
+        need_on[host, dev] += n
+        ranks_on[host, dev] += 1
+    short = [(host, dev, free) for host, dev, n, free in everyone if n and free < need_on[host, dev]]
     if short:
-        host, _, free = short[0]
-        sharing = sum(1 for h, d, _, _ in everyone if (h, d) == mine[:2])
-        raise ConfigError(f"{what}: the swap files need {together:,} bytes on {host} ({sharing} rank(s) "
-                          f"sharing the disk), but only {free:,} are free; free space there or point "
-                          f"nvme_path at a larger disk")
+        host, dev, free = short[0]
+        raise ConfigError(f"{what}: the swap files need {need_on[host, dev]:,} bytes on {host} "
+                          f"({ranks_on[host, dev]} rank(s) sharing the disk), but only {free:,} are free; "
+                          f"free space there or point nvme_path at a larger disk")
 
 
 def agree_on_errors(fn):

@@ -45,9 +45,9 @@ between uses their bytes wait in files (`start_swapping`, and the few `swap` lin
 """
 from __future__ import annotations
 
-import torch
-
 from contextlib import contextmanager
+
+import torch
 
 from . import comm
 from .flat_param import FlatParam
@@ -164,8 +164,8 @@ class HostOffload:
         orders them before the gathers that read them.)"""
         if not self.optimizer and any(f.shard_on_host for f in flat_params):
             wait_for_device(self.device)
-        self.swap_out()
-        self._order_last, self._order_now = self._order_now, []   # read ahead by the order of this step                              # nvme: the new states to their files, in the background
+        self.swap_out()                                             # nvme: the new states to their files, in the background
+        self._order_last, self._order_now = self._order_now, []     # next step reads ahead in this step's order
 
     # ------------------------------------------------------------------ NVMe (nvme.py)
     def start_swapping(self, sharded_optimizer, aio) -> None:
