@@ -266,6 +266,9 @@ def bench_job(job: dict, args_d: dict) -> dict:
     model, params = build_model(model_fn, cfg, args_d["seed"])
     cuda = device.type == "cuda"
     if cuda:
+        # reset_peak_memory_stats does not start CUDA itself: in a rank with no process group
+        # yet (one rank, no NCCL) it failed "Invalid device argument" on an H200 until this init
+        torch.cuda.init()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     if lib == "deepspeed":

@@ -376,8 +376,9 @@ def run_floor(dtype: str, stage: int, args) -> dict:
     args_d = {k: v for k, v in vars(args).items() if k not in ("libs",)}
     args_d["floor_dtype"], args_d["floor_stage"] = dtype, stage
     try:
+        # group=True: the floor's barriers and collectives want a process group at one rank too
         per_rank = run_ranks(floor_ranks, args.world_size, (args_d,), threads=args.threads, cuda=args.cuda,
-                             timeout=3600.0)
+                             timeout=3600.0, group=True)
     except RankError as e:
         raise bo.BenchError(f"the floor's {dtype} stage-{stage} run failed: {e}") from None
     out = {k: max(r[k] for r in per_rank) for k in per_rank[0]}

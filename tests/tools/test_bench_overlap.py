@@ -145,3 +145,20 @@ def test_tiny_run_prints_the_table(tmp_path):
     assert phase_head == ["dtype", "knobs", "stage", "minizero forward / backward / step, ms",
                           "deepspeed forward / backward / step, ms"]
     assert len(tables[1]) == 2 + len(rows) and all("-" not in x for x in tables[1][2:])
+
+
+def test_one_rank_minizero_only(tmp_path):
+    """--world-size 1 --libs minizero, what a one-GPU lease runs: the floor's one rank needs its own
+    process group (it failed "Default process group has not been initialized" before), and the
+    table is the minizero half alone."""
+    js = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--libs", "minizero", "--world-size", "1", "--model", "micro", "--seq", "16",
+           "--n-embd", "21", "--micro-batch", "2", "--stages", "0,3", "--dtypes", "fp32", "--knobs", "off",
+           "--reps", "1", "--steps", "2", "--no-trace", "--json", str(js)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(js.read_text())["floor_rows"]
+    assert [(x["stage"], x["knobs"]) for x in rows] == [(0, "off"), (3, "off")]
+    assert all(x["minizero_over_floor"] > 0 and x.get("deepspeed_over_floor") is None for x in rows), rows
+    floors = json.loads(js.read_text())["floors"]
+    assert all(f["parts"]["fwd_bwd"] > 0 and f["parts"]["world_size"] == 1 for f in floors), floors
