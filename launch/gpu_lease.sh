@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# gpu_lease.sh -- what to run on a briefly lent single-GPU box (a few minutes, nothing installed
+# but PyTorch, no network, no DeepSpeed), most important first, each part under its own time
+# limit, everything small enough to copy back as a handful of files:
+#
+#   1 env      nvidia-smi, Python / torch / CUDA / NCCL versions
+#   2 check    launch/gpu_check.py --gpus 1 --quick: the CUDA-only tests, resume == straight at
+#              ZeRO 0-3 x fp16/bf16, the tutorial's step 5, one step per stage under
+#              set_sync_debug_mode("error") (the checks one GPU allows; DeepSpeed's are SKIPped
+#              when it is not installed)
+#   3 compare  python -m minizero.compare --libs minizero torch: samples/s and peak CUDA memory per
+#              stage, bf16, the tutorial GPT at 32x32, minizero vs PyTorch DDP / FSDP2
+#   4 bench    launch/bench_overlap.py --libs minizero --world-size 1: step / floor per stage, dtype
+#   5 user     the README's first command (gpu_check's user-command)
+#
+#   bash launch/gpu_lease.sh OUT [PART ...]      # default: every part, in the order above
+#
+# OUT receives gpu_check.md, compare.md, bench.md, env.txt, lease.log and logs.tgz (every log
+# and summary.json, no checkpoints), at most 8 files, so that a lease's copy-back takes them all.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash launch/gpu_lease.sh OUT [PART ...]}; shift
+PARTS=${*:-env check compare bench user}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHON=$PY
+WORK=$(mktemp -d /tmp/gpu_lease.XXXX)
+mkdir -p "$OUT"
+log() { echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
+
+for part in $PARTS; do
+  t0=$SECONDS; rc=0
+  case $part in
+    env)
+      { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+        $PY -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda,
+'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
+        $PY -c "import deepspeed" 2>&1 | tail -1; nproc; free -g | head -2; } > "$OUT/env.txt" 2>&1; rc=$? ;;
+    check)
+      timeout 300 $PY launch/gpu_check.py --gpus 1 --quick --skip cpu-suite user-command 'compare*' \
+        --out "$WORK/check" > "$WORK/check.log" 2>&1; rc=$?
+      cp "$WORK/check/gpu_check.md" "$OUT/" 2>/dev/null ;;
+    compare)
+      timeout 110 $PY -m minizero.compare --libs minizero torch --stages 0 2 3 --dtype bf16 --nproc 1 \
+        --model tutorial --dataset synthetic --image-size 16 --max-steps 20 --synthetic-train 2000 \
+        --synthetic-test 64 --num-samples 1 --out "$WORK/compare" > "$WORK/compare.log" 2>&1; rc=$?
+      cp "$WORK/compare/report.md" "$OUT/compare.md" 2>/dev/null ;;
+    bench)
+      timeout 130 $PY launch/bench_overlap.py --libs minizero --world-size 1 --reps 1 --no-trace --knobs off --seq 255 --micro-batch 16 \
+        --out "$OUT/bench.md" --json "$WORK/bench.json" > "$WORK/bench.log" 2>&1; rc=$? ;;
+    user)
+      timeout 100 $PY launch/gpu_check.py --gpus 1 --only user-command --out "$WORK/user" \
+        > "$WORK/user.log" 2>&1; rc=$?
+      cp "$WORK/user/gpu_check.md" "$OUT/user_command.md" 2>/dev/null ;;
+    *) log "unknown part $part (env check compare bench user)"; continue ;;
+  esac
+  log "$part: exit $rc in $((SECONDS - t0)) s"
+  # every log, report and summary, no checkpoints or data: one file that the copy-back takes
+  (cd "$WORK" && find . -name '*.pt' -prune -o -name data -prune -o -type f \( -name '*.log' -o -name '*.md' \
+     -o -name '*.json' -o -name '*.csv' -o -name '*.txt' \) -size -4M -print0 | tar czf "$OUT/logs.tgz" --null -T -)
+done
