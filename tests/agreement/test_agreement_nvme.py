@@ -10,7 +10,10 @@ micro GPT at width 171, 3 steps, torch_adam in both), run by each library with "
 
 (Clipping is off because at DeepSpeed's default 1.0 it fires here, norms 1.1-1.4, and then
 minizero's and DeepSpeed's weights differed by up to 3.7e-9 after 3 steps, with "cpu" as with
-"nvme": a clip-factor rounding that does not involve NVMe and is not this test's subject.)
+"nvme": DeepSpeed's ZeRO-3 offload rounds the squared gradient norm to fp32 before its
+all-reduce, minizero keeps fp64. That rounding is the whole difference, NVMe or not:
+docs/deepspeed.md, "ZeRO-3 with offload_optimizer sums the gradient norm in fp32", and
+test_deepspeed_facts.py::test_zero3_offload_norm_is_the_whole_clipping_difference.)
 
 - losses and final fp32 weights: each library's nvme run equals its cpu run bit for bit, and
   minizero's equals DeepSpeed's (the same arithmetic in the same order on a CPU, as the

@@ -16,6 +16,7 @@ no momentum, no weight decay, no clipping): a parameter that gets a zero gradien
 not move, and one that gets gradient g moves by exactly -0.5 g, so a stale gradient is
 visible in the weights.
 """
+import functools
 import os
 import traceback
 import types
@@ -500,14 +501,24 @@ def test_checkpoint_folder_layout(seen):
 
 # ----------------------------------------------------------------------------- ZeRO-3 offload norm
 
-def _ds_zero3(offload: bool):
+def _zero3_clipping(lib: str, offload: bool, variant: str = "minizero"):
+    """ZeRO-3 bf16 on the micro GPT (dropout off), clipping on every step (clip 0.05), with or
+    without offload_optimizer on the CPU; `variant` is run_minizero's (tests/support/probes.py)."""
     import functools
     from reference.ds_run import run_deepspeed
-    from tests.support.harness import PatternBatches, make_config, make_model
+    from tests.support.harness import PatternBatches, make_config, make_model, run_minizero
     zero = {"stage3_param_persistence_threshold": 0, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     cfg = make_config(3, "bf16", micro_batch=2, lr=3e-3, zero=zero, clip=0.05)   # clips on every step
-    return run_deepspeed(functools.partial(make_model, "micro", "gpt", embd_pdrop=0.0, resid_pdrop=0.0,
-                                           attn_pdrop=0.0), cfg, PatternBatches(62, 16, 4), 4)
+    model_fn = functools.partial(make_model, "micro", "gpt", embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+    if lib == "deepspeed":
+        return run_deepspeed(model_fn, cfg, PatternBatches(62, 16, 4), 4)
+    return run_minizero(model_fn, cfg, PatternBatches(62, 16, 4), 4, variant=variant)
+
+
+@functools.lru_cache(maxsize=None)
+def _zero3_clipping_runs(lib: str, offload: bool, variant: str = "minizero") -> list:
+    """Every rank's result, one launch per (lib, offload, variant) for the module (read only)."""
+    return run_ranks(_zero3_clipping, world_size=N, args=(lib, offload, variant), env=ENV)
 
 
 def test_zero3_offload_sums_the_gradient_norm_in_fp32():
@@ -515,10 +526,31 @@ def test_zero3_offload_sums_the_gradient_norm_in_fp32():
     same run with and without offload_optimizer, clipping on every step. The first forward is
     the same; the norms offload reports are fp32 numbers (without offload: fp64 ones), and
     once the clip factor is computed from them the weights part."""
-    off, on = (run_ranks(_ds_zero3, world_size=N, args=(o,), env=ENV)[0] for o in (False, True))
+    off, on = (_zero3_clipping_runs("deepspeed", o)[0] for o in (False, True))
     assert on["losses"][0] == off["losses"][0]
     as_fp32 = lambda x: float(torch.tensor(x, dtype=torch.float32))
     assert all(n == as_fp32(n) for n in on["grad_norms"])
     assert any(n != as_fp32(n) for n in off["grad_norms"])
     assert max(abs(a - b) for a, b in zip(on["grad_norms"], off["grad_norms"])) < 1e-5 * max(off["grad_norms"])
     assert any(not torch.equal(on["final_state"][k], off["final_state"][k]) for k in on["final_state"])
+
+
+def test_zero3_offload_norm_is_the_whole_clipping_difference():
+    """With offload_optimizer and clipping on every step, minizero's weights and DeepSpeed's part
+    (minizero keeps its fp64 norm, offload or not). Given DeepSpeed's offload norm arithmetic
+    (tests/support/probes.py: `_offload_norm`, the fp32 sum across ranks above) and nothing
+    else, minizero equals DeepSpeed bit for bit: the norms DeepSpeed reports, the losses and
+    the final weights, on every rank. So that one rounding is the whole difference, and
+    minizero's offload step (unscale by the clip factor, torch AdamW on the host master)
+    does what DeepSpeed's does."""
+    ds = _zero3_clipping_runs("deepspeed", True)
+    mz = _zero3_clipping_runs("minizero", True, "ds_norm")
+    own = _zero3_clipping_runs("minizero", True)
+    for r in range(N):
+        assert mz[r]["ds_grad_norms"] == ds[r]["grad_norms"]
+        assert mz[r]["losses"] == ds[r]["losses"]
+        assert all(torch.equal(mz[r]["final_state"][k], ds[r]["final_state"][k].float()) for k in ds[r]["final_state"])
+    # without the harness the norms differ in their rounding and the weights part: the patch matters
+    assert own[0]["grad_norms"] != ds[0]["grad_norms"]
+    assert any(not torch.equal(own[0]["final_state"][k], ds[0]["final_state"][k].float()) for k in own[0]["final_state"])
+

@@ -310,12 +310,16 @@ def ds_grad_norm(engine) -> torch.Tensor:
     fp32 pow(1/2); then combine_grad_norm_groups = fp32 vector_norm of the group norms.
     ZeRO-3 (stage3.py: get_grad_norm_direct): every parameter padded to ceil(n/N) per rank;
     per partition, fp64 norm; sum of squares, all-reduce, pow(1/2) and the group combine
-    all in fp64. Every rank computes every rank's partial sum from the gathered gradient;
+    all in fp64. ZeRO-3 with offload_optimizer (stage3.py:
+    complete_grad_norm_calculation_for_cpu_offload, `_offload_norm`): other arithmetic, fp32
+    across ranks. Every rank computes every rank's partial sum from the gathered gradient;
     the fp32/fp64 all-reduce of 2 values is one commutative addition, so this is exact."""
     import torch.distributed as dist
 
     N = dist.get_world_size()
     grads = _full_grads(engine)
+    if engine.zero.stage == 3 and engine.offload is not None and engine.offload.optimizer:
+        return _offload_norm(grads, _param_groups(engine), N)
     group_norms = []
     for params in _param_groups(engine):
         if engine.zero.stage == 3:
@@ -355,6 +359,40 @@ def ds_grad_norm(engine) -> torch.Tensor:
                 total = total + t
             group_norms.append(total.pow(1. / 2.0))
     return torch.linalg.vector_norm(torch.stack(group_norms), ord=2.0)
+
+
+def _offload_norm(grads: Dict[int, torch.Tensor], groups, N: int) -> torch.Tensor:
+    """DeepSpeed 0.19.8's ZeRO-3 norm with offload_optimizer, op for op. At the gradient
+    boundary each parameter's partition (ceil(n/N) elements, zero-padded; a rank whose
+    partition starts past the end records nothing) gets `_constant_buffered_norm2`: its fp64
+    norm, squared, then square-rooted. `complete_grad_norm_calculation_for_cpu_offload` adds
+    the squares of those norms to a Python 0.0 in parameter order (fp64), puts the sum in an
+    fp32 tensor (`FloatTensor([float(total)])`: the rounding that makes offload differ),
+    all-reduces it in fp32 and takes the fp32 square root; `combine_grad_norm_groups` is the
+    fp32 vector_norm of the group norms. docs/deepspeed.md, "ZeRO-3 with offload_optimizer
+    sums the gradient norm in fp32"."""
+    group_norms = []
+    for params in groups:
+        partial = []
+        for r in range(N):
+            total = 0.0
+            for p in params:
+                full = grads[id(p)]
+                n = full.numel()
+                s = -(-n // N)
+                lo, hi = min(r * s, n), min((r + 1) * s, n)
+                if r * s >= n:
+                    continue                                  # partition_grads skips an empty partition
+                part = torch.zeros(s, dtype=full.dtype)
+                part[:hi - lo] = full[lo:hi]
+                norm = (part.to(torch.float64).norm(2) ** 2.0) ** 0.5
+                total += norm ** 2
+            partial.append(torch.tensor([float(total)], dtype=torch.float32))
+        summed = partial[0]
+        for t in partial[1:]:
+            summed = summed + t
+        group_norms.append(summed[0] ** (1. / 2.0))
+    return torch.linalg.vector_norm(torch.stack(group_norms), ord=2)
 
 
 def ds_clip_scale(total_norm: torch.Tensor, clip_value: float) -> torch.Tensor:
