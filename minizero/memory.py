@@ -144,8 +144,8 @@ def held_bytes(engine) -> dict:
     """
     zero, opt = engine.zero, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
-    for swapper in (offload.swappers.values() if offload is not None else ()):
-        swapper.wait_all()     # "nvme": writes in flight finished, so each state is in one place
+    # "device": "nvme": writes in flight finished first, so each state is counted in one place
+    nvme = offload.swapped_out_bytes() if offload is not None and offload.swappers else None
     where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
     seen: set[int] = set()
 
@@ -169,12 +169,6 @@ def held_bytes(engine) -> dict:
         claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
     elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.keep_full),
                 "shard": sum(f.shard_numel for f in zero.flat_params)}
-    if offload is None or not offload.swappers:
+    if nvme is None:
         return {**placed(where["device"], where["host"]), "elements": elements}
-    # "device": "nvme": a tensor swapped out right now holds no storage; its bytes are in its file
-    nvme = dict.fromkeys(CATEGORIES, 0)
-    kind = {"master": "master_params", "shard": "params"}
-    for key, t, _ in offload._swapped():
-        if t.untyped_storage().nbytes() == 0:
-            nvme[kind.get(key.rsplit(".", 1)[1], "optimizer_states")] += t.numel() * t.element_size()
     return {**placed(where["device"], where["host"], nvme), "elements": elements}

@@ -51,6 +51,7 @@ import torch
 
 from . import comm
 from .flat_param import FlatParam
+from .memory import CATEGORIES
 from .nvme import SwapFolder, Swapper, agree_on_errors, check_free_space, logger, nbytes
 from .runtime.errors import ConfigError
 
@@ -234,6 +235,19 @@ class HostOffload:
             for f in self.sharded_optimizer.flat_params:
                 if f.swap is not None:
                     yield f.swap.key, f.shard, self.nvme_params
+
+    def swapped_out_bytes(self) -> dict:
+        """Bytes per model-state category that live only in their files right now (a swapped-out
+        tensor keeps its shape but holds no storage): memory.held_bytes' "nvme" place. Waits for
+        the writes in flight first, so each state is counted in exactly one place."""
+        category = {"master": "master_params", "shard": "params"}     # the rest: Adam's moments
+        for swapper in self.swappers.values():
+            swapper.wait_all()
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, t, _ in self._swapped():
+            if t.untyped_storage().nbytes() == 0:
+                out[category.get(key.rsplit(".", 1)[1], "optimizer_states")] += nbytes(t)
+        return out
 
     def swap_out(self) -> None:
         """Write what is in host memory to its file and let the memory go, in the background."""
