@@ -76,7 +76,7 @@ def setup(args, lib) -> Run:
     if args.resume:
         save_dir = foreign_resume(args, lib.name, resume_tag, save_dir)
     lock = rundir.claim_for_all_ranks(save_dir, args.resume, resume_tag)   # rank 0 holds the lock
-    log(f"{lib.name}: world size {world} on {device}; config {args.config or '(built-in CPU default)'} "
+    log(f"{lib.name}: world size {world} on {device}; config {args.config or '(built-in default)'} "
         f"-> stage {stage}, {dtype}; writing to {save_dir}")
     if args.chosen:
         log(f"{lib.name}: defaults chosen: {' '.join(args.chosen)}")

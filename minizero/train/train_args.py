@@ -23,7 +23,8 @@ from minizero.runtime.launcher_env import launcher_rank
 from minizero.train import output_dir
 from minizero.gpt.presets import DATASETS, PRESETS, GPTConfig, ModelConfigError, get_preset
 
-# A first run on a CPU: plain data parallelism (stage 0), fp32, minGPT play_image's
+# A first run, on a CPU or a GPU: plain data parallelism (stage 0), fp32 (DeepSpeed's own
+# rule: no fp16/bf16 section means fp32; --dtype picks another), minGPT play_image's
 # optimizer (lr 3e-3, betas (0.9, 0.95)) with weight decay 0.1 on the Linear weights.
 # torch_adam inside optimizer.params: DeepSpeed would otherwise build its JIT FusedAdam.
 DEFAULT_CONFIG = {
@@ -52,8 +53,8 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("engine (DeepSpeed config and overrides)")
     g.add_argument("--config", metavar="JSON", default=None,
-                   help="a DeepSpeed JSON config; default: a built-in CPU config (stage 0, fp32, "
-                        "micro-batch 8, AdamW lr 3e-3)")
+                   help="a DeepSpeed JSON config; default: a built-in one (stage 0, fp32, micro-batch 8, "
+                        "AdamW lr 3e-3), on a GPU too: add --dtype bf16 or fp16 there")
     g.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="override the fp16/bf16 sections")
     g.add_argument("--micro-batch", type=int, metavar="N", help="override train_micro_batch_size_per_gpu")
