@@ -12,15 +12,19 @@
 #              stage, bf16, the tutorial GPT at 32x32, minizero vs PyTorch DDP / FSDP2
 #   4 bench    launch/bench_overlap.py --libs minizero --world-size 1: step / floor per stage, dtype
 #   5 user     the README's first command (gpu_check's user-command)
+#   6 fsdp     ZeRO-2 bf16 beside FSDP2 twice with deterministic kernels (MINIZERO_DETERMINISTIC=1):
+#              bitwise on a CPU; on the first H200 run (no deterministic kernels) 1.8e-5 apart.
+#              Each library against itself says whether that is run-to-run noise
+#              (fsdp.txt: every run's losses, and which pairs are equal)
 #
 #   bash launch/gpu_lease.sh OUT [PART ...]      # default: every part, in the order above
 #
-# OUT receives gpu_check.md, compare.md, bench.md, env.txt, lease.log and logs.tgz (every log
+# OUT receives gpu_check.md, compare.md, bench.md, fsdp.txt, env.txt, lease.log and logs.tgz (every log
 # and summary.json, no checkpoints), at most 8 files, so that a lease's copy-back takes them all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash launch/gpu_lease.sh OUT [PART ...]}; shift
-PARTS=${*:-env check compare bench user}
+PARTS=${*:-env check compare bench user fsdp}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHON=$PY
 WORK=$(mktemp -d /tmp/gpu_lease.XXXX)
@@ -51,7 +55,34 @@ for part in $PARTS; do
       timeout 100 $PY launch/gpu_check.py --gpus 1 --only user-command --out "$WORK/user" \
         > "$WORK/user.log" 2>&1; rc=$?
       cp "$WORK/user/gpu_check.md" "$OUT/user_command.md" 2>/dev/null ;;
-    *) log "unknown part $part (env check compare bench user)"; continue ;;
+    fsdp)
+      for run in a b; do
+        MINIZERO_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 100 $PY -m minizero.compare \
+          --libs minizero torch --stages 2 --dtype bf16 --nproc 1 --model tutorial --dataset synthetic \
+          --image-size 16 --max-steps 20 --synthetic-train 2000 --synthetic-test 64 --num-samples 1 \
+          --out "$WORK/fsdp_$run" > "$WORK/fsdp_$run.log" 2>&1; rc=$?
+      done
+      $PY - "$WORK" > "$OUT/fsdp.txt" 2>&1 <<'PYEOF'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+losses = {}
+for run in "ab":
+    for lib in ("minizero", "torch"):
+        f = work / f"fsdp_{run}" / f"{lib}-stage2" / "summary.json"
+        if f.is_file():
+            losses[(lib, run)] = json.loads(f.read_text())["losses"]
+            print(lib, run, "final loss", losses[(lib, run)][-1])
+        else:
+            print(lib, run, "no summary.json")
+pairs = [(("minizero", "a"), ("minizero", "b")), (("torch", "a"), ("torch", "b")), (("minizero", "a"), ("torch", "a"))]
+for x, y in pairs:
+    if x in losses and y in losses:
+        gap = max(abs(p - q) for p, q in zip(losses[x], losses[y]))
+        print(x, y, "equal" if losses[x] == losses[y] else f"max |dloss| {gap:.3e}")
+PYEOF
+      ;;
+    *) log "unknown part $part (env check compare bench user fsdp)"; continue ;;
   esac
   log "$part: exit $rc in $((SECONDS - t0)) s"
   # every log, report and summary, no checkpoints or data: one file that the copy-back takes
