@@ -126,6 +126,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from reference.ds_nvme import nvme_bytes
+
 CATEGORIES = ("params", "master_params", "optimizer_states", "grads", "buffers")
 MODEL_STATE_CATEGORIES = ("params", "master_params", "optimizer_states", "grads")
 
@@ -235,7 +237,8 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
 
     Returns {"params", "master_params", "optimizer_states", "grads", "buffers": int bytes,
     "model_states": sum of the first four, "device"/"host": the four categories split by
-    where DeepSpeed keeps them (ZeRO-Offload; without it everything is "device"),
+    where DeepSpeed keeps them (ZeRO-Offload; without it everything is "device"), and
+    "nvme" when it swaps states to files (ds_nvme.py; the totals include them),
     "kind": which optimizer wrapper was found, "details": {"category:source": bytes},
     "details_by_place": {"device"/"host": {"category:source": bytes}},
     "unclaimed": {"attr": bytes}}.
@@ -362,8 +365,13 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
                 unclaimed[n] = unclaimed.get(n, 0) + key[1]
 
     out = dict(led.bytes)
-    out["model_states"] = sum(led.bytes[c] for c in MODEL_STATE_CATEGORIES)
     out["device"], out["host"] = led.placed["device"], led.placed["host"]
+    nvme = nvme_bytes(opt)          # "device": "nvme": what lives in swap files (ds_nvme.py)
+    if nvme is not None:
+        out["nvme"] = nvme
+        for c in MODEL_STATE_CATEGORIES:
+            out[c] += nvme[c]
+    out["model_states"] = sum(out[c] for c in MODEL_STATE_CATEGORIES)
     out["kind"] = kind
     out["details"] = led.details
     out["details_by_place"] = led.details_by_place

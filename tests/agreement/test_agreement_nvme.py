@@ -109,6 +109,8 @@ def _run(lib: str, device: str, path: str) -> dict:
         engine.destroy()
     else:
         r["groups"] = [sum(-(-n // comm.get_world_size()) for n in g) for g in numels]   # S per param group
+        from reference.ds_memory import deepspeed_model_state_bytes
+        r["memory"] = deepspeed_model_state_bytes(engine)
     return r
 
 
@@ -163,3 +165,21 @@ def test_bytes_on_nvme_per_rank(runs):
         swapped = [-(-n // ALIGN) * ALIGN for n in ds["groups"] if 4 * n >= MIN_AIO_BYTES]
         assert len(swapped) == 1 and len(ds["groups"]) == 2, ds["groups"]
         assert ds["files"] == {"optimizer": 12 * sum(swapped), "params": 0}
+
+
+def test_deepspeed_bytes_in_files_are_counted(runs):
+    """reference/ds_nvme.py: what DeepSpeed holds only in swap files after the last step is the
+    swappable sub-group's fp32 master and its two moments, 4S + 8S for the S of that group (the
+    files round each up to the I/O alignment; the count is of the tensors), nothing of the
+    other group, no gradient. Counted in the totals, so the "cpu" run and the "nvme" run hold
+    the same model states; the "cpu" run has no "nvme" place at all."""
+    MIN_AIO_BYTES = 1 << 20
+    for rank in range(N):
+        cpu, nvme = runs[("deepspeed", "cpu")][rank], runs[("deepspeed", "nvme")][rank]
+        (swapped,) = [s for s in nvme["groups"] if 4 * s >= MIN_AIO_BYTES]
+        assert "nvme" not in cpu["memory"]
+        assert nvme["memory"]["nvme"] == {"params": 0, "master_params": 4 * swapped,
+                                          "optimizer_states": 8 * swapped, "grads": 0}
+        for c in ("master_params", "optimizer_states"):
+            assert nvme["memory"][c] == cpu["memory"][c], c
+
