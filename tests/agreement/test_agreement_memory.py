@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minizero.memory import expected_bytes, paper_bytes
-from reference.ds_memory import zero12_grad_partition_numel
+from reference.ds_estimates import zero12_grad_partition_numel
 from tests.support import agreement as A
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from minizero.memory import CATEGORIES, expected_bytes, total
-from reference.ds_memory import zero3_partition_numel, zero12_grad_partition_numel, zero12_padded_numel
+from reference.ds_estimates import zero3_partition_numel, zero12_grad_partition_numel, zero12_padded_numel
 from tests.support import agreement as A
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from minizero.compare.compare_memory import CATEGORIES, MOMENTS, memory_differences
-from reference.ds_memory import zero12_grad_partition_numel, zero12_padded_numel, zero3_partition_numel
+from reference.ds_estimates import zero12_grad_partition_numel, zero12_padded_numel, zero3_partition_numel
 from tests.support import agreement as A
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -67,7 +67,7 @@ def _model_numels():
 
 
 def ds_elements(stage):
-    """DeepSpeed's layout in elements, from its partition arithmetic (reference/ds_memory.py)."""
+    """DeepSpeed's layout in elements, from its partition arithmetic (reference/ds_estimates.py)."""
     groups, numels = _model_numels()
     if stage == 0:
         return {"full": sum(numels), "shard": sum(numels)}

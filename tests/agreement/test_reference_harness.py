@@ -92,7 +92,7 @@ def test_batch_conventions_agree():
 
 
 def test_deepspeed_estimators_are_the_documented_formulas():
-    from reference.ds_memory import deepspeed_estimates
+    from reference.ds_estimates import deepspeed_estimates
 
     est = deepspeed_estimates(MODEL_FN(), N)
     psi = est["total_params"]

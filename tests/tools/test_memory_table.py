@@ -96,7 +96,7 @@ def test_paper_figure1_in_gb_of_1e9_bytes(capsys):
 
 
 def test_deepspeed_estimators_beside_minizero(capsys):
-    """reference/ds_memory.side_by_side: DeepSpeed's estimators with the multipliers
+    """reference/ds_estimates.side_by_side: DeepSpeed's estimators with the multipliers
     docs/zero.md explains (2Ψ + 18Ψ/N; 4L + 18Ψ/N; 4L + 2Ψ/N; 4L), each beside minizero's
     exact bytes, which differ from them by the named terms plus minizero's padding only;
     and the *_all_live printouts show the same numbers in GB of 2^30 bytes."""
@@ -106,9 +106,9 @@ def test_deepspeed_estimators_beside_minizero(capsys):
 
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
-    from reference import ds_memory
+    from reference import ds_estimates
 
-    rows = ds_memory.side_by_side("tutorial", [8, 64])
+    rows = ds_estimates.side_by_side("tutorial", [8, 64])
     psi, big = rows[0]["total_params"], rows[0]["largest_layer_params"]
     assert psi == 10_001_664
     for r in rows:
