@@ -335,3 +335,16 @@ def all_gather_object(obj) -> list:
     out = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def raise_if_any_rank_failed(err: str | None, error_type: type, label: str) -> None:
+    """Collective: every rank passes its own error message (None: this rank is fine). If any
+    rank failed, every rank raises `error_type` with the first failing rank's message (rank 0's
+    if it failed), so rank 0, which prints, names the failure even when it happened on another
+    rank, and no rank goes on into a collective a failed rank will never join. The usual case
+    costs one labelled 1-element all-reduce; the messages travel only after a failure."""
+    flag = torch.tensor([0.0 if err is None else 1.0], device=get_device())
+    all_reduce(flag, op="max", label=label)
+    if flag.item() > 0:
+        raise error_type(next(e for e in all_gather_object(err) if e is not None))
+

@@ -237,15 +237,13 @@ def check_free_space(folder: SwapFolder, need: int, what: str) -> None:
                           f"free space there or point nvme_path at a larger disk")
 
 
-def agree_on_errors(fn):
-    """Run fn() on every rank; if it fails on any, every rank raises that rank's ConfigError,
-    so no rank goes on into a collective the failed one will never join. Rank 0's message
-    first, else the lowest failing rank's."""
+def agree_on_errors(fn, label: str = "nvme_ok"):
+    """Run fn() on every rank; if it fails on any, every rank raises that rank's ConfigError
+    (comm.raise_if_any_rank_failed: rank 0's message first, else the lowest failing rank's),
+    so no rank goes on into a collective the failed one will never join."""
     try:
         fn()
         err = None
     except ConfigError as e:
         err = str(e)
-    errors = [e for e in comm.all_gather_object(err) if e]
-    if errors:
-        raise ConfigError(errors[0])
+    comm.raise_if_any_rank_failed(err, ConfigError, label)

@@ -23,8 +23,9 @@ Two more things are refused with one line instead of written or loaded half-way:
   CheckpointError before anything is written, and `latest` keeps naming the last good
   checkpoint. (DeepSpeed saves whatever it holds.)
 - Damaged or missing files, and a checkpoint of another model or other param groups:
-  every rank reads and checks its files first, then all agree (`_agree`), so every rank
-  raises the same one-line CheckpointError before the engine is touched.
+  every rank reads and checks its files first, then all agree
+  (`comm.raise_if_any_rank_failed`), so every rank raises the same one-line CheckpointError
+  before the engine is touched.
 
 Resume is bit-exact on a CPU: the shards, Adam's moments and step counts, the LR
 scheduler, the loss scaler, the step counters and every rank's RNG state are restored, and
@@ -217,7 +218,9 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     except Exception as e:   # a file that unpickles but is not what it should be: one line, on all ranks
         logger.debug("reading checkpoint %s", path, exc_info=True)
         err = unreadable(path, e)
-    _agree(engine, err)
+    # every rank raises the first failing rank's one line, rank 0 prints it (names the file even
+    # when another rank's file is the damaged one)
+    comm.raise_if_any_rank_failed(err, CheckpointError, label="checkpoint_ok")
     if source is not None:
         return _load_resharded(engine, source, shard_state, rng, path, load_lr_scheduler_states)
 
@@ -357,12 +360,3 @@ def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, lo
     return path, source.client_state
 
 
-def _agree(engine, err: str | None) -> None:
-    """Collective. If any rank failed (err is its message), every rank raises the first
-    failing rank's message, so rank 0, which prints, names the file even when another
-    rank's file is the damaged one, and no rank goes on into a later collective."""
-    flag = torch.tensor([0.0 if err is None else 1.0], device=engine.device)
-    comm.all_reduce(flag, op="max", label="checkpoint_ok")
-    if flag.item() > 0:
-        errs = comm.all_gather_object(err)
-        raise CheckpointError(next(e for e in errs if e is not None))
