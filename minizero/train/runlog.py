@@ -334,7 +334,9 @@ def finish(run, status: str) -> None:
     if status == "completed":
         if test_loss is None or state.get("eval_step") != state["step"]:   # e.g. resumed at the very end
             test_loss = evaluate(engine, run.test_loader, device)
-        write_samples(engine, run.probs, run.args, run.codebook, device, os.path.join(run.save_dir, "samples.png"))
+        if run.args.num_samples:    # --num-samples 0: no grid (minizero.compare's runs: nothing compares it)
+            write_samples(engine, run.probs, run.args, run.codebook, device,
+                          os.path.join(run.save_dir, "samples.png"))
     peak = memory_mb(device)[1]
     peaks = comm.all_gather_object(peak) if together else [peak]
     if comm.get_rank() == 0:
@@ -370,7 +372,7 @@ def write_results(run, status: str, test_loss, model_state: list, peaks: list, m
         "memory_moments": moments, "config": run.cfg,
     }
     write_summary(os.path.join(run.save_dir, "summary.json"), summary)
-    wrote = "metrics.csv, summary.json" + (", samples.png" if status == "completed" else "")
+    wrote = "metrics.csv, summary.json" + (", samples.png" if status == "completed" and run.args.num_samples else "")
     if status == "completed":
         print(f"{run.lib.name}: {state['step']} steps, final loss {summary['final_loss']:.4f}, test loss "
               f"{test_loss:.4f}, {summary['samples_per_s'] or 0:.1f} samples/s; wrote {wrote} to {run.save_dir}")

@@ -96,7 +96,8 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
                    help="test loss every N steps (it is always computed at the end of each epoch)")
     g.add_argument("--sample-every", type=int, default=0, metavar="STEPS",
                    help="also write samples-step<N>.png every N steps (samples.png is always written at the end)")
-    g.add_argument("--num-samples", type=int, default=32, metavar="N", help="images in a sample grid")
+    g.add_argument("--num-samples", type=int, default=32, metavar="N",
+                   help="images in a sample grid (0: draw none, no samples.png)")
     g.add_argument("--top-k", type=int, default=100, help="sample from the k most likely colours (play_image: 100)")
     g = p.add_argument_group("see the collectives")
     g.add_argument("--trace", metavar="DIR",
@@ -137,13 +138,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 def check_values(parser: argparse.ArgumentParser, args) -> None:
     """The checks that need neither torch nor the device (precheck runs them first)."""
     for name in ("micro_batch", "grad_accum", "epochs", "max_steps", "ncluster", "synthetic_train",
-                 "synthetic_test", "num_samples", "top_k", "max_nonfinite_steps", "n_embd", "n_head"):
+                 "synthetic_test", "top_k", "max_nonfinite_steps", "n_embd", "n_head"):
         v = getattr(args, name)
         if v is not None and v < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("save_every", "eval_every", "sample_every"):
+    for name in ("save_every", "eval_every", "sample_every", "num_samples"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = off)")
+    if args.sample_every and not args.num_samples:
+        parser.error(f"--sample-every {args.sample_every} draws grids of --num-samples images: give --num-samples "
+                     f">= 1, or drop --sample-every")
     if args.tag is not None and args.resume is None:
         parser.error("--tag needs --resume DIR (the folder holding that checkpoint)")
     for flag, path in (("--save-dir", args.save_dir), ("--trace", args.trace)):   # before anything is created
