@@ -383,10 +383,25 @@ def test_offload_report_shows_device_and_host(offload_report):
     (["--stages", "0", "--dtype", "fp16", "--libs", "minizero", "torch"], "torch runs fp32 and bf16"),
 ])
 def test_bad_input_is_one_line(args, needle, tmp_path):
-    r = compare(*args, "--out", str(tmp_path), timeout=60)
-    assert r.returncode == 2
+    """compare's main(argv) on a process forked from the tests' preloaded forkserver, its file
+    descriptors 1 and 2 caught (tests/support/command_runs.py): the same one line as the
+    command prints, without a fresh interpreter's 2 s of imports per case.
+    test_bad_input_from_the_command_itself runs one case as a user types it."""
+    from tests.support.command_runs import run_command
+    r = run_command("minizero.compare.compare", [*args, "--out", str(tmp_path)], timeout=60)
+    assert_one_error_line(r, needle)
+
+
+def assert_one_error_line(r, needle):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("python -m minizero.compare: error:")
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("python -m minizero.compare: error:"), lines
+
+
+def test_bad_input_from_the_command_itself(tmp_path):
+    """`python -m minizero.compare` in a fresh interpreter: nothing its imports print (a
+    warning on stderr) may join the one line."""
+    assert_one_error_line(compare("--stages", "7", "--out", str(tmp_path), timeout=60), "unknown stage 7")
 
 
 def test_three_libraries_take_three_columns(tmp_path):
