@@ -13,6 +13,8 @@ change from run to run, bytes and counts do not.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -61,13 +63,18 @@ def rank0(trace: str) -> tuple[dict, list[dict]]:
 
 
 def memory_numbers(runs: str) -> None:
+    from minizero.observe import memory_table
     from minizero.observe.memory_table import compute, figure1
     print("## part 1: memory (python -m minizero.memory_table)")
     for name in ("figure1", "memory"):   # the page's commands, their output as printed
         words = [os.path.join(runs, w[len("runs/"):]) if w.startswith("runs/") else w for w in COMMANDS[name].split()]
-        done = subprocess.run([sys.executable] + words[1:], cwd=ROOT, check=True, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
-        print(done.stdout)
+        assert words[:3] == ["python", "-m", "minizero.memory_table"], words
+        # `python -m minizero.memory_table ARGS` is its main(ARGS): run here, not in a second
+        # interpreter that imports torch again (2-3 s each); both commands compute, start nothing.
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            memory_table.main(words[3:])
+        print(out.getvalue())
     # the same numbers, one line per row, with the sums the page quotes
     print("figure1: Ψ = 7.5B parameters, N = 64, K = 12")
     for row in figure1():

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.script_main import run_script_main
+
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "bench_collectives.py"
 
 
@@ -25,8 +27,9 @@ def test_bad_flags_give_one_line(argv, says):
 
 
 def test_tiny_run_prints_every_op_and_bucket():
-    r = subprocess.run([sys.executable, str(SCRIPT), "--numel", "4000", "--buckets", "1000,0", "--reps", "1"],
-                       capture_output=True, text=True, timeout=120)
+    """main(argv) here, its ranks forked from the tests' preloaded forkserver
+    (tests/support/script_main.py); the bad-flag cases above run the command itself."""
+    r = run_script_main(SCRIPT, ["--numel", "4000", "--buckets", "1000,0", "--reps", "1"])
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [[c.strip() for c in x.strip("|").split("|")] for x in r.stdout.splitlines() if x.startswith("| ")][1:]
     assert [(row[0], row[1], row[2]) for row in rows] == [

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.script_main import run_script_main
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "bench_offload.py"
 
@@ -144,12 +146,24 @@ def test_world_size_beyond_the_gpus_is_refused():
 
 # ----------------------------------------------------------------------------- a tiny run
 
-def test_tiny_minizero_run_prints_the_tables(tmp_path):
+def test_the_command_starts_from_any_folder(tmp_path):
+    """`python launch/bench_offload.py` from another folder finds minizero (its sys.path
+    line) and gives its one line on a bad flag, before torch is imported."""
+    r = subprocess.run([sys.executable, str(SCRIPT), "--steps", "0"], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("bench_offload: error: --steps"), err
+
+
+def test_tiny_minizero_run_prints_the_tables(tmp_path, monkeypatch):
+    """main(argv) here, its ranks forked from the tests' preloaded forkserver
+    (tests/support/script_main.py): a fresh interpreter and a forkserver of its own saved."""
     md, js = tmp_path / "bench.md", tmp_path / "bench.json"
-    cmd = [sys.executable, str(SCRIPT), "--libs", "minizero", "--stages", "3", "--steps", "2", "--warmup", "1",
+    argv = ["--libs", "minizero", "--stages", "3", "--steps", "2", "--warmup", "1",
            "--profile-steps", "1", "--n-layer", "2", "--n-embd", "32", "--seq", "16", "--micro-batch", "1",
            "--no-adam", "--out", str(md), "--json", str(js)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = run_script_main(SCRIPT, argv)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == md.read_text().strip()
     assert "## Step time" in r.stdout and "## Where the step goes" in r.stdout

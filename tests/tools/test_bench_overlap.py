@@ -1,6 +1,10 @@
 """launch/bench_overlap.py, the overlap benchmark: its schedule, its trace arithmetic, bad flags,
 and one tiny run (micro model, stage 0, fp32, 1 repetition, 2 timed steps) whose table has one
-row per (dtype, knobs, stage) and one cell per column. Timing itself is not tested."""
+row per (dtype, knobs, stage) and one cell per column. Timing itself is not tested.
+
+The tiny runs call the script's main(argv) here, their ranks forked from the tests' preloaded
+forkserver (tests/support/script_main.py: a fresh interpreter and a forkserver of its own
+saved per run); test_the_command_starts_from_any_folder runs the command itself."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.script_main import run_script_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "bench_overlap.py"
@@ -104,12 +110,22 @@ def test_bad_flags_give_one_line(argv, says, capsys):
     assert len(err) == 1 and err[0].startswith("bench_overlap: error:") and says in err[0], err
 
 
-def test_tiny_run_prints_the_table(tmp_path):
+def test_the_command_starts_from_any_folder(tmp_path):
+    """`python launch/bench_overlap.py` from another folder finds minizero and bench_offload
+    (its sys.path lines) and gives its one line on a bad flag, before torch is imported."""
+    r = subprocess.run([sys.executable, str(SCRIPT), "--reps", "0"], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("bench_overlap: error: --reps must be >= 1"), err
+
+
+def test_tiny_run_prints_the_table(tmp_path, monkeypatch):
     js = tmp_path / "bench.json"
-    cmd = [sys.executable, str(SCRIPT), "--model", "micro", "--seq", "16", "--n-embd", "21", "--micro-batch", "2",
+    argv = ["--model", "micro", "--seq", "16", "--n-embd", "21", "--micro-batch", "2",
            "--stages", "0", "--dtypes", "fp32", "--reps", "1", "--steps", "2", "--json", str(js),
            "--trace-dir", str(tmp_path / "traces")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = run_script_main(SCRIPT, argv)
     assert r.returncode == 0, r.stderr[-3000:]
     tables = [t.splitlines() for t in r.stdout.split("\n\n") if t.startswith("|")]
     assert len(tables) == 3, r.stdout      # against the floor, samples/s, where the step goes
@@ -147,15 +163,16 @@ def test_tiny_run_prints_the_table(tmp_path):
     assert len(tables[1]) == 2 + len(rows) and all("-" not in x for x in tables[1][2:])
 
 
-def test_one_rank_minizero_only(tmp_path):
+def test_one_rank_minizero_only(tmp_path, monkeypatch):
     """--world-size 1 --libs minizero, what a one-GPU lease runs: the floor's one rank needs its own
     process group (it failed "Default process group has not been initialized" before), and the
     table is the minizero half alone."""
     js = tmp_path / "bench.json"
-    cmd = [sys.executable, str(SCRIPT), "--libs", "minizero", "--world-size", "1", "--model", "micro", "--seq", "16",
+    argv = ["--libs", "minizero", "--world-size", "1", "--model", "micro", "--seq", "16",
            "--n-embd", "21", "--micro-batch", "2", "--stages", "0,3", "--dtypes", "fp32", "--knobs", "off",
            "--reps", "1", "--steps", "2", "--no-trace", "--json", str(js)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = run_script_main(SCRIPT, argv)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(js.read_text())["floor_rows"]
     assert [(x["stage"], x["knobs"]) for x in rows] == [(0, "off"), (3, "off")]

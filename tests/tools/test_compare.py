@@ -11,10 +11,11 @@ through clipping (tests/agreement/test_agreement_loss.py: test_clipping_active_*
 libraries run the same ops in the same order, so the losses must agree BITWISE, on any CPU.
 (With clipping on, as by default, this run measured 1-2 fp32 ulps of the loss.)
 
-The stage 0 / 3 report runs compare's main(argv) in this process, its four torchrun launches
-on ranks forked from the tests' preloaded forkserver (tests/support/command_runs.py: twelve
-fresh interpreters' imports saved); the offload report runs `python -m minizero.compare` as
-a user types it, torchrun and all."""
+Both reports run compare's main(argv) in this process, its torchrun launches on ranks forked
+from the tests' preloaded forkserver (tests/support/command_runs.py: three fresh interpreters'
+imports saved per launch). test_the_command_launches_torchrun runs `python -m minizero.compare`
+as a user types it, torchrun and all (its environment, its flags, its log), on the smallest
+run that shows it: minizero alone, one step of the micro model."""
 import contextlib
 import copy
 import io
@@ -88,7 +89,7 @@ def report(tmp_path_factory):
 @pytest.fixture(scope="module")
 def offload_report(tmp_path_factory):
     return run_compare(tmp_path_factory.mktemp("compare-offload"), (3,),
-                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, forked=True)
 
 
 def test_report_files(report):
@@ -374,6 +375,26 @@ def test_offload_report_shows_device_and_host(offload_report):
         assert im.size[0] >= 2 * 500   # two panels (device, host), each at least 5 inches at 100 dpi
 
 
+def test_the_command_launches_torchrun(tmp_path):
+    """`python -m minizero.compare` in a fresh interpreter starts each run through a real
+    `python -m torch.distributed.run` (the tests above fork their ranks instead): the
+    launcher takes compare's flags and environment, the ranks' output goes to run.log, and
+    the summary they write makes the report. Two ranks, as compare's default."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    r = compare("--libs", "minizero", "--stages", "0", "--dtype", "fp32", "--model", "micro", "--dataset",
+                "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out), "--synthetic-train", "64",
+                "--synthetic-test", "16", "--num-samples", "1", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (out / "minizero-stage0" / "run.log").read_text().splitlines()
+    assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 2" in log[0]
+    assert any(line.startswith("minizero: world size 2 on cpu") for line in log), log[:5]
+    summary = json.loads((out / "minizero-stage0" / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 1)
+    md = (out / "report.md").read_text()
+    assert set(table_rows(md)) == {0} and table_rows(md)[0]["final loss mz"] == f"{summary['final_loss']:.6f}"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--stages", "7"], "unknown stage 7"),
     (["--stages", "0", "--nproc", "0"], "--nproc must be >= 1"),
@@ -383,10 +404,25 @@ def test_offload_report_shows_device_and_host(offload_report):
     (["--stages", "0", "--dtype", "fp16", "--libs", "minizero", "torch"], "torch runs fp32 and bf16"),
 ])
 def test_bad_input_is_one_line(args, needle, tmp_path):
-    r = compare(*args, "--out", str(tmp_path), timeout=60)
-    assert r.returncode == 2
+    """compare's main(argv) on a process forked from the tests' preloaded forkserver, its file
+    descriptors 1 and 2 caught (tests/support/command_runs.py): the same one line as the
+    command prints, without a fresh interpreter's 2 s of imports per case.
+    test_bad_input_from_the_command_itself runs one case as a user types it."""
+    from tests.support.command_runs import run_command
+    r = run_command("minizero.compare.compare", [*args, "--out", str(tmp_path)], timeout=60)
+    assert_one_error_line(r, needle)
+
+
+def assert_one_error_line(r, needle):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("python -m minizero.compare: error:")
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("python -m minizero.compare: error:"), lines
+
+
+def test_bad_input_from_the_command_itself(tmp_path):
+    """`python -m minizero.compare` in a fresh interpreter: nothing its imports print (a
+    warning on stderr) may join the one line."""
+    assert_one_error_line(compare("--stages", "7", "--out", str(tmp_path), timeout=60), "unknown stage 7")
 
 
 def test_three_libraries_take_three_columns(tmp_path):

@@ -60,12 +60,12 @@ def load_script():
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
     """(the runs folder, what `python docs/lesson/lesson_numbers.py --runs RUNS` prints):
-    its main(argv) in this process, its seven torchrun runs and two `python -m
-    minizero.memory_table` runs as those programs' main(argv) on processes forked from the
-    tests' preloaded forkserver (tests/support/command_runs.py), not nine fresh
-    interpreters that each import torch (and DeepSpeed) again. Each run is still its own
-    processes, started from its command line; test_the_script_as_a_command_prints_the_same
-    runs the script itself."""
+    its main(argv) in this process, its seven torchrun runs as minizero.train's main(argv)
+    on processes forked from the tests' preloaded forkserver (tests/support/command_runs.py),
+    not seven launches of fresh interpreters that each import torch (and DeepSpeed) again
+    (its two `python -m minizero.memory_table` commands compute and start nothing: the
+    script runs their main(argv) itself). Each run is still its own processes, started from
+    its command line; test_the_script_as_a_command_prints_the_same runs the script itself."""
     from tests.support.command_runs import torchrun_on_forked_ranks
     runs = tmp_path_factory.mktemp("lesson-runs")
     out = io.StringIO()
