@@ -46,7 +46,7 @@ for part in $PARTS; do
     compare)
       timeout 110 $PY -m minizero.compare --libs minizero torch --stages 0 2 3 --dtype bf16 --nproc 1 \
         --model tutorial --dataset synthetic --image-size 16 --max-steps 20 --synthetic-train 2000 \
-        --synthetic-test 64 --num-samples 1 --out "$WORK/compare" > "$WORK/compare.log" 2>&1; rc=$?
+        --synthetic-test 64 --out "$WORK/compare" > "$WORK/compare.log" 2>&1; rc=$?
       cp "$WORK/compare/report.md" "$OUT/compare.md" 2>/dev/null ;;
     bench)
       timeout 130 $PY launch/bench_overlap.py --libs minizero --world-size 1 --reps 1 --no-trace --knobs off --seq 255 --micro-batch 16 \
@@ -59,7 +59,7 @@ for part in $PARTS; do
       for run in a b; do
         MINIZERO_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 100 $PY -m minizero.compare \
           --libs minizero torch --stages 2 --dtype bf16 --nproc 1 --model tutorial --dataset synthetic \
-          --image-size 16 --max-steps 20 --synthetic-train 2000 --synthetic-test 64 --num-samples 1 \
+          --image-size 16 --max-steps 20 --synthetic-train 2000 --synthetic-test 64 \
           --out "$WORK/fsdp_$run" > "$WORK/fsdp_$run.log" 2>&1; rc=$?
       done
       $PY - "$WORK" > "$OUT/fsdp.txt" 2>&1 <<'PYEOF'

@@ -373,7 +373,7 @@ def _train_main(argv):
 def test_train_resume_at_another_world_size_and_stage(tmp_path):
     import json
     small = ["--model", "micro", "--image-size", "8", "--synthetic-train", "256", "--synthetic-test", "64",
-             "--num-samples", "4", "--data-dir", str(tmp_path / "data"), "--max-steps", "6"]
+             "--num-samples", "0", "--data-dir", str(tmp_path / "data"), "--max-steps", "6"]   # no grid: not looked at
     run, resumed = str(tmp_path / "run"), str(tmp_path / "resumed")
     run_ranks(_train_main, 2, (small + ["--stage", "1", "--save-every", "3", "--save-dir", run],))
     run_ranks(_train_main, 1, (small + ["--stage", "3", "--resume", run, "--tag", "global_step3",
