@@ -43,14 +43,15 @@ def _srun(argv, nproc=2, **env):
 
 def test_srun_without_torchrun_is_one_job(tmp_path):
     port, save = str(free_port()), str(tmp_path / "run")
-    p = _srun([*SMALL, "--save-dir", save], SLURM_JOB_ID="77", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    p = _srun([*SMALL, "--num-samples", "0", "--save-dir", save], SLURM_JOB_ID="77", MASTER_ADDR="127.0.0.1",
+              MASTER_PORT=port)
     assert p.returncode == 0, (p.stdout, p.stderr)
     with open(os.path.join(save, "summary.json")) as f:
         assert json.load(f)["world_size"] == 2
 
 
 def test_srun_without_torchrun_or_master_addr_is_refused_in_one_line(tmp_path):
-    p = _srun([*SMALL, "--save-dir", str(tmp_path / "r")])
+    p = _srun([*SMALL, "--num-samples", "0", "--save-dir", str(tmp_path / "r")])
     errs = p.stderr
     assert p.rank_returncodes == [1, 1] and "Traceback" not in errs, errs
     lines = [ln for ln in errs.splitlines() if "error:" in ln]

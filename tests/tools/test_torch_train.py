@@ -12,7 +12,7 @@ from tests.tools.test_train import KEYS, PY, ROOT, SMALL, _env
 
 def test_torch_reference_run_folder_and_refusal(tmp_path):
     script = os.path.join(ROOT, "reference", "torch_train.py")
-    ok = subprocess.Popen([PY, script, "--stage", "3", "--save-dir", str(tmp_path / "run")] + SMALL, cwd=tmp_path,
+    ok = subprocess.Popen([PY, script, "--stage", "3", "--save-dir", str(tmp_path / "run")] + SMALL + ["--num-samples", "0"], cwd=tmp_path,
                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     bad = subprocess.run([PY, script, "--stage", "1", "--save-dir", str(tmp_path / "bad")] + SMALL, cwd=tmp_path,
                          env=_env(), capture_output=True, text=True, timeout=240)
