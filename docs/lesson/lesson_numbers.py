@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 # The lesson's commands, exactly as docs/lesson.md prints them (a test checks that it does);
 # run() fills in $s / $k and puts runs/ under --runs.
-SMALL = "--max-steps 3 --synthetic-train 256 --synthetic-test 16 --num-samples 1"
+SMALL = "--max-steps 3 --synthetic-train 256 --synthetic-test 16 --num-samples 0"
 TRAIN = "torchrun --standalone --nproc-per-node 2 -m minizero.train"
 COMMANDS = {
     "stages": f"{TRAIN} --config docs/lesson/stages.json --stage $s {SMALL} --save-dir runs/lesson-z$s --trace runs/trace-z$s",
