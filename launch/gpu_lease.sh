@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # gpu_lease.sh -- what to run on a briefly lent single-GPU box (a few minutes, nothing installed
 # but PyTorch, no network, no DeepSpeed), most important first, each part under its own time
-# limit, everything small enough to copy back as a handful of files:
+# limit, everything small enough to copy back as a handful of files.
+# Node / GPU count: one node, one GPU (every part passes --gpus 1, --nproc 1 or --world-size 1);
+# on a box of several GPUs run launch/gpu_check.sh instead.
+#
+# What it runs, part by part:
 #
 #   1 env      nvidia-smi, Python / torch / CUDA / NCCL versions
 #   2 check    launch/gpu_check.py --gpus 1 --quick: the CUDA-only tests, resume == straight at

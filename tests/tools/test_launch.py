@@ -17,7 +17,8 @@ from minizero.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
-SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "slurm_torch.sbatch", "gpu_check.sh"]
+SCRIPTS = ["train_laptop.sh", "slurm_minizero.sbatch", "slurm_deepspeed.sbatch", "slurm_torch.sbatch", "gpu_check.sh",
+           "gpu_lease.sh"]
 CONFIGS = ["ds_config_basic.json", "ds_config_step4.json", "ds_config_step5.json"]
 NODES = ["gpu-a01", "gpu-a02"]
 
@@ -193,3 +194,18 @@ def test_laptop_script_uses_torchrun_standalone():
 def test_shellcheck(name):
     r = subprocess.run(["shellcheck", "-S", "warning", str(LAUNCH / name)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(tmp_path):
+    """launch/gpu_lease.sh on a machine without a GPU: the env part still writes env.txt (what
+    the box has, or why not), an unknown part is named in one line and skipped, and every part
+    leaves its line in lease.log, in the order asked."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env", "bogus"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stderr
+    log = (out / "lease.log").read_text().splitlines()
+    assert len(log) == 2 and " env: exit " in log[0] and "unknown part bogus" in log[1], log
+    assert (out / "env.txt").stat().st_size > 0
+    assert r.stderr == ""
+
