@@ -347,4 +347,3 @@ def raise_if_any_rank_failed(err: str | None, error_type: type, label: str) -> N
     all_reduce(flag, op="max", label=label)
     if flag.item() > 0:
         raise error_type(next(e for e in all_gather_object(err) if e is not None))
-

@@ -237,7 +237,7 @@ def check_free_space(folder: SwapFolder, need: int, what: str) -> None:
                           f"free space there or point nvme_path at a larger disk")
 
 
-def agree_on_errors(fn, label: str = "nvme_ok"):
+def agree_on_errors(fn):
     """Run fn() on every rank; if it fails on any, every rank raises that rank's ConfigError
     (comm.raise_if_any_rank_failed: rank 0's message first, else the lowest failing rank's),
     so no rank goes on into a collective the failed one will never join."""
@@ -246,4 +246,4 @@ def agree_on_errors(fn, label: str = "nvme_ok"):
         err = None
     except ConfigError as e:
         err = str(e)
-    comm.raise_if_any_rank_failed(err, ConfigError, label)
+    comm.raise_if_any_rank_failed(err, ConfigError, label="nvme_ok")

@@ -327,13 +327,7 @@ def ds_grad_norm(engine) -> torch.Tensor:
             for r in range(N):
                 norms = []
                 for p in params:
-                    full = grads[id(p)]
-                    n = full.numel()
-                    s = -(-n // N)                                   # ceil(n/N), zero-padded
-                    part = torch.zeros(s, dtype=full.dtype)
-                    lo, hi = min(r * s, n), min((r + 1) * s, n)
-                    part[:hi - lo] = full[lo:hi]
-                    norms.append(part.to(torch.float64).norm(2.0))
+                    norms.append(_zero3_partition(grads[id(p)], r, N).to(torch.float64).norm(2.0))
                 partial.append(torch.sum(torch.pow(torch.stack(norms), 2.0)))
             total = partial[0]
             for t in partial[1:]:
@@ -361,6 +355,17 @@ def ds_grad_norm(engine) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(group_norms), ord=2.0)
 
 
+def _zero3_partition(full: torch.Tensor, r: int, N: int) -> torch.Tensor:
+    """Rank r's ZeRO-3 partition of one parameter's gradient as DeepSpeed holds it: ceil(n/N)
+    elements (partition_parameters.py: Init._partition_param), zero-padded past the end."""
+    n = full.numel()
+    s = -(-n // N)
+    part = torch.zeros(s, dtype=full.dtype)
+    lo, hi = min(r * s, n), min((r + 1) * s, n)
+    part[:hi - lo] = full[lo:hi]
+    return part
+
+
 def _offload_norm(grads: Dict[int, torch.Tensor], groups, N: int) -> torch.Tensor:
     """DeepSpeed 0.19.8's ZeRO-3 norm with offload_optimizer, op for op. At the gradient
     boundary each parameter's partition (ceil(n/N) elements, zero-padded; a rank whose
@@ -378,14 +383,9 @@ def _offload_norm(grads: Dict[int, torch.Tensor], groups, N: int) -> torch.Tenso
             total = 0.0
             for p in params:
                 full = grads[id(p)]
-                n = full.numel()
-                s = -(-n // N)
-                lo, hi = min(r * s, n), min((r + 1) * s, n)
-                if r * s >= n:
+                if r * -(-full.numel() // N) >= full.numel():
                     continue                                  # partition_grads skips an empty partition
-                part = torch.zeros(s, dtype=full.dtype)
-                part[:hi - lo] = full[lo:hi]
-                norm = (part.to(torch.float64).norm(2) ** 2.0) ** 0.5
+                norm = (_zero3_partition(full, r, N).to(torch.float64).norm(2) ** 2.0) ** 0.5
                 total += norm ** 2
             partial.append(torch.tensor([float(total)], dtype=torch.float32))
         summed = partial[0]
