@@ -76,3 +76,46 @@ def test_a_low_precision_gradient_converted_per_slice_is_the_whole_conversion(dt
         assert got_p.grad is None
     assert torch.equal(ref_p, got_p)
     assert all(torch.equal(ref.state[ref_p][k], got.state[got_p][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_only_host_masters_step_in_slices_before_any_gradient_is_set():
+    """The engine asks steps_in_slices() while every master's .grad is still None (a
+    low-precision gradient is handed over instead). Masters off the host (a GPU's; here the
+    meta device stands in for one) must answer no, so they take torch's own foreach step:
+    the question once looked only at parameters that had a .grad, answered yes on an H200,
+    and stepped 40 slices of one-tensor foreach launches per bucket (20 ms of host time a step)."""
+    host, other = torch.zeros(1000), torch.zeros(1000, device="meta")
+    assert ChunkedAdamW([host], lr=1e-2).steps_in_slices()
+    assert not ChunkedAdamW([other], lr=1e-2).steps_in_slices()
+    assert not ChunkedAdamW([host, other], lr=1e-2).steps_in_slices()   # any one off the host
+    host.grad = torch.zeros(1000)
+    assert not ChunkedAdamW([other, host], lr=1e-2).steps_in_slices()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torchs_foreach_step_whole_is_its_foreach_step_in_slices(dtype):
+    """What changed for GPU masters when they stopped taking the sliced path: torch's foreach
+    AdamW (the GPU default) on the whole master after g.float().mul_(1 / divisor) gives the
+    bits the sliced path gave with foreach on one-slice lists (run here on the CPU's foreach
+    kernels; the update is element-wise either way), so GPU runs keep their numbers."""
+    from minizero import sharded_optimizer
+    torch.manual_seed(0)
+    lp = [torch.randn(1000).to(dtype) for _ in range(4)]
+    inv = 1.0 / torch.full((), 3.7)
+    sliced_p, whole_p = torch.randn(1000), None
+    whole_p = sliced_p.clone()
+    sliced = ChunkedAdamW([sliced_p], lr=1e-2, weight_decay=0.1, foreach=True)
+    sliced.chunk_numel = 96
+    whole = torch.optim.AdamW([whole_p], lr=1e-2, weight_decay=0.1, foreach=True)
+    old = sharded_optimizer._chunkable
+    sharded_optimizer._chunkable = lambda group: True     # the old answer for GPU masters
+    try:
+        for g in lp:
+            sliced.__dict__.setdefault("_low_precision_grads", {})[sliced_p] = (g.view(-1), inv)
+            sliced.step()
+            whole_p.grad = g.float().mul_(inv)
+            whole.step()
+            whole_p.grad = None
+    finally:
+        sharded_optimizer._chunkable = old
+    assert torch.equal(sliced_p, whole_p)
