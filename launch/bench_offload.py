@@ -308,21 +308,32 @@ def bench_job(job: dict, args_d: dict) -> dict:
                 took[name] += dt
         return loss, took
 
+    # on a GPU a step is timed by CUDA events on the current stream, between device-wide syncs:
+    # the device's time from the step's first queued kernel to its last (the engines end every
+    # step on the current stream: side-stream work is waited for before the optimizer reads it);
+    # the host's wall clock around the same syncs is kept beside it (step_wall_s)
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
     engine.train()
-    step_s, comm0 = [], None
+    step_s, wall_s, comm0 = [], [], None
     for step in range(n_warm + n_time):
         if step == n_warm:
             comm0 = copy_counts(engine, lib)
         sync()
         t0 = time.perf_counter()
+        if events:
+            events[0].record()
         loss, took = one_step(step)
+        if events:
+            events[1].record()
         sync()
-        step_s.append(time.perf_counter() - t0)
+        wall_s.append(time.perf_counter() - t0)
+        step_s.append(events[0].elapsed_time(events[1]) / 1e3 if events else wall_s[-1])
         if step >= n_warm:
             for name, dt in took.items():
                 phase_s[name].append(dt)
     comm1 = copy_counts(engine, lib)
-    out = {"rank": rank, "world_size": world, "step_s": step_s[n_warm:], "phase_s": phase_s,
+    out = {"rank": rank, "world_size": world, "step_s": step_s[n_warm:], "step_wall_s": wall_s[n_warm:],
+           "step_timer": "cuda events" if cuda else "perf_counter", "phase_s": phase_s,
            "final_loss": float(loss.detach().float()),
            "copies_per_step": {k: (comm1[k] - comm0[k]) / n_time for k in comm1} if comm1 else None}
     if n_prof:

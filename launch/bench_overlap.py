@@ -45,7 +45,9 @@ the optimizer's arithmetic on this rank's shard, and the stage's collectives at 
 (FLOOR_NOTE says exactly what; `--no-floor` skips it).
 
 It prints three markdown tables (stdout; progress on stderr). The first: per cell the floor's
-parts, each library's step, step / floor for both, and minizero's speed over DeepSpeed's. The
+parts, each library's step, step / floor for both, and minizero's speed over DeepSpeed's; on a
+GPU also each library's tokens/s and peak CUDA memory, with every time taken by CUDA events
+(the device's time between syncs; the host's wall clock is kept in --json as wall_ms). The
 second: samples/s per library,
 minizero / DeepSpeed, each stage's samples/s over the same library's stage 0 (the stage-3 row
 holds the stage-3/stage-0 ratio), and the trace's two shares. The third: where each
@@ -253,15 +255,24 @@ def floor_ranks(args_d: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              if device.type == "cuda" else None)
+
     def timed(fn, reps=n_warm + n_time) -> list[float]:
+        """Seconds per call of fn: CUDA events on a GPU (as the libraries' steps, bench_job),
+        the wall clock on a CPU."""
         out = []
         for i in range(reps):
             sync()
             dist.barrier()
             t0 = time.perf_counter()
+            if events:
+                events[0].record()
             fn(i)
+            if events:
+                events[1].record()
             sync()
-            out.append(time.perf_counter() - t0)
+            out.append(events[0].elapsed_time(events[1]) / 1e3 if events else time.perf_counter() - t0)
         return out[n_warm:]
 
     def fwd_bwd(i):
@@ -366,7 +377,9 @@ FLOOR_NOTE = ("floor: what a step must cost on this machine, measured in the sam
               "floor is therefore an upper one. With --step5 the optimizer part also holds the copies offload "
               "must make (gradient shard out, new shard back, parameter shard in before forward and backward). "
               "Compute parts: median over timed iterations and repetitions; "
-              "collectives: the fastest. Steps: the slowest rank's median step, median over repetitions. "
+              "collectives: the fastest. Steps: the slowest rank's median step, median over repetitions. On a GPU "
+              "every time is CUDA events' (the device's time between syncs), tokens/s comes from the median step and "
+              "peak CUDA memory is torch.cuda.max_memory_allocated, the largest rank's, engine init included. "
               "minizero speed / DeepSpeed's: DeepSpeed's step over minizero's (above 1: minizero is faster).")
 
 
@@ -482,6 +495,12 @@ def floor_rows(results: list[dict], floors: list[dict], args) -> list[dict]:
             ms = [r["ms"] for r in results if (r["lib"], r["stage"], r["dtype"], r["knobs"]) == (lib, stage, dtype, knobs)]
             row[f"{lib}_ms"] = statistics.median(ms) if ms else None
             row[f"{lib}_over_floor"] = row[f"{lib}_ms"] / fl["floor"] if ms and fl else None
+            # tokens/s from the median step: every rank's micro-batches of --seq tokens
+            row[f"{lib}_tokens_per_s"] = (args.micro_batch * args.gas * args.world_size * args.seq
+                                          / (row[f"{lib}_ms"] / 1e3)) if ms else None
+            peaks = [r["peak_cuda_bytes"] for r in results if r.get("peak_cuda_bytes") is not None and
+                     (r["lib"], r["stage"], r["dtype"], r["knobs"]) == (lib, stage, dtype, knobs)]
+            row[f"{lib}_peak_cuda_mib"] = max(peaks) / 2 ** 20 if peaks else None
         mz, ds = row.get("minizero_ms"), row.get("deepspeed_ms")
         row["mz_speed_over_ds"] = ds / mz if mz and ds else None
         rows.append(row)
@@ -498,15 +517,20 @@ def floor_table(rows: list[dict], args) -> str:
     head += [f"{lib} step, ms" for lib in args.libs] + [f"{lib} step / floor" for lib in args.libs]
     if len(args.libs) == 2:
         head.append("minizero speed / DeepSpeed's")
+    if args.cuda:   # on a GPU also the throughput and the memory (peak per rank, init included)
+        head += [f"{lib} tokens/s" for lib in args.libs] + [f"{lib} peak CUDA MiB" for lib in args.libs]
     out = []
     for r in rows:
         fl = r["floor"]
         cells_ = [r["dtype"], r["knobs"], str(r["stage"]),
                   " / ".join(ms(fl[k]) for k in ("fwd_bwd", "optimizer", "comm")) + f" = {ms(fl['floor'])}" if fl else "-"]
-        cells_ += [bo.fmt(r[f"{lib}_ms"], ".0f") for lib in args.libs]
+        cells_ += [bo.fmt(r[f"{lib}_ms"], ".1f" if args.cuda else ".0f") for lib in args.libs]
         cells_ += [bo.fmt(r[f"{lib}_over_floor"], ".2f") for lib in args.libs]
         if len(args.libs) == 2:
             cells_.append(bo.fmt(r["mz_speed_over_ds"], ".2f"))
+        if args.cuda:
+            cells_ += [bo.fmt(r[f"{lib}_tokens_per_s"], ",.0f") for lib in args.libs]
+            cells_ += [bo.fmt(r[f"{lib}_peak_cuda_mib"], ",.0f") for lib in args.libs]
         out.append(cells_)
     return bo.md_table(head, out)
 
@@ -623,7 +647,9 @@ def main(argv=None) -> int:
             ms, _ = bo.step_ms([r["step_s"] for r in per_rank])
             res = {k: run[k] for k in ("lib", "stage", "dtype", "knobs", "rep")}
             res.update(ms=ms, samples_per_s=bo.samples_per_s(ms, args.micro_batch * args.gas * args.world_size),
-                       final_loss=per_rank[0]["final_loss"], phases_ms=phases_ms(per_rank))
+                       final_loss=per_rank[0]["final_loss"], phases_ms=phases_ms(per_rank),
+                       wall_ms=bo.step_ms([r["step_wall_s"] for r in per_rank])[0],
+                       peak_cuda_bytes=max(r["peak_cuda_bytes"] for r in per_rank) if args.cuda else None)
             if "trace_dir" in run:
                 res["trace"] = trace_shares(run["trace_dir"])
             results.append(res)

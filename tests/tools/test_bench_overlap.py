@@ -179,3 +179,29 @@ def test_one_rank_minizero_only(tmp_path, monkeypatch):
     assert all(x["minizero_over_floor"] > 0 and x.get("deepspeed_over_floor") is None for x in rows), rows
     floors = json.loads(js.read_text())["floors"]
     assert all(f["parts"]["fwd_bwd"] > 0 and f["parts"]["world_size"] == 1 for f in floors), floors
+
+
+def test_on_a_gpu_the_floor_table_adds_tokens_per_s_and_peak_cuda_memory(tmp_path):
+    """A GPU run's table (args.cuda): per library tokens/s from the median step (every rank's
+    micro-batches of --seq tokens) and the peak CUDA memory (the largest rank's); a CPU run's
+    table has neither column. Rows built by hand: nothing here needs a GPU."""
+    args = bench.parse_args(["--stages", "0", "--dtypes", "bf16", "--knobs", "default", "--reps", "2",
+                             "--world-size", "1", "--seq", "1023", "--micro-batch", "16", "--trace-dir", str(tmp_path)])
+    bench.check_args(args, cuda=True, gpus=1)
+    run = {"stage": 0, "dtype": "bf16", "knobs": "default"}
+    results = [{**run, "lib": "minizero", "rep": 0, "ms": 20.0, "peak_cuda_bytes": 3 << 30},
+               {**run, "lib": "minizero", "rep": 1, "ms": 30.0, "peak_cuda_bytes": 2 << 30},
+               {**run, "lib": "deepspeed", "rep": 0, "ms": 40.0, "peak_cuda_bytes": 1 << 30},
+               {**run, "lib": "deepspeed", "rep": 1, "ms": 40.0, "peak_cuda_bytes": 1 << 30}]
+    parts = {"psi": 10, "world_size": 1, "fwd_bwd": 0.010, "opt": 0.0005}
+    floors = [{"rep": r, "dtype": "bf16", "stage": 0, "parts": parts} for r in (0, 1)]
+    rows = bench.floor_rows(results, floors, args)
+    assert rows[0]["minizero_tokens_per_s"] == pytest.approx(16 * 1023 / 0.025)   # the median step, 25 ms
+    assert rows[0]["minizero_peak_cuda_mib"] == 3 * 1024 and rows[0]["deepspeed_peak_cuda_mib"] == 1024
+    lines = bench.floor_table(rows, args).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = dict(zip(head, (c.strip() for c in lines[2].strip("|").split("|"))))
+    assert cells["minizero tokens/s"] == "654,720" and cells["deepspeed tokens/s"] == "409,200"
+    assert cells["minizero peak CUDA MiB"] == "3,072" and cells["minizero step / floor"] == "2.38"
+    args.cuda = False
+    assert "tokens/s" not in bench.floor_table(rows, args)
