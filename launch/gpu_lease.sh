@@ -5,8 +5,9 @@
 # Node / GPU count: one node, one GPU (every part passes --gpus 1, --nproc 1 or --world-size 1);
 # on a box of several GPUs run launch/gpu_check.sh instead.
 #
-# DeepSpeed on a box without a network: carry it as wheels in .whl/ (the repository root) and
-# this script installs them first (pip --no-index --target, put on PYTHONPATH). For the box's
+# DeepSpeed on a box without a network: carry it as wheels in .whl/ (the repository root; or the
+# folder GPU_LEASE_WHEELS names) and this script installs them first (pip --no-index --target,
+# put on PYTHONPATH). For the box's
 # Python 3.12, on a machine with pip and a network:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl pydantic pydantic-core annotated-types \
@@ -47,11 +48,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHON=$PY
 WORK=$(mktemp -d /tmp/gpu_lease.XXXX)
 mkdir -p "$OUT"
 log() { echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
-if compgen -G ".whl/*.whl" > /dev/null; then   # carried wheels (DeepSpeed and what it needs)
-  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_lease_site \
-       .whl/*.whl > "$WORK/wheels.log" 2>&1; then
-    export PYTHONPATH=/tmp/gpu_lease_site:$PYTHONPATH
-    log "wheels: installed $(find .whl -name '*.whl' | wc -l) from .whl/"
+WHEELS=${GPU_LEASE_WHEELS:-.whl}   # carried wheels (DeepSpeed and what it needs), if any
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+       "$WHEELS"/*.whl > "$WORK/wheels.log" 2>&1; then
+    export PYTHONPATH=$WORK/site:$PYTHONPATH
+    log "wheels: installed $(find "$WHEELS" -name '*.whl' | wc -l) from $WHEELS/"
   else
     log "wheels: pip failed: $(tail -1 "$WORK/wheels.log")"
   fi

@@ -202,10 +202,45 @@ def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(tmp_path):
     leaves its line in lease.log, in the order asked."""
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env", "bogus"], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+                       text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
+                                                    "GPU_LEASE_WHEELS": str(tmp_path / "no-wheels")})
     assert r.returncode == 0, r.stderr
     log = (out / "lease.log").read_text().splitlines()
     assert len(log) == 2 and " env: exit " in log[0] and "unknown part bogus" in log[1], log
     assert (out / "env.txt").stat().st_size > 0
     assert r.stderr == ""
 
+
+
+def _wheel(folder, name: str, source: str):
+    """A minimal pure-Python wheel holding module `name` (what pip --no-index installs)."""
+    import base64
+    import hashlib
+    import zipfile
+    dist = f"{name}-1.0.dist-info"
+    files = {f"{name}.py": source, f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{k},sha256={base64.urlsafe_b64encode(hashlib.sha256(v.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(v.encode())}" for k, v in files.items()] + [f"{dist}/RECORD,,"]
+    files[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return path
+
+
+def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
+    """Wheels in GPU_LEASE_WHEELS (.whl/ by default: how DeepSpeed reaches a box with no
+    network) are installed before the parts and are importable in them: here a wheel whose
+    module stands in for deepspeed, which the env part imports and reports."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "deepspeed", "raise ImportError('the carried stand-in for deepspeed was imported')\n")
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_LEASE_WHEELS": str(wheels)})
+    assert r.returncode == 0, r.stderr
+    log = (out / "lease.log").read_text().splitlines()
+    assert "wheels: installed 1 from " in log[0] and " env: exit " in log[1], log
+    assert "the carried stand-in for deepspeed was imported" in (out / "env.txt").read_text()
