@@ -27,11 +27,13 @@
 #              CUDA events, tokens/s and peak CUDA memory, the tutorial GPT on 32x32 images
 #              (1023 tokens, micro-batch 16); minizero and DeepSpeed where DeepSpeed imports
 #   5 ds       python -m minizero.compare --libs minizero deepspeed, bf16, ZeRO 0-3, deterministic
-#              kernels: the two libraries' losses side by side on a GPU (bitwise on a CPU)
+#              kernels: the two libraries' losses and model-state bytes side by side (the same
+#              command on a CPU shows the same bf16 op-order noise; docs/gpu.md "Results")
 #   6 user     the README's first command (gpu_check's user-command; its report goes in logs.tgz)
 #   7 fsdp     ZeRO-2 bf16 beside FSDP2 twice with deterministic kernels (MINIZERO_DETERMINISTIC=1):
-#              bitwise on a CPU; on the first H200 run (no deterministic kernels) 1.8e-5 apart.
-#              Each library against itself says whether that is run-to-run noise
+#              each library repeats itself bit for bit, and the two differ by the clipping noise
+#              docs/fsdp.md explains (5.8e-5 on the second H200 lease; the tiny CPU model never clips).
+#              Each library against itself says whether a gap is run-to-run noise
 #              (fsdp.txt: every run's losses, and which pairs are equal)
 #
 #   bash launch/gpu_lease.sh OUT [PART ...]      # default: every part, in the order above
