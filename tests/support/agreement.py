@@ -10,15 +10,24 @@ micro-batches, fp64 all_reduce, divided by the world size).
 
 The test modules share one cache (`cached_ds`, `cached_mz`, a dict in this module that
 lives for the whole pytest session), so each configuration is trained once per library.
+Under pytest-xdist (the README's test command runs two workers) each worker has its own
+dict, so the runs are also shared through files (`_shared`): the first worker to need a
+run trains it while holding that run's lock, a worker needing it meanwhile waits on the
+lock and then loads it.
 
     DS_ACCELERATOR=cpu .venv/bin/python -m tests.support.agreement      # prints docs/agreement.md's tables
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
+import tempfile
 import time
 from typing import Any, Dict, List, Optional
+
+import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -71,6 +80,44 @@ def _key(stage, dtype, ckpt=False, clip=None, variant="minizero"):
     return (stage, dtype, bool(ckpt), clip, variant)
 
 
+def _shared_dir() -> Optional[str]:
+    """The folder this test run's xdist workers share (PYTEST_XDIST_TESTRUNUID is the run's
+    id, the same in every worker); None outside xdist, where the dict alone is the cache."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"minizero-agreement-{run}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _shared(name: str):
+    """Hold run `name`'s lock across xdist workers; yields (load, store): load() gives the
+    stored runs or None, store(value) writes them for the other workers (whole files only:
+    written aside, then renamed). Outside xdist no lock and nothing stored."""
+    folder = _shared_dir()
+    if folder is None:
+        yield (lambda: None), (lambda value: None)
+        return
+    path = os.path.join(folder, name)
+
+    def load():
+        return torch.load(path + ".pt", weights_only=False) if os.path.exists(path + ".pt") else None
+
+    def store(value):
+        torch.save(value, path + ".tmp")
+        os.replace(path + ".tmp", path + ".pt")
+
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+        yield load, store
+
+
+def _file_name(key) -> str:
+    return "-".join(str(k) for k in key).replace("/", "_")
+
+
 def cached_ds(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None) -> List[Dict[str, Any]]:
     """DeepSpeed's per-rank results for one configuration, trained once per session."""
     key = ("ds",) + _key(stage, dtype, ckpt, clip)[:4]
@@ -78,24 +125,39 @@ def cached_ds(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] 
         from reference.ds_run import run_deepspeed
         from tests.support.launcher import run_ranks
 
-        _CACHE[key] = run_ranks(run_deepspeed, world_size=N,
-                                args=(MODEL_FN, make_config(stage, dtype, ckpt, clip), BATCHES, STEPS),
-                                kwargs={"capture_memory": True}, env=ENV, timeout=600)
+        with _shared(_file_name(key)) as (load, store):
+            runs = load()
+            if runs is None:
+                runs = run_ranks(run_deepspeed, world_size=N,
+                                 args=(MODEL_FN, make_config(stage, dtype, ckpt, clip), BATCHES, STEPS),
+                                 kwargs={"capture_memory": True}, env=ENV, timeout=600)
+                store(runs)
+        _CACHE[key] = runs
     return _CACHE[key]
 
 
 def prefetch_mz(keys) -> None:
-    """Train every not-yet-cached minizero configuration in `keys` in ONE pair of rank processes."""
+    """Train every not-yet-cached minizero configuration in `keys` in ONE pair of rank
+    processes (under xdist: those no other worker has trained yet, one worker at a time)."""
     from tests.support.launcher import run_ranks
 
     todo = [k for k in dict.fromkeys(_key(*k) for k in keys) if ("mz",) + k not in _CACHE]
     if not todo:
         return
-    jobs = [{"model_fn": MODEL_FN, "config": make_config(*k[:4]), "batches": BATCHES, "steps": STEPS,
-             "capture_memory": True, "variant": k[4]} for k in todo]
-    per_rank = run_ranks(run_minizero_many, world_size=N, args=(jobs,), env=ENV, timeout=600)
-    for i, k in enumerate(todo):
-        _CACHE[("mz",) + k] = [per_rank[r][i] for r in range(N)]
+    with _shared("mz") as (load, store):
+        stored = load() or {}
+        for k in todo:
+            if k in stored:
+                _CACHE[("mz",) + k] = stored[k]
+        todo = [k for k in todo if k not in stored]
+        if not todo:
+            return
+        jobs = [{"model_fn": MODEL_FN, "config": make_config(*k[:4]), "batches": BATCHES, "steps": STEPS,
+                 "capture_memory": True, "variant": k[4]} for k in todo]
+        per_rank = run_ranks(run_minizero_many, world_size=N, args=(jobs,), env=ENV, timeout=600)
+        for i, k in enumerate(todo):
+            _CACHE[("mz",) + k] = stored[k] = [per_rank[r][i] for r in range(N)]
+        store(stored)
 
 
 def cached_mz(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None,
