@@ -21,3 +21,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # caches it by source path. Keep the cache per checkout: two clones sharing
 # ~/.cache/torch_extensions would rebuild it back and forth (a minute each time).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist this process (the controller) picks the run's id itself, which
+    xdist hands every worker (PYTEST_XDIST_TESTRUNUID), so that pytest_sessionfinish knows
+    which shared folder of agreement runs to remove (tests/support/agreement.py, _shared)."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+        import uuid
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_sessionfinish(session):
+    """The controller removes the workers' shared agreement runs (tens of MB in the temp folder)."""
+    run = getattr(session.config.option, "testrunuid", None)
+    if run and not hasattr(session.config, "workerinput"):
+        import shutil
+
+        from tests.support.agreement import shared_folder
+        shutil.rmtree(shared_folder(run), ignore_errors=True)

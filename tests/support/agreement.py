@@ -80,13 +80,19 @@ def _key(stage, dtype, ckpt=False, clip=None, variant="minizero"):
     return (stage, dtype, bool(ckpt), clip, variant)
 
 
+def shared_folder(run: str) -> str:
+    """Where the xdist workers of test run `run` share their runs (tests/conftest.py removes
+    it when the run ends)."""
+    return os.path.join(tempfile.gettempdir(), f"minizero-agreement-{run}")
+
+
 def _shared_dir() -> Optional[str]:
     """The folder this test run's xdist workers share (PYTEST_XDIST_TESTRUNUID is the run's
     id, the same in every worker); None outside xdist, where the dict alone is the cache."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
         return None
-    path = os.path.join(tempfile.gettempdir(), f"minizero-agreement-{run}")
+    path = shared_folder(run)
     os.makedirs(path, exist_ok=True)
     return path
 
