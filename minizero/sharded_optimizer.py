@@ -331,7 +331,7 @@ def _chunkable(group: dict) -> bool:
             and not group.get("differentiable") and "decoupled_weight_decay" in group
             # plain host tensors only, every parameter whether or not it has a .grad yet: the
             # engine asks before it sets any (a low-precision gradient is handed over instead,
-            # set_low_precision_grad), and a test that skipped grad-less parameters once sent
+            # set_low_precision_grad), and a check that skipped grad-less parameters once sent
             # GPU masters down the sliced path: 40 slices of 6 one-tensor foreach launches per
             # bucket, 20 ms of host time per step on an H200. FSDP2's DTensor shards
             # (reference/torch_engine.py) cannot be viewed flat, so they take torch's own step
