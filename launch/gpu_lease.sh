@@ -127,7 +127,7 @@ PYEOF
     *) log "unknown part $part (env check compare bench ds user fsdp)"; continue ;;
   esac
   log "$part: exit $rc in $((SECONDS - t0)) s"
-  # every log, report and summary, no checkpoints or data: one file that the copy-back takes
-  (cd "$WORK" && find . -name '*.pt' -prune -o -name data -prune -o -type f \( -name '*.log' -o -name '*.md' \
+  # every log, report and summary, no checkpoints, data or installed wheels: one file that the copy-back takes
+  (cd "$WORK" && find . -name '*.pt' -prune -o -name data -prune -o -path ./site -prune -o -type f \( -name '*.log' -o -name '*.md' \
      -o -name '*.json' -o -name '*.csv' -o -name '*.txt' \) -size -4M -print0 | tar czf "$OUT/logs.tgz" --null -T -)
 done

@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tarfile
 import types
 from pathlib import Path
 
@@ -219,7 +220,8 @@ def _wheel(folder, name: str, source: str):
     import zipfile
     dist = f"{name}-1.0.dist-info"
     files = {f"{name}.py": source, f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
-             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+             f"{dist}/top_level.txt": f"{name}\n"}
     record = [f"{k},sha256={base64.urlsafe_b64encode(hashlib.sha256(v.encode()).digest()).rstrip(b'=').decode()},"
               f"{len(v.encode())}" for k, v in files.items()] + [f"{dist}/RECORD,,"]
     files[f"{dist}/RECORD"] = "\n".join(record) + "\n"
@@ -244,3 +246,5 @@ def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
     log = (out / "lease.log").read_text().splitlines()
     assert "wheels: installed 1 from " in log[0] and " env: exit " in log[1], log
     assert "the carried stand-in for deepspeed was imported" in (out / "env.txt").read_text()
+    with tarfile.open(out / "logs.tgz") as tgz:   # the logs, not the installed packages' own .txt files
+        assert not [n for n in tgz.getnames() if "site" in n.split("/")], tgz.getnames()
