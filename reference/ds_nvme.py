@@ -25,7 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
-CATEGORIES = ("params", "master_params", "optimizer_states", "grads")
+from minizero.memory import CATEGORIES   # the four model-state categories, as minizero counts them
 
 
 def nvme_bytes(optimizer) -> Optional[Dict[str, int]]:
