@@ -61,6 +61,9 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
   fi
 fi
 
+# the tutorial GPT at 16x16, as the first lease's compare ran it: the compare and fsdp parts share it
+TUTORIAL16=(--model tutorial --dataset synthetic --image-size 16 --max-steps 20 --synthetic-train 2000 --synthetic-test 64)
+
 for part in $PARTS; do
   t0=$SECONDS; rc=0
   case $part in
@@ -75,8 +78,7 @@ for part in $PARTS; do
       cp "$WORK/check/gpu_check.md" "$OUT/" 2>/dev/null ;;
     compare)
       timeout 110 $PY -m minizero.compare --libs minizero torch --stages 0 2 3 --dtype bf16 --nproc 1 \
-        --model tutorial --dataset synthetic --image-size 16 --max-steps 20 --synthetic-train 2000 \
-        --synthetic-test 64 --out "$WORK/compare" > "$WORK/compare.log" 2>&1; rc=$?
+        "${TUTORIAL16[@]}" --out "$WORK/compare" > "$WORK/compare.log" 2>&1; rc=$?
       cp "$WORK/compare/report.md" "$OUT/compare.md" 2>/dev/null ;;
     bench)
       libs=minizero
@@ -100,8 +102,7 @@ for part in $PARTS; do
     fsdp)
       for run in a b; do
         MINIZERO_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 70 $PY -m minizero.compare \
-          --libs minizero torch --stages 2 --dtype bf16 --nproc 1 --model tutorial --dataset synthetic \
-          --image-size 16 --max-steps 20 --synthetic-train 2000 --synthetic-test 64 \
+          --libs minizero torch --stages 2 --dtype bf16 --nproc 1 "${TUTORIAL16[@]}" \
           --out "$WORK/fsdp_$run" > "$WORK/fsdp_$run.log" 2>&1; rc=$?
       done
       $PY - "$WORK" > "$OUT/fsdp.txt" 2>&1 <<'PYEOF'
