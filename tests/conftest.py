@@ -27,13 +27,15 @@ def pytest_configure(config):
     """Under pytest-xdist this process (the controller) picks the run's id itself, which
     xdist hands every worker (PYTEST_XDIST_TESTRUNUID), so that pytest_sessionfinish knows
     which shared folder of agreement runs to remove (tests/support/agreement.py, _shared)."""
-    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+    if (not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None)
+            and getattr(config.option, "testrunuid", "") is None):   # -n N given, no id of the user's
         import uuid
         config.option.testrunuid = uuid.uuid4().hex
 
 
 def pytest_sessionfinish(session):
-    """The controller removes the workers' shared agreement runs (tens of MB in the temp folder)."""
+    """The controller removes the workers' shared agreement runs (tens of MB in the temp folder).
+    Only after a run with workers: without them no id was set and nothing is imported here."""
     run = getattr(session.config.option, "testrunuid", None)
     if run and not hasattr(session.config, "workerinput"):
         import shutil
