@@ -253,6 +253,33 @@ def build_gpt(preset: str, overrides: dict):
     return GPT(get_preset(preset, **overrides))
 
 
+class RegionTimer:
+    """The time of a region: on a GPU by CUDA events on the current stream (read seconds()
+    after a device sync: the device's time from the region's first queued kernel to its last;
+    the engines end every step on the current stream, side-stream work waited for before the
+    optimizer reads it), on a CPU by the wall clock. bench_overlap.py's floor uses it too."""
+
+    def __init__(self, cuda: bool):
+        import torch
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self.t = [0.0, 0.0]
+
+    def start(self) -> None:
+        self._mark(0)
+
+    def stop(self) -> None:
+        self._mark(1)
+
+    def _mark(self, i: int) -> None:
+        if self.events:
+            self.events[i].record()
+        else:
+            self.t[i] = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.events[0].elapsed_time(self.events[1]) / 1e3 if self.events else self.t[1] - self.t[0]
+
+
 def bench_job(job: dict, args_d: dict) -> dict:
     """Train one config on this rank (inside the process group): timed steps, then profiled."""
     import torch
@@ -308,11 +335,9 @@ def bench_job(job: dict, args_d: dict) -> dict:
                 took[name] += dt
         return loss, took
 
-    # on a GPU a step is timed by CUDA events on the current stream, between device-wide syncs:
-    # the device's time from the step's first queued kernel to its last (the engines end every
-    # step on the current stream: side-stream work is waited for before the optimizer reads it);
-    # the host's wall clock around the same syncs is kept beside it (step_wall_s)
-    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+    # a step's time between device-wide syncs (RegionTimer: CUDA events on a GPU); the host's
+    # wall clock around the same syncs is kept beside it (step_wall_s)
+    timer = RegionTimer(cuda)
     engine.train()
     step_s, wall_s, comm0 = [], [], None
     for step in range(n_warm + n_time):
@@ -320,14 +345,12 @@ def bench_job(job: dict, args_d: dict) -> dict:
             comm0 = copy_counts(engine, lib)
         sync()
         t0 = time.perf_counter()
-        if events:
-            events[0].record()
+        timer.start()
         loss, took = one_step(step)
-        if events:
-            events[1].record()
+        timer.stop()
         sync()
         wall_s.append(time.perf_counter() - t0)
-        step_s.append(events[0].elapsed_time(events[1]) / 1e3 if events else wall_s[-1])
+        step_s.append(timer.seconds())
         if step >= n_warm:
             for name, dt in took.items():
                 phase_s[name].append(dt)

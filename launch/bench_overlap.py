@@ -255,24 +255,19 @@ def floor_ranks(args_d: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              if device.type == "cuda" else None)
+    timer = bo.RegionTimer(device.type == "cuda")
 
     def timed(fn, reps=n_warm + n_time) -> list[float]:
-        """Seconds per call of fn: CUDA events on a GPU (as the libraries' steps, bench_job),
-        the wall clock on a CPU."""
+        """Seconds per call of fn, timed as the libraries' steps are (bench_job's RegionTimer)."""
         out = []
         for i in range(reps):
             sync()
             dist.barrier()
-            t0 = time.perf_counter()
-            if events:
-                events[0].record()
+            timer.start()
             fn(i)
-            if events:
-                events[1].record()
+            timer.stop()
             sync()
-            out.append(events[0].elapsed_time(events[1]) / 1e3 if events else time.perf_counter() - t0)
+            out.append(timer.seconds())
         return out[n_warm:]
 
     def fwd_bwd(i):
