@@ -98,6 +98,21 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, env, threads, backend, 
                 pass
 
 
+def _vanished(procs, pending, results, grace: float = 0.5):
+    """A rank that exited without a report, looked for during `grace` s after another rank
+    reported an error: when a rank dies silently (os._exit, a signal, glibc's abort), its
+    peers' next collective or store call fails with "Connection reset by peer", often before
+    the parent has noticed the death. The rank that vanished is the cause to name."""
+    deadline = time.monotonic() + grace
+    while True:
+        gone = [r for r in sorted(pending) if procs[r].exitcode not in (None, 0)]
+        if gone and results.empty():
+            return gone[0]
+        if time.monotonic() > deadline or not results.empty():
+            return None
+        time.sleep(0.05)
+
+
 def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, *, env=None, threads: int = 1,
               backend: str | None = None, group: bool | None = None, cuda: bool = False,
               timeout: float = 300.0) -> list:
@@ -106,7 +121,8 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, *, env=None, thread
     fn must be importable at module level (pickled by reference). env: extra environment
     variables for the ranks. backend: None is process_group's choice (NCCL with CUDA, else
     gloo). group: start the default process group (default: when world_size > 1).
-    Raises RankError for the first rank that fails, or when no rank reports in `timeout` s."""
+    Raises RankError for the first rank that fails (a rank that exited without a report
+    rather than the peer it left failing: `_vanished`), or when no rank reports in `timeout` s."""
     ctx = context(cuda)
     results = ctx.Queue()
     port = free_port()
@@ -138,6 +154,10 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, *, env=None, thread
                 out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 error = RankError(rank, *payload)
+                gone = _vanished(procs, pending, results)
+                if gone is not None:   # the report is the symptom, the silent exit its cause
+                    error = RankError(gone, f"exited with code {procs[gone].exitcode} before reporting",
+                                      f"rank {rank} then failed: {payload[0]}\n{payload[1]}")
     finally:
         # After a failure the others may wait forever on a peer that is gone: end them now.
         for p in procs:

@@ -60,6 +60,24 @@ def test_a_rank_that_dies_without_a_word_is_noticed_at_once():
     assert time.monotonic() - t0 < 30        # not the 120 s timeout
 
 
+def _vanish_on_rank_0_peer_notices():
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))   # fails at once: the connection to rank 0 is reset
+    return "unreachable"
+
+
+def test_a_silent_exit_is_named_rather_than_the_peer_it_left_failing():
+    """The other rank's "Connection reset by peer" reaches the parent first (it is reported;
+    the exit is only noticed when no report comes): the one line names the rank that died,
+    the peer's error is kept in the detail."""
+    with pytest.raises(spawn.RankError, match=r"^rank 0: exited with code 3 before reporting$") as e:
+        spawn.run_ranks(_vanish_on_rank_0_peer_notices, 2, timeout=120)
+    assert e.value.rank == 0 and "rank 1 then failed" in e.value.detail
+
+
 def _touch_and_report():
     before = MARK["touched"]
     MARK["touched"] = True
