@@ -49,7 +49,13 @@ def _both_libraries(runs, steps):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_both_libraries, world_size=N, args=(RUNS, STEPS))
+    """Per rank, {(stage, dtype): (minizero, PyTorch, shapes)}. Each configuration is its own
+    launch (fresh rank processes, 0.1 s each), so nothing one library's run leaves behind in a
+    process (FSDP2's and DDP's objects, gloo's pending buffers) can reach the next run: in one
+    of about ten two-worker suite runs, when all six ran in one pair of processes, a rank died
+    with glibc's `free(): invalid pointer` at the start of the third configuration."""
+    per_run = [run_ranks(_both_libraries, world_size=N, args=((run,), STEPS)) for run in RUNS]
+    return [{k: v for part in per_run for k, v in part[r].items()} for r in range(N)]
 
 
 def _fsdp2_padded_numel(shapes):
