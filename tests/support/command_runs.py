@@ -40,7 +40,11 @@ from tests.support.script_runs import PROGRAMS, ROOT
 # torchvision.utils: rank 0 of every training run draws samples.png with it
 # (minizero/train/runlog.py imports it there), 0.6-0.9 s of import per run (cProfile of a
 # 2-step run's rank 0); preloaded, it is paid once per test session. It starts no thread.
-spawn.preload("tests.support.command_runs", "torchvision.utils",
+# matplotlib.pyplot: the same for every run with --trace (its timeline.png: observe/timeline.py)
+# and minizero.compare's pictures, 0.55 s of import each (`python -X importtime`); a py-spy
+# profile of tests/core and tests/tools put 2% of all the suite's CPU samples in that import.
+# It picks no backend at import (timeline.py and compare/render.py then choose Agg).
+spawn.preload("tests.support.command_runs", "torchvision.utils", "matplotlib.pyplot",
               *(m for m in PROGRAMS.values() if m != "reference.train"))
 
 
