@@ -16,6 +16,17 @@ flat_param.all_gather_params); the sums are the same, only the waiting differs.
 Per op and bucket size: milliseconds for the whole Ψ (median of --reps, the slowest rank),
 one at a time and back to back. `--buckets 0` means one bucket of all Ψ. On GPUs the ranks use
 NCCL, one GPU each. Raw torch.distributed: this measures the backend, not minizero.
+
+`--compute-ms T` also runs each op beside compute, as a backward interleaves them: T ms of
+matmuls in all, cut into one slice before each bucket's collective (the same number of
+matmuls on every rank). The table then adds what the collectives cost over that compute
+alone, one at a time (ZeRO-2 without overlap_comm: each bucket's reduce-scatter returns
+before the next slice computes) and back to back (overlap_comm: issued, waited at the end).
+On a CPU the backend's own threads need the cores the ranks compute on, so little of the
+communication can hide; on a GPU the copies and reductions run on the device beside the
+kernels.
+
+    python launch/bench_collectives.py --compute-ms 200 --buckets 500000
 """
 from __future__ import annotations
 
@@ -48,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated bucket sizes in elements; 0: one bucket (default 500000,2000000,0)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
+    p.add_argument("--compute-ms", type=float, default=0.0, metavar="T",
+                   help="also time each op beside T ms of matmuls cut into one slice per bucket (default 0: off)")
     args = p.parse_args(argv)
     try:
         args.buckets = [int(b) for b in args.buckets.split(",")]
@@ -56,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("world_size", "numel", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.compute_ms < 0:
+        p.error(f"--compute-ms must be >= 0, got {args.compute_ms}")
     if any(b < 0 for b in args.buckets):
         p.error(f"--buckets {args.buckets}: sizes must be >= 0")
     args.buckets = [b or args.numel for b in args.buckets]
@@ -65,15 +80,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_op(op: str, full: list, part: list, async_op: bool):
+def run_op(op: str | None, full: list, part: list, async_op: bool, compute=None):
+    """Every bucket's collective (op None: none), each after one slice of compute if given."""
     import torch.distributed as dist
     call = {"all_reduce": lambda i: dist.all_reduce(full[i], async_op=async_op),
             "reduce_scatter": lambda i: dist.reduce_scatter_tensor(part[i], full[i], async_op=async_op),
-            "all_gather": lambda i: dist.all_gather_into_tensor(full[i], part[i], async_op=async_op)}[op]
-    handles = [call(i) for i in range(len(full))]
+            "all_gather": lambda i: dist.all_gather_into_tensor(full[i], part[i], async_op=async_op),
+            None: lambda i: None}[op]
+    handles = []
+    for i in range(len(full)):
+        if compute is not None:
+            compute()
+        handles.append(call(i))
     for h in handles:
         if h is not None:
             h.wait()
+
+
+def compute_slice(total_ms: float, slices: int, device):
+    """A callable running the same number of fp32 256x1024 @ 1024x256 matmuls on every rank,
+    about total_ms / slices ms each (calibrated here; the slowest rank's count is used)."""
+    import torch
+    import torch.distributed as dist
+    a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 256, device=device)
+    for _ in range(3):
+        a @ b
+    t0, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    per_mm_ms = 1e3 * (time.perf_counter() - t0) / reps
+    count = torch.tensor([max(1, round(total_ms / slices / per_mm_ms))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)   # the slowest rank's count: the fewest matmuls
+    count = int(count.item())
+
+    def run():
+        for _ in range(count):
+            a @ b
+    return run
 
 
 def slowest_median_ms(times: list, device) -> float:
@@ -103,31 +148,46 @@ def rank_main(args) -> list[dict] | None:
         n = -(-args.numel // bucket)
         full = [torch.randn(bucket, device=device).to(dtype) for _ in range(n)]
         part = [torch.empty(bucket // dist.get_world_size(), dtype=dtype, device=device) for _ in range(n)]
+        compute = compute_slice(args.compute_ms, n, device) if args.compute_ms else None
+
+        def timed(op, async_op, beside=None) -> float:
+            times = []
+            for _ in range(args.reps + 1):    # the first is a warm-up
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                run_op(op, full, part, async_op, beside)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+            return slowest_median_ms(times[1:], device)
+
+        alone = timed(None, False, compute) if compute else None
         for op in OPS:
-            took = {}
-            for async_op in (False, True):
-                times = []
-                for _ in range(args.reps + 1):    # the first is a warm-up
-                    dist.barrier()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
-                    run_op(op, full, part, async_op)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times.append(time.perf_counter() - t0)
-                took[async_op] = slowest_median_ms(times[1:], device)
-            rows.append({"op": op, "bucket": bucket, "buckets": n, "one_at_a_time_ms": took[False],
-                         "back_to_back_ms": took[True]})
+            row = {"op": op, "bucket": bucket, "buckets": n, "one_at_a_time_ms": timed(op, False),
+                   "back_to_back_ms": timed(op, True)}
+            if compute:
+                row.update(compute_ms=alone, one_at_a_time_over_compute_ms=timed(op, False, compute) - alone,
+                           back_to_back_over_compute_ms=timed(op, True, compute) - alone)
+            rows.append(row)
     return rows if dist.get_rank() == 0 else None
 
 
 def table(rows: list[dict]) -> str:
+    beside = "compute_ms" in rows[0]
     head = ["op", "bucket elements", "buckets", "one at a time, ms", "back to back, ms", "speed-up"]
+    if beside:
+        head += ["compute alone, ms", "beside compute, one at a time: ms over compute",
+                 "beside compute, back to back: ms over compute"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(f"| {r['op']} | {r['bucket']:,} | {r['buckets']} | {r['one_at_a_time_ms']:.1f} | "
-                     f"{r['back_to_back_ms']:.1f} | {r['one_at_a_time_ms'] / r['back_to_back_ms']:.2f}x |")
+        cells = [r["op"], f"{r['bucket']:,}", str(r["buckets"]), f"{r['one_at_a_time_ms']:.1f}",
+                 f"{r['back_to_back_ms']:.1f}", f"{r['one_at_a_time_ms'] / r['back_to_back_ms']:.2f}x"]
+        if beside:
+            cells += [f"{r['compute_ms']:.1f}", f"{r['one_at_a_time_over_compute_ms']:.1f}",
+                      f"{r['back_to_back_over_compute_ms']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
