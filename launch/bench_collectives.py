@@ -105,6 +105,8 @@ def compute_slice(total_ms: float, slices: int, device):
     a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 256, device=device)
     for _ in range(3):
         a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)   # the warm-up's kernels are not timed
     t0, reps = time.perf_counter(), 20
     for _ in range(reps):
         a @ b
