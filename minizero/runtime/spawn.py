@@ -98,17 +98,21 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, env, threads, backend, 
                 pass
 
 
-def _vanished(procs, pending, results, grace: float = 0.5):
-    """A rank that exited without a report, looked for during `grace` s after another rank
-    reported an error: when a rank dies silently (os._exit, a signal, glibc's abort), its
-    peers' next collective or store call fails with "Connection reset by peer", often before
-    the parent has noticed the death. The rank that vanished is the cause to name."""
-    deadline = time.monotonic() + grace
+def _silent_exit(procs, pending, results, detail: str = "", wait: float = 0.0) -> RankError | None:
+    """The error for the first pending rank that has exited with no report left to read, or
+    None: looked for once (the parent's queue read timed out), or for up to `wait` s after
+    another rank reported an error. A rank that dies silently (os._exit, a signal, glibc's
+    abort) leaves its peers failing with "Connection reset by peer", often read before the
+    parent has noticed the death: the rank that exited is the cause to name."""
+    deadline = time.monotonic() + wait
     while True:
-        gone = [r for r in sorted(pending) if procs[r].exitcode not in (None, 0)]
+        gone = [r for r in sorted(pending) if procs[r].exitcode is not None]
         if gone and results.empty():
-            return gone[0]
-        if time.monotonic() > deadline or not results.empty():
+            time.sleep(0.2)      # a report may still be in the pipe behind the exit
+            if not results.empty():
+                return None
+            return RankError(gone[0], f"exited with code {procs[gone[0]].exitcode} before reporting", detail)
+        if time.monotonic() >= deadline or not results.empty():
             return None
         time.sleep(0.05)
 
@@ -122,7 +126,7 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, *, env=None, thread
     variables for the ranks. backend: None is process_group's choice (NCCL with CUDA, else
     gloo). group: start the default process group (default: when world_size > 1).
     Raises RankError for the first rank that fails (a rank that exited without a report
-    rather than the peer it left failing: `_vanished`), or when no rank reports in `timeout` s."""
+    rather than the peer it left failing: `_silent_exit`), or when no rank reports in `timeout` s."""
     ctx = context(cuda)
     results = ctx.Queue()
     port = free_port()
@@ -139,13 +143,8 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, *, env=None, thread
             try:
                 rank, ok, payload = results.get(timeout=1.0)
             except queue_mod.Empty:
-                dead = [r for r in pending if procs[r].exitcode is not None]
-                if dead and results.empty():
-                    time.sleep(0.2)      # a report may still be in the pipe behind the exit
-                    if results.empty():
-                        r = dead[0]
-                        error = RankError(r, f"exited with code {procs[r].exitcode} before reporting")
-                elif time.monotonic() > deadline:
+                error = _silent_exit(procs, pending, results)
+                if error is None and time.monotonic() > deadline:
                     error = RankError(None, f"ranks {sorted(pending)} did not report within {timeout:.0f} s")
                 continue
             pending.discard(rank)
@@ -153,11 +152,9 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, *, env=None, thread
                 import torch
                 out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
-                error = RankError(rank, *payload)
-                gone = _vanished(procs, pending, results)
-                if gone is not None:   # the report is the symptom, the silent exit its cause
-                    error = RankError(gone, f"exited with code {procs[gone].exitcode} before reporting",
-                                      f"rank {rank} then failed: {payload[0]}\n{payload[1]}")
+                # the report may be the symptom of a silent exit: then that exit is the cause
+                error = (_silent_exit(procs, pending, results, f"rank {rank} then failed: {payload[0]}\n{payload[1]}",
+                                      wait=0.5) or RankError(rank, *payload))
     finally:
         # After a failure the others may wait forever on a peer that is gone: end them now.
         for p in procs:
