@@ -52,7 +52,7 @@ import torch
 
 from minizero import comm
 from minizero.observe import desync
-from minizero.train import rundir, runlog
+from minizero.train import rundir, runlog, train_args
 from minizero.train.divergence import NonFiniteGuard, TrainingDiverged, diverged_message, what_diverged
 # What differs between minizero and DeepSpeed in this script: library.py.
 from minizero.train.library import MINIZERO, USER_ERRORS, Library
@@ -308,9 +308,10 @@ class Progress:
 def _let_rank0_speak() -> None:
     """A silent rank failing with rank 0: wait a moment before exiting. torchrun (and
     DeepSpeed's launcher) kill every rank as soon as one exits non-zero, which could stop
-    rank 0 before it has printed the one line that says what went wrong."""
+    rank 0 before it has printed the one line that says what went wrong
+    (train_args.SILENT_RANK_PAUSE_S)."""
     if comm.get_rank() != 0:
-        time.sleep(3.0)
+        time.sleep(train_args.SILENT_RANK_PAUSE_S)
 
 
 def deterministic_from_env() -> None:

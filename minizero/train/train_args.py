@@ -113,6 +113,13 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
     return p
 
 
+# How long a rank that fails in silence (rank 0 prints the one line for all) waits before it
+# exits: torchrun and DeepSpeed's launcher kill every rank as soon as one exits non-zero,
+# which could stop rank 0 before its line is out. (The tests' forked ranks set it to 0: there
+# no launcher kills anyone, every rank runs to its end: tests/support/command_runs.py.)
+SILENT_RANK_PAUSE_S = 3.0
+
+
 def precheck(parser: argparse.ArgumentParser, argv=None) -> None:
     """Parse and check the command line before torch is imported: a usage error or --help
     costs a fraction of a second instead of ~3 s. As in train.main: rank 0 prints, the
@@ -125,7 +132,7 @@ def precheck(parser: argparse.ArgumentParser, argv=None) -> None:
             check_values(parser, parser.parse_args(argv))
     except SystemExit as e:
         if e.code not in (0, None) and quiet:
-            time.sleep(3.0)
+            time.sleep(SILENT_RANK_PAUSE_S)
         raise
 
 

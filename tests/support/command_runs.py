@@ -58,6 +58,10 @@ def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: 
     if rank_env:       # what another launcher (srun) would set for this rank
         os.environ.update(rank_env[int(rank)])
     os.chdir(ROOT)
+    # A rank that fails in silence waits for rank 0's line to get out before a launcher kills
+    # it (3 s); here no launcher kills a rank, run_ranks waits for every rank to end.
+    from minizero.train import train_args
+    train_args.SILENT_RANK_PAUSE_S = 0.0
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
