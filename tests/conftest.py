@@ -33,6 +33,17 @@ def pytest_configure(config):
         config.option.testrunuid = uuid.uuid4().hex
 
 
+def pytest_collection_finish(session):
+    """Have the tests' forkserver (minizero.runtime.spawn, started by the first test that
+    launches ranks) import every collected test module once. A rank runs a function of its
+    test module, pickled by reference: without this, every launch imported that module again
+    in each rank, 13 s of the suite's rank time (py-spy). A module that skipped at import
+    (pytest.importorskip) was not collected, so it is not imported there either."""
+    from minizero.runtime import spawn
+    spawn.preload(*sorted({item.module.__name__ for item in session.items
+                           if getattr(item, "module", None) is not None}))
+
+
 def pytest_sessionfinish(session):
     """The controller removes the workers' shared agreement runs (tens of MB in the temp folder).
     Only after a run with workers: without them no id was set and nothing is imported here."""

@@ -34,8 +34,11 @@ from minizero.runtime.process_group import free_port, single_host_env
 
 # torch._dynamo: torch.optim's constructor imports it (sympy and more), ~2.5 s per rank per
 # launch if the forkserver has not already paid for it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minizero", "minizero.engine", "minizero.gpt.model",
-            "minizero.runtime.spawn"]
+# minizero.observe.switches: minizero.initialize imports it (and the trace, comms logger and
+# desync check behind it); torch.utils.serialization: the first torch.save in a process (each
+# rank's result travels as torch.save bytes) imports it. Both are paid once here instead.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.utils.serialization", "minizero",
+            "minizero.engine", "minizero.observe.switches", "minizero.gpt.model", "minizero.runtime.spawn"]
 _forkserver = None
 
 

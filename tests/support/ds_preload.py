@@ -16,6 +16,11 @@ import deepspeed  # noqa: E402,F401
 # forking after it is as safe as after torch.
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
 
+# deepspeed.initialize imports these too (runtime/config.py's expert-parallel config and
+# engine.py's _configure_expert_parallel), 1.2 s of rank time over the suite (py-spy).
+import deepspeed.module_inject.auto_ep_config  # noqa: E402,F401
+import deepspeed.module_inject.auto_ep_layer  # noqa: E402,F401
+
 from reference.ds_run import skip_inference_shm_op  # noqa: E402
 
 skip_inference_shm_op()

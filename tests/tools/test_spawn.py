@@ -113,3 +113,11 @@ def test_a_rank_leaves_what_it_inherited_out_of_garbage_collection():
     (0.17-0.26 s with DeepSpeed preloaded)."""
     for frozen, walked, freed in spawn.run_ranks(_collect_after_a_cycle, 2):
         assert frozen > 10 * walked and freed >= 1, (frozen, walked, freed)
+
+
+def test_the_collected_test_modules_are_preloaded_into_the_forkserver():
+    """tests/conftest.py hands every collected test module to the forkserver's preload, so a
+    rank running one of this module's functions finds the module imported (not imported
+    again in each rank of each launch)."""
+    assert __name__ in spawn._PRELOAD, spawn._PRELOAD
+    assert {"minizero.observe.switches", "torch.utils.serialization"} <= set(spawn._PRELOAD)
