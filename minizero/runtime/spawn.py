@@ -77,7 +77,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _rank_main(rank, world_size, port, fn, args, kwargs, env, threads, backend, group, results):
-    # A forked rank inherits the forkserver's Python objects (~436,000 with DeepSpeed preloaded) (torch, DeepSpeed, ...).
+    # A forked rank inherits the forkserver's Python objects (torch's, DeepSpeed's: ~436,000).
     # A full garbage collection walks them all and, by touching each, copies every page they
     # live on out of the shared fork: 0.26 s per gc.collect() in a fresh rank, 0.17 s after.
     # DeepSpeed's ZeRO-3 calls gc.collect() twice at initialize (runtime/zero/utils.py,

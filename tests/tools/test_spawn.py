@@ -109,8 +109,7 @@ def test_a_rank_leaves_what_it_inherited_out_of_garbage_collection():
     """spawn._rank_main freezes the objects a rank inherits from the forkserver (torch's,
     DeepSpeed's modules), so gc.collect() (DeepSpeed's ZeRO-3 calls it at initialize) walks
     only what the rank made, and still frees its garbage. Unfrozen, one collection walked
-    330,000-440,000 inherited objects here
-    (0.17-0.26 s with DeepSpeed preloaded)."""
+    330,000-440,000 inherited objects here (0.17-0.26 s with DeepSpeed preloaded)."""
     for frozen, walked, freed in spawn.run_ranks(_collect_after_a_cycle, 2):
         assert frozen > 10 * walked and freed >= 1, (frozen, walked, freed)
 
