@@ -30,3 +30,52 @@ def test_ci_runs_the_readmes_test_command():
     ci = next(x for x in CI.read_text().splitlines() if "-m pytest" in x and not x.lstrip().startswith("#"))
     ci_args = ci.split("-m pytest", 1)[1].split("||")[0].split()
     assert [a for a in ci_args if not a.startswith("--durations")] == readme[0][3:], (ci_args, readme[0])
+
+
+# ----------------------------------------------------------------------------- one CPU per xdist worker
+
+def test_worker_cpus_splits_the_cpus_into_equal_disjoint_shares():
+    from tests.support.worker_cpus import worker_cpus
+    assert [worker_cpus(i, 2, [1, 0]) for i in range(2)] == [{0}, {1}]
+    assert [worker_cpus(i, 2, range(16)) for i in range(2)] == [set(range(8)), set(range(8, 16))]
+    assert [worker_cpus(i, 3, range(7)) for i in range(3)] == [{0, 1}, {2, 3}, {4, 5}]   # CPU 6 pinned by none
+    assert worker_cpus(0, 4, [0, 1]) is None          # more workers than CPUs: nothing to split
+    assert worker_cpus(0, 1, [0, 1]) is None          # one worker keeps every CPU
+    assert worker_cpus(2, 2, [0, 1]) is None
+
+
+def test_pin_this_worker_pins_only_an_xdist_worker_and_can_be_switched_off(monkeypatch):
+    import os
+
+    from tests.support import worker_cpus as W
+    pinned = []
+    monkeypatch.setattr(W, "PINNED", W.PINNED)                          # what the conftest did, kept
+    monkeypatch.setattr(W.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(W.os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)), raising=False)
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "MINIZERO_TEST_PIN"):
+        monkeypatch.delenv(var, raising=False)
+    assert W.pin_this_worker() is None and pinned == []                 # not a worker
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert W.pin_this_worker() == {2, 3} and pinned == [{2, 3}]
+    monkeypatch.setenv("MINIZERO_TEST_PIN", "0")
+    assert W.pin_this_worker() is None and pinned == [{2, 3}]
+    assert os.sched_getaffinity is W.os.sched_getaffinity               # the module's os is os
+
+
+def test_this_process_keeps_to_its_share_under_xdist():
+    """The conftest pinned this very process when it is an xdist worker (the README's
+    command: gw0 on the first CPU, gw1 on the second); outside xdist it left it alone."""
+    import os
+
+    from tests.support import worker_cpus as W
+    if not hasattr(os, "sched_getaffinity"):
+        assert W.PINNED is None
+        return
+    started, mine = W.PINNED
+    name, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if name and os.environ.get("MINIZERO_TEST_PIN") != "0":
+        assert mine == W.worker_cpus(int(name[2:]), int(count), started)
+    else:
+        assert mine is None
+    assert os.sched_getaffinity(0) == (mine or started)
