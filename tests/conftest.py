@@ -58,3 +58,23 @@ def pytest_sessionfinish(session):
 
         from tests.support.agreement import shared_folder
         shutil.rmtree(shared_folder(run), ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the heaviest test files first (tests/support/schedule.py): the
+    workers collect, and the controller deals the files in the order they report. A run
+    without workers keeps pytest's order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tests.support.schedule import heavy_first
+        order = {nodeid: i for i, nodeid in enumerate(heavy_first([item.nodeid for item in items]))}
+        items.sort(key=lambda item: order[item.nodeid])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's default (`-n N` alone, i.e. `--dist load`) becomes whole files in collection
+    order, the heaviest first (tests/support/schedule.py); any other --dist is kept."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+    config.option.loadscopereorder = False     # keep the heaviest-first order, not "most tests first"
+    return LoadFileScheduling(config, log)

@@ -79,3 +79,38 @@ def test_this_process_keeps_to_its_share_under_xdist():
     else:
         assert mine is None
     assert os.sched_getaffinity(0) == (mine or started)
+
+
+# ----------------------------------------------------------------------------- whole files, heaviest first
+
+def test_heavy_first_moves_the_listed_files_to_the_front_and_keeps_every_other_order():
+    from tests.support.schedule import HEAVY_FIRST, heavy_first
+    ids = ["tests/a.py::t1", f"{HEAVY_FIRST[1]}::x", "tests/b.py::t2", f"{HEAVY_FIRST[0]}::y",
+           f"{HEAVY_FIRST[1]}::w", "tests/a.py::t0"]
+    assert heavy_first(ids) == [f"{HEAVY_FIRST[0]}::y", f"{HEAVY_FIRST[1]}::x", f"{HEAVY_FIRST[1]}::w",
+                                "tests/a.py::t1", "tests/b.py::t2", "tests/a.py::t0"]
+
+
+def test_every_heavy_file_exists_once():
+    from tests.support.schedule import HEAVY_FIRST
+    assert len(set(HEAVY_FIRST)) == len(HEAVY_FIRST)
+    assert [p for p in HEAVY_FIRST if not (ROOT / p).is_file()] == []
+
+
+def test_the_default_dist_deals_whole_files_in_collection_order(monkeypatch):
+    import types
+
+    from xdist.scheduler import LoadFileScheduling
+
+    from tests import conftest
+
+    def config(dist):
+        option = types.SimpleNamespace(dist=dist, loadscopereorder=True, maxschedchunk=None,
+                                       numprocesses=2, tx=["2*popen"], px=None)
+        return types.SimpleNamespace(option=option, getoption=lambda name: getattr(option, name),
+                                     getvalue=lambda name: getattr(option, name))
+    c = config("load")
+    sched = conftest.pytest_xdist_make_scheduler(c, None)
+    assert isinstance(sched, LoadFileScheduling) and c.option.loadscopereorder is False
+    for other in ("loadscope", "loadgroup", "worksteal", "each"):
+        assert conftest.pytest_xdist_make_scheduler(config(other), None) is None

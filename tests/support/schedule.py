@@ -1,0 +1,44 @@
+"""How the README's command deals the test files to its two pytest-xdist workers: whole files,
+the heaviest first (longest-processing-time first), each to whichever worker is free.
+
+Why: with each worker kept to its own core (tests/support/worker_cpus.py), a multi-rank test
+has one core, so the worker that draws the step-5 agreement test (about 120 s) late ends last:
+26 s after the other in a 299 s run under xdist's default `--dist load`, which deals runs of
+consecutive tests as workers free up. Heaviest first, the big files start at once, the
+hundreds of sub-second tests fill in behind them, and both workers end within about 2 s.
+Whole files also keep each module's fixtures (a training run shared by its tests) on one
+worker, where `--dist load` may split a module and train its fixture on both. Back to back on
+the 2-core machine: 318 s against 334 s with `--dist load`, both pinned, the same CPU time
+(611 and 612 core-seconds; README, "Tests and CI").
+
+HEAVY_FIRST is the order, from the CPU each file took in a serial run (core-seconds from
+/proc/stat around each test, 2026-11-26): a file not listed runs after these, in collection
+order. A stale list costs only time; tests/tools/test_ci.py checks that every entry exists.
+"""
+from __future__ import annotations
+
+from typing import List
+
+HEAVY_FIRST = [
+    "tests/agreement/test_agreement_step5.py",            # 131 core-s
+    "tests/agreement/test_agreement_checkpointing.py",    # 86 (trains every agreement configuration)
+    "tests/tools/test_train_size_overrides.py",           # 46
+    "tests/tools/test_compare.py",                        # 46
+    "tests/tools/test_lesson_numbers.py",                 # 36
+    "tests/agreement/test_agreement_loss.py",             # 35
+    "tests/agreement/test_agreement_memory_offload.py",   # 32
+    "tests/tools/test_train.py",                          # 24
+    "tests/core/test_offload.py",                         # 21
+    "tests/tools/test_run_folder.py",                     # 18
+    "tests/agreement/test_checkpoint_deepspeed.py",       # 18
+    "tests/core/test_overlap.py",                         # 17
+    "tests/tools/test_reshard.py",                        # 15
+    "tests/agreement/test_agreement_nvme.py",             # 14
+]
+
+
+def heavy_first(nodeids: List[str]) -> List[str]:
+    """The test ids with HEAVY_FIRST's files first, in its order; within a file, and for
+    every other file, the order is kept (a stable sort)."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    return sorted(nodeids, key=lambda nodeid: rank.get(nodeid.split("::")[0], len(rank)))
