@@ -71,9 +71,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's default (`-n N` alone, i.e. `--dist load`) becomes whole files in collection
-    order, the heaviest first (tests/support/schedule.py); any other --dist is kept."""
-    if config.getoption("dist") != "load":
+    """xdist's default (`-n N` alone, which means `--dist load`) becomes whole files in
+    collection order, the heaviest first (tests/support/schedule.py); a --dist you name,
+    `--dist load` included, is kept."""
+    named = any(a == "--dist" or a.startswith("--dist=") for a in config.invocation_params.args)
+    if named or config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadFileScheduling
     config.option.loadscopereorder = False     # keep the heaviest-first order, not "most tests first"

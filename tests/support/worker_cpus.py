@@ -4,10 +4,11 @@ process it starts: its gloo ranks, the forkserver they come from, its torchrun r
 Why: the README's command runs two workers on this project's 2-core machine, and each
 worker's tests launch ranks in pairs, so four or more busy processes share two cores.
 Left to the scheduler, a rank pair is spread over both cores next to the other worker's
-pair: every collective wakes a peer on the other core, and each process keeps losing its
-core (and its caches) to the other worker's. Kept to its own core, a worker's two ranks
-take turns on it: one computes while the other waits in its collective, the other worker
-never intrudes. Measured on the 2-core machine, whole suite (`python -m pytest -q -n 2`),
+pair. Our reading of why that costs CPU (the measurement below is what we know): every
+collective wakes a peer on the other core, and each process keeps losing its core (and
+its caches) to the other worker's. Kept to its own core, a worker's two ranks take turns
+on it: one computes while the other waits in its collective, the other worker never
+intrudes. Measured on the 2-core machine, whole suite (`python -m pytest -q -n 2`),
 runs in a row: each unpinned run used 7-10% more CPU than the pinned run next to it (650
 against 606 core-seconds; 608 against 548) and took 3-5% longer (README, "Tests and CI").
 

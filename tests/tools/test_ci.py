@@ -104,13 +104,17 @@ def test_the_default_dist_deals_whole_files_in_collection_order(monkeypatch):
 
     from tests import conftest
 
-    def config(dist):
+    def config(dist, args=("-q", "-n", "2")):
         option = types.SimpleNamespace(dist=dist, loadscopereorder=True, maxschedchunk=None,
                                        numprocesses=2, tx=["2*popen"], px=None)
         return types.SimpleNamespace(option=option, getoption=lambda name: getattr(option, name),
-                                     getvalue=lambda name: getattr(option, name))
+                                     getvalue=lambda name: getattr(option, name),
+                                     invocation_params=types.SimpleNamespace(args=tuple(args)))
     c = config("load")
     sched = conftest.pytest_xdist_make_scheduler(c, None)
     assert isinstance(sched, LoadFileScheduling) and c.option.loadscopereorder is False
     for other in ("loadscope", "loadgroup", "worksteal", "each"):
         assert conftest.pytest_xdist_make_scheduler(config(other), None) is None
+    # a --dist the user names is theirs, even the default's own name
+    for args in (("-n", "2", "--dist", "load"), ("-n", "2", "--dist=load")):
+        assert conftest.pytest_xdist_make_scheduler(config("load", args), None) is None
