@@ -66,8 +66,7 @@ def pytest_collection_modifyitems(config, items):
     without workers keeps pytest's order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         from tests.support.schedule import heavy_first
-        order = {nodeid: i for i, nodeid in enumerate(heavy_first([item.nodeid for item in items]))}
-        items.sort(key=lambda item: order[item.nodeid])
+        items.sort(key=lambda item: heavy_first(item.nodeid))     # stable: the rest keep their order
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -17,8 +17,6 @@ order. A stale list costs only time; tests/tools/test_ci.py checks that every en
 """
 from __future__ import annotations
 
-from typing import List
-
 HEAVY_FIRST = [
     "tests/agreement/test_agreement_step5.py",            # 131 core-s
     "tests/agreement/test_agreement_checkpointing.py",    # 86 (trains every agreement configuration)
@@ -37,8 +35,10 @@ HEAVY_FIRST = [
 ]
 
 
-def heavy_first(nodeids: List[str]) -> List[str]:
-    """The test ids with HEAVY_FIRST's files first, in its order; within a file, and for
-    every other file, the order is kept (a stable sort)."""
-    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
-    return sorted(nodeids, key=lambda nodeid: rank.get(nodeid.split("::")[0], len(rank)))
+_RANK = {path: i for i, path in enumerate(HEAVY_FIRST)}
+
+
+def heavy_first(nodeid: str) -> int:
+    """Sort key: a test of HEAVY_FIRST's k-th file gets k, every other test len(HEAVY_FIRST).
+    A stable sort by it keeps the order within a file and among the unlisted files."""
+    return _RANK.get(nodeid.split("::")[0], len(HEAVY_FIRST))
