@@ -462,3 +462,22 @@ def test_in_recompute_flag_is_set_only_during_the_recompute():
     assert seen == [False] and not ck.in_recompute()
     y.sum().backward()
     assert seen == [False, True] and not ck.in_recompute()  # the forward hook fired again, in backward
+
+
+def test_a_checkpointed_step_on_cpu_never_asks_whether_cuda_is_available(monkeypatch):
+    """The forward, the recompute and the backward run once per block per micro-batch, so they
+    ask torch.cuda.is_initialized() (a flag), not torch.cuda.is_available(): on a CUDA build
+    without a GPU each is_available() call dlopens NVML and queries the driver again (it
+    caches nothing before CUDA initializes). synchronize_checkpoint_boundary is on, so the
+    boundary check runs too. The result is still the plain run's, bit for bit."""
+    configure(None, synchronize=True)
+    assert ck._cfg.synchronize_checkpoint_boundary
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append(1) or False)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(3))
+    x0 = torch.randn(4, 5, 16)
+    plain, ckpt = _run_stack(blocks, x0, use_ckpt=False), _run_stack(blocks, x0, use_ckpt=True)
+    assert calls == []
+    for a, b in zip(plain, ckpt):
+        _assert_all_equal(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b])
