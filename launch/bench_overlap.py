@@ -618,13 +618,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     if not args.verbose:
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-    args.trace_dir = os.path.abspath(args.trace_dir or tempfile.mkdtemp(prefix="bench_overlap_trace_"))
+    if not args.no_trace:   # --no-trace writes no trace, so it makes no folder for one
+        args.trace_dir = os.path.abspath(args.trace_dir or tempfile.mkdtemp(prefix="bench_overlap_trace_"))
     t_start = time.perf_counter()
     info = {"command": "python launch/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": "GPU (NCCL)" if args.cuda else "CPU (gloo)", "model": bo.model_numbers(args)}
     log(f"model {args.model} {info['model']['config']}: Ψ = {info['model']['psi']:,}; {args.world_size} ranks on "
-        f"{info['device']}; traces in {args.trace_dir}")
+        f"{info['device']}" + ("" if args.no_trace else f"; traces in {args.trace_dir}"))
     results, floors = [], []
     try:
         bo.preload_ranks(args)

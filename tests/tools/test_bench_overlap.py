@@ -11,6 +11,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -166,8 +167,12 @@ def test_tiny_run_prints_the_table(tmp_path, monkeypatch):
 def test_one_rank_minizero_only(tmp_path, monkeypatch):
     """--world-size 1 --libs minizero, what a one-GPU lease runs: the floor's one rank needs its own
     process group (it failed "Default process group has not been initialized" before), and the
-    table is the minizero half alone."""
+    table is the minizero half alone. With --no-trace it makes no trace folder (each run of the
+    suite left an empty bench_overlap_trace_* in the temporary folder before)."""
     js = tmp_path / "bench.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))      # where mkdtemp would put one
     argv = ["--libs", "minizero", "--world-size", "1", "--model", "micro", "--seq", "16",
            "--n-embd", "21", "--micro-batch", "2", "--stages", "0,3", "--dtypes", "fp32", "--knobs", "off",
            "--reps", "1", "--steps", "2", "--no-trace", "--json", str(js)]
@@ -179,6 +184,7 @@ def test_one_rank_minizero_only(tmp_path, monkeypatch):
     assert all(x["minizero_over_floor"] > 0 and x.get("deepspeed_over_floor") is None for x in rows), rows
     floors = json.loads(js.read_text())["floors"]
     assert all(f["parts"]["fwd_bwd"] > 0 and f["parts"]["world_size"] == 1 for f in floors), floors
+    assert list(scratch.iterdir()) == [] and "traces in" not in r.stderr
 
 
 def test_on_a_gpu_the_floor_table_adds_tokens_per_s_and_peak_cuda_memory(tmp_path):
