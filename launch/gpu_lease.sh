@@ -47,7 +47,8 @@ OUT=${1:?usage: bash launch/gpu_lease.sh OUT [PART ...]}; shift
 PARTS=${*:-env check compare bench ds user fsdp}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHON=$PY
-WORK=$(mktemp -d /tmp/gpu_lease.XXXX)
+WORK=$(mktemp -d -t gpu_lease.XXXX)   # in $TMPDIR, else /tmp
+trap 'rm -rf "$WORK"' EXIT     # what is worth keeping is in OUT (logs.tgz: every log and summary)
 mkdir -p "$OUT"
 log() { echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
 WHEELS=${GPU_LEASE_WHEELS:-.whl}   # carried wheels (DeepSpeed and what it needs), if any

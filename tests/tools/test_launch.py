@@ -235,16 +235,20 @@ def _wheel(folder, name: str, source: str):
 def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
     """Wheels in GPU_LEASE_WHEELS (.whl/ by default: how DeepSpeed reaches a box with no
     network) are installed before the parts and are importable in them: here a wheel whose
-    module stands in for deepspeed, which the env part imports and reports."""
+    module stands in for deepspeed, which the env part imports and reports. Its work folder
+    (the installed wheels, the logs) is gone afterwards: what is kept is in OUT."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "deepspeed", "raise ImportError('the carried stand-in for deepspeed was imported')\n")
-    out = tmp_path / "out"
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env"], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_LEASE_WHEELS": str(wheels)})
+                       timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_LEASE_WHEELS": str(wheels),
+                                         "TMPDIR": str(scratch)})
     assert r.returncode == 0, r.stderr
     log = (out / "lease.log").read_text().splitlines()
     assert "wheels: installed 1 from " in log[0] and " env: exit " in log[1], log
     assert "the carried stand-in for deepspeed was imported" in (out / "env.txt").read_text()
     with tarfile.open(out / "logs.tgz") as tgz:   # the logs, not the installed packages' own .txt files
         assert not [n for n in tgz.getnames() if "site" in n.split("/")], tgz.getnames()
+    assert list(scratch.iterdir()) == []
