@@ -1,5 +1,8 @@
 import os
 import sys
+import tempfile
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests import `tests.support.launcher`; make the repository root importable.
@@ -36,6 +39,19 @@ def pytest_configure(config):
             and getattr(config.option, "testrunuid", "") is None):   # -n N given, no id of the user's
         import uuid
         config.option.testrunuid = uuid.uuid4().hex
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_keep_their_temporary_files_in_pytests_folder(tmp_path_factory):
+    """Every process the tests start (ranks, torchrun, the commands) writes its temporary files
+    under this run's pytest folder, which pytest prunes (it keeps the last 3 runs): torchrun
+    leaves a torchelastic_* log folder in the temp folder on every launch, about five per run
+    of the suite, which piled up in /tmp. Set after pytest picked its own folder, so this
+    process's tempfile (cached by then) and the controller's shared agreement folder
+    (tests/support/agreement.py) still agree on the usual temp folder."""
+    tempfile.gettempdir()                            # cache this process's choice before the change
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children-tmp", numbered=False))
+    yield
 
 
 def pytest_collection_finish(session):

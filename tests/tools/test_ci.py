@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,3 +119,15 @@ def test_the_default_dist_deals_whole_files_in_collection_order():
     # a --dist the user names is theirs, even the default's own name
     for args in (("-n", "2", "--dist", "load"), ("-n", "2", "--dist=load")):
         assert conftest.pytest_xdist_make_scheduler(config("load", args), None) is None
+
+
+def test_a_process_the_tests_start_keeps_its_temporary_files_in_pytests_folder(tmp_path_factory):
+    """tests/conftest.py: a child's temp folder is under this run's pytest folder, which pytest
+    prunes (torchrun left a torchelastic_* folder in /tmp on every launch before); this
+    process keeps the usual one, where the workers' shared agreement runs are found."""
+    import tempfile
+    r = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    base = tmp_path_factory.getbasetemp()
+    assert Path(r.stdout.strip()).is_relative_to(base), (r.stdout, base)
+    assert not Path(tempfile.gettempdir()).is_relative_to(base)
