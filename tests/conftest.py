@@ -85,6 +85,7 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: heavy_first(item.nodeid))     # stable: the rest keep their order
 
 
+@pytest.hookimpl(optionalhook=True)      # an xdist hook: `-p no:xdist` (no xdist) must still run
 def pytest_xdist_make_scheduler(config, log):
     """xdist's default (`-n N` alone, which means `--dist load`) becomes whole files in
     collection order, the heaviest first (tests/support/schedule.py); a --dist you name,

@@ -131,3 +131,12 @@ def test_a_process_the_tests_start_keeps_its_temporary_files_in_pytests_folder(t
     base = tmp_path_factory.getbasetemp()
     assert Path(r.stdout.strip()).is_relative_to(base), (r.stdout, base)
     assert not Path(tempfile.gettempdir()).is_relative_to(base)
+
+
+def test_the_suite_runs_without_xdist(tmp_path):
+    """`-p no:xdist` (xdist not loaded, or not installed): tests/conftest.py's xdist hook is
+    optional, so pytest starts instead of stopping on "unknown hook"."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                        str(ROOT / "tests" / "tools" / "test_ci.py"), "-k", "heavy_first"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
