@@ -448,10 +448,14 @@ def test_export_command_line(runs, tmp_path, capsys):
 
 def test_train_resumes_a_deepspeed_run_with_deepspeeds_losses(tmp_path):
     """reference/train.py (DeepSpeed) saves at step 2 of 4; `python -m minizero.train --resume`
-    continues that folder; its summary's losses are DeepSpeed's uninterrupted ones."""
+    continues that folder; its summary's losses are DeepSpeed's uninterrupted ones. 256
+    synthetic training images (4 steps of 8 stay in one epoch), 16 test images and no sample
+    grid: the defaults' 10,000 and 1,000 images and 32 samples, none of which this checks,
+    were most of the test's time where bf16 is slow (14 of 19 s with AVX2 kernels)."""
     import json
 
-    common = ["--stage", "1", "--dtype", "bf16", "--max-steps", "4"]
+    common = ["--stage", "1", "--dtype", "bf16", "--max-steps", "4", "--synthetic-train", "256",
+              "--synthetic-test", "16", "--num-samples", "0"]
     saved = run_command("reference/train.py", [*common, "--save-every", "2", "--save-dir", str(tmp_path / "ds")])
     assert saved.returncode == 0, saved.stderr[-2000:]
     done = run_command("minizero.train", [*common, "--resume", str(tmp_path / "ds"), "--tag", "global_step2",
