@@ -14,12 +14,12 @@ the 2-core machine: 318 s against 334 s with `--dist load`, both pinned, the sam
 HEAVY_FIRST is the order, from the CPU each file took in a serial run (core-seconds from
 /proc/stat around each test, 2026-11-26): a file not listed runs after these, in collection
 order. A stale list costs only time; tests/tools/test_ci.py checks that every entry exists.
-The step-5 test has since shrunk (sequences of 8 tokens, not 15) and is still the heaviest.
+The step-5 test has since shrunk (sequences of 3 tokens, not 15) and is still the heaviest.
 """
 from __future__ import annotations
 
 HEAVY_FIRST = [
-    "tests/agreement/test_agreement_step5.py",            # 131 core-s at 15 tokens; 88 s of setup at 8 (README)
+    "tests/agreement/test_agreement_step5.py",            # 131 core-s at 15 tokens; 55-66 s of setup at 3 (README)
     "tests/agreement/test_agreement_checkpointing.py",    # 86 (trains every agreement configuration)
     "tests/tools/test_train_size_overrides.py",           # 46
     "tests/tools/test_compare.py",                        # 46
