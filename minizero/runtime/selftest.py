@@ -111,7 +111,9 @@ def deepspeed_rank(stages) -> dict:
     out = {}
     for stage in stages:
         r = run_deepspeed(model_fn, config(stage), Batches(), STEPS, weight_decay=WEIGHT_DECAY)
-        out[stage] = {"losses": r["losses"], "state": r["final_state"] if r["rank"] == 0 else None}
+        # a plain dict: final_state is reference.ds_run's PortableTensorDict, which the parent,
+        # started from any folder, could not unpickle (reference/ is not an installed package)
+        out[stage] = {"losses": list(r["losses"]), "state": dict(r["final_state"]) if r["rank"] == 0 else None}
     return out
 
 

@@ -4,11 +4,14 @@ the stages, when the reduce-scatter is broken."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import pytest
 
 from minizero.runtime import selftest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -18,7 +21,14 @@ def _rows(out: str) -> dict:
 
 
 @pytest.mark.skipif(not HAS_DS, reason="DeepSpeed not installed")
-def test_selftest_passes_against_pytorch_and_deepspeed(capsys):
+def test_selftest_passes_against_pytorch_and_deepspeed(capsys, monkeypatch):
+    """Run as from any folder: this process cannot import reference/ (not an installed
+    package), which only the DeepSpeed ranks add to their path. Their results used to hold
+    reference.ds_run's PortableTensorDict, and `python -m minizero.selftest` outside the
+    checkout ended in a traceback (No module named 'reference') while unpickling them."""
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != ROOT])
+    for name in [m for m in sys.modules if m == "reference" or m.startswith("reference.")]:
+        monkeypatch.delitem(sys.modules, name)
     assert selftest.main([]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
