@@ -113,7 +113,7 @@ def deepspeed_rank(stages) -> dict:
         r = run_deepspeed(model_fn, config(stage), Batches(), STEPS, weight_decay=WEIGHT_DECAY)
         # a plain dict: final_state is reference.ds_run's PortableTensorDict, which the parent,
         # started from any folder, could not unpickle (reference/ is not an installed package)
-        out[stage] = {"losses": list(r["losses"]), "state": dict(r["final_state"]) if r["rank"] == 0 else None}
+        out[stage] = {"losses": r["losses"], "state": dict(r["final_state"]) if r["rank"] == 0 else None}
     return out
 
 

@@ -11,7 +11,6 @@ import pytest
 
 from minizero.runtime import selftest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -26,7 +25,7 @@ def test_selftest_passes_against_pytorch_and_deepspeed(capsys, monkeypatch):
     package), which only the DeepSpeed ranks add to their path. Their results used to hold
     reference.ds_run's PortableTensorDict, and `python -m minizero.selftest` outside the
     checkout ended in a traceback (No module named 'reference') while unpickling them."""
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != ROOT])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != selftest.REPO])
     for name in [m for m in sys.modules if m == "reference" or m.startswith("reference.")]:
         monkeypatch.delitem(sys.modules, name)
     assert selftest.main([]) == 0
