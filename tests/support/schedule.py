@@ -2,9 +2,9 @@
 the heaviest first (longest-processing-time first), each to whichever worker is free.
 
 Why: with each worker kept to its own core (tests/support/worker_cpus.py), a multi-rank test
-has one core, so the worker that draws the step-5 agreement test (about 90-120 s) late ends last:
-26 s after the other in a 299 s run under xdist's default `--dist load`, which deals runs of
-consecutive tests as workers free up. Heaviest first, the big files start at once, the
+has one core, so the worker that draws the step-5 agreement test (120 s then; 55-66 s at 3
+tokens) late ends last: 26 s after the other in a 299 s run under xdist's default
+`--dist load`, which deals runs of consecutive tests as workers free up. Heaviest first, the big files start at once, the
 hundreds of sub-second tests fill in behind them, and both workers end within about 2 s.
 Whole files also keep each module's fixtures (a training run shared by its tests) on one
 worker, where `--dist load` may split a module and train its fixture on both. Back to back on
