@@ -22,8 +22,11 @@ if os.environ.get("MINIZERO_TEST_CUDA") != "1":
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed JIT-compiles a small C++ op (deepspeed_shm_comm) on its first CPU run and
 # caches it by source path. Keep the cache per checkout: two clones sharing
-# ~/.cache/torch_extensions would rebuild it back and forth (a minute each time).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
+# ~/.cache/torch_extensions would rebuild it back and forth (a minute each time). The folder
+# is the one reference/build_ops.py builds the ops into before a first run.
+from reference.build_ops import EXTENSIONS_DIR  # noqa: E402
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
 # Under pytest-xdist each worker keeps to its own CPU (its own share of them), with every
 # process it starts: on 2 cores the suite used 7-10% less CPU (tests/support/worker_cpus.py).
 from tests.support.worker_cpus import pin_this_worker  # noqa: E402

@@ -33,6 +33,43 @@ def test_ci_runs_the_readmes_test_command():
     assert [a for a in ci_args if not a.startswith("--durations")] == readme[0][3:], (ci_args, readme[0])
 
 
+
+def test_the_readme_and_ci_build_deepspeeds_ops_before_the_tests():
+    """reference/build_ops.py runs before the test command in the README's quick start and in
+    .ci/run: skipped, a fresh clone's first run compiled the ops inside the suite (484 s).
+    It builds into reference.build_ops.EXTENSIONS_DIR, the folder tests/conftest.py gives
+    the tests."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    build = next(i for i, x in enumerate(lines) if x.startswith("python reference/build_ops.py"))
+    assert build < next(i for i, x in enumerate(lines) if x.startswith("python -m pytest -q -n 2"))
+    ci = [x for x in CI.read_text().splitlines() if not x.lstrip().startswith("#")]
+    build = next(i for i, x in enumerate(ci) if "reference/build_ops.py" in x)
+    assert build < next(i for i, x in enumerate(ci) if "-m pytest" in x)
+
+
+class _Builder:
+    def __init__(self, fail=None):
+        self.fail, self.loaded = fail, False
+
+    def load(self):
+        print("compiler chatter")          # to the op's log, not the terminal
+        if self.fail:
+            raise RuntimeError(f"ninja build stopped\n{self.fail}")
+        self.loaded = True
+
+
+def test_build_ops_says_one_line_per_op(tmp_path, capfd):
+    from reference.build_ops import build
+    good = _Builder()
+    assert build("op_a", lambda: good, str(tmp_path)) == (True, "op_a: ready in 0 s") and good.loaded
+    ok, line = build("op_b", lambda: None, str(tmp_path))
+    assert ok and line.startswith("op_b: cannot be built on this machine") and "the tests that need it skip" in line
+    ok, line = build("op_c", lambda: _Builder(fail="error: aio.h: No such file"), str(tmp_path))
+    assert not ok and line.startswith("op_c: FAILED after 0 s: error: aio.h: No such file (compiler output: ")
+    assert capfd.readouterr().out == ""
+    assert (tmp_path / "op_a.build.log").read_text() == "compiler chatter\n"
+
+
 # ----------------------------------------------------------------------------- one CPU per xdist worker
 
 def test_worker_cpus_splits_the_cpus_into_equal_disjoint_shares():
