@@ -8,8 +8,8 @@ checkpointing.configure/checkpoint), so one script runs under either:
 """
 import logging as _logging
 
-from .runtime.launcher_env import launcher_rank as _launcher_rank
-from .runtime.version import __version__  # noqa: F401
+from .launcher_env import launcher_rank as _launcher_rank
+from .version import __version__  # noqa: F401
 
 _log = _logging.getLogger("minizero")
 if not _log.handlers:  # rank 0 speaks, the others stay quiet (as DeepSpeed's logger)
@@ -57,5 +57,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 def consolidate(checkpoint_dir, tag=None, kind="master"):
     """Full fp32 state dict from a sharded minizero checkpoint (DeepSpeed's zero_to_fp32);
     kind "exp_avg" / "exp_avg_sq": Adam's moments, laid out the same way."""
-    from .checkpoint.zero_to_fp32 import consolidate as _consolidate
+    from .checkpoint_files.zero_to_fp32 import consolidate as _consolidate
     return _consolidate(checkpoint_dir, tag, kind=kind)

@@ -43,8 +43,8 @@ from torch.profiler import record_function
 
 # The setup lives in process_group.py; its names are re-exported so every caller (and a
 # test's monkeypatch) says comm.get_rank(), comm.init_distributed(), ...
-from .runtime.process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
-                            get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
+from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
+                    get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
 
 # torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
 # every call. We keep the names the ZeRO literature (and DeepSpeed) use.

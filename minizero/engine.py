@@ -30,9 +30,9 @@ import math
 import torch
 
 from . import checkpointing, comm
-from .runtime.config import ignored_knobs_note, load_config
+from .config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_vote
-from .runtime.lr_schedules import build_scheduler
+from .lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
 from .offload import HostOffload
 from .sharded_optimizer import ShardedOptimizer, build_optimizer
@@ -251,7 +251,7 @@ class Engine(torch.nn.Module):
                         save_latest: bool = True) -> str:
         """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
         Must be called at a gradient-accumulation boundary. Returns the tag's folder."""
-        from .checkpoint import checkpoint_io
+        from .checkpoint_files import checkpoint_io
         with self._states_in_memory():
             return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
 
@@ -259,7 +259,7 @@ class Engine(torch.nn.Module):
                         load_lr_scheduler_states: bool = True):
         """Returns (the tag's folder, client_state), or (None, None) when `load_dir` holds
         no checkpoint."""
-        from .checkpoint import checkpoint_io
+        from .checkpoint_files import checkpoint_io
         with self._states_in_memory():
             path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         if path is None:

@@ -55,7 +55,7 @@ import torch
 from torch.profiler import record_function
 
 from . import comm
-from .runtime.errors import ConfigError
+from .errors import ConfigError
 
 logger = logging.getLogger("minizero")
 

@@ -53,7 +53,7 @@ from . import comm
 from .flat_param import FlatParam
 from .memory import CATEGORIES
 from .nvme import SwapFolder, Swapper, agree_on_errors, check_free_space, logger, nbytes
-from .runtime.errors import ConfigError
+from .errors import ConfigError
 
 HOST = torch.device("cpu")
 

@@ -5,7 +5,7 @@
 
 Counts, for one forward of the GPT in training mode (dropout on), the distinct storages
 autograd keeps for backward, parameters excluded (they live anyway), via
-`torch.autograd.graph.saved_tensors_hooks` (minizero.checkpointing.count_saved_bytes).
+`torch.autograd.graph.saved_tensors_hooks` (minizero.observe.saved_bytes.count_saved_bytes).
 
 DeepSpeed's `CheckpointFunction.forward` keeps the block inputs as
 `ctx.deepspeed_saved_tensors`, an attribute, not through `ctx.save_for_backward`, so the
@@ -26,7 +26,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from minizero.checkpointing import checkpoint as mz_checkpoint, count_saved_bytes  # noqa: E402
+from minizero.checkpointing import checkpoint as mz_checkpoint  # noqa: E402
+from minizero.observe.saved_bytes import count_saved_bytes  # noqa: E402
 from minizero.gpt.model import GPT, get_preset  # noqa: E402
 
 

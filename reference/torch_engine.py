@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minizero.runtime.config import load_config
+from minizero.config import load_config
 from minizero.sharded_optimizer import build_optimizer
 from reference.comm_counter import COUNTER
 

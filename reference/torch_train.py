@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 
 from reference.comm_counter import COUNTER  # noqa: E402  (installs the counters first)
 from minizero import comm  # noqa: E402
-from minizero.runtime.config import load_config  # noqa: E402
+from minizero.config import load_config  # noqa: E402
 from minizero.train import runlog  # noqa: E402
 from minizero.train import train as mtrain  # noqa: E402
 from reference.torch_engine import TorchEngine, TorchEngineError, held_bytes  # noqa: E402

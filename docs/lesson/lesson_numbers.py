@@ -88,7 +88,7 @@ def memory_numbers(runs: str) -> None:
                   f"({total / 1e6:.1f} MB; weights + grads {(b['params'] + b['grads']) / 1e6:.1f} MB)")
     print(f"tutorial Ψ = {psi:,}")
     from minizero.observe.memory_table import meta_model
-    from minizero.runtime.zero_config import ZeroConfig
+    from minizero.zero_config import ZeroConfig
     weight = dict(meta_model("tutorial")[0].named_parameters())["blocks.0.mlp.0.weight"]
     print(f"reading.md: blocks.0.mlp.0.weight {weight.shape[0]} x {weight.shape[1]} = {weight.numel():,} elements; "
           f"stage3_param_persistence_threshold default {ZeroConfig().stage3_param_persistence_threshold:,}")

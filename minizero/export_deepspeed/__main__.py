@@ -1,6 +1,6 @@
 """`python -m minizero.export_deepspeed`."""
 import sys
 
-from ..checkpoint.export_deepspeed import main
+from ..checkpoint_files.export_deepspeed import main
 
 sys.exit(main())

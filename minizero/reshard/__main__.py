@@ -1,6 +1,6 @@
 """`python -m minizero.reshard`."""
 import sys
 
-from ..checkpoint.reshard import main
+from ..checkpoint_files.reshard import main
 
 sys.exit(main())

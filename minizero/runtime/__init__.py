@@ -1,1 +1,1 @@
-"""The runtime around the ZeRO core: config, LR schedules, process groups, errors, launching ranks."""
+"""What tools need to start ranks: the rank spawner (spawn.py) and the one-minute self-check (selftest.py)."""

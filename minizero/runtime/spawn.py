@@ -30,7 +30,7 @@ import queue as queue_mod
 import time
 import traceback
 
-from minizero.runtime.process_group import free_port, single_host_env
+from minizero.process_group import free_port, single_host_env
 
 # torch._dynamo: torch.optim's constructor imports it (sympy and more), ~2.5 s per rank per
 # launch if the forkserver has not already paid for it.
@@ -91,7 +91,7 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, env, threads, backend, 
     import torch
     import torch.distributed as dist
 
-    from minizero.runtime import process_group
+    from minizero import process_group
     torch.set_num_threads(threads)
     try:
         if group:

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from minizero import memory
-from minizero.checkpoint.checkpoint_io import CheckpointError
+from minizero.checkpoint_files.checkpoint_io import CheckpointError
 from minizero.gpt.cifar10 import DatasetNotFoundError
 from minizero.gpt.data import UnknownDatasetError
 from minizero.gpt.images import DataConfigError
 from minizero.gpt.model import ModelConfigError, UnknownPresetError
-from minizero.runtime.config import ConfigError, load_config
+from minizero.config import ConfigError, load_config
 from minizero.train import runlog
 from minizero.train.train_args import UserError
 

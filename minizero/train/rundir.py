@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import comm
-from minizero.checkpoint.checkpoint_folder import later_tags
+from minizero.checkpoint_files.checkpoint_folder import later_tags
 from minizero.train.output_dir import missing_parts
 
 LOCK_FILE = ".minizero.lock"

@@ -14,7 +14,7 @@ import torch
 from minizero import comm
 from minizero.train import rundir, runlog
 from minizero.gpt.data import build_datasets, make_loader
-from minizero.runtime.lr_schedules import MinGPTSchedule
+from minizero.lr_schedules import MinGPTSchedule
 from minizero.gpt.model import GPT
 from minizero.train.train_args import UserError, build_config, dtype_of, find_checkpoint, model_config, stage_of
 
@@ -154,7 +154,7 @@ def foreign_resume(args, library: str, tag: str, save_dir: str) -> str:
       and naming the DeepSpeed folder itself is refused;
     - DeepSpeed cannot read minizero's format: the line names the command that converts it
       (python -m minizero.export_deepspeed)."""
-    from minizero.checkpoint.checkpoint_io import tag_library
+    from minizero.checkpoint_files.checkpoint_io import tag_library
     written_by = tag_library(args.resume, tag)
     if written_by == library:
         return save_dir
@@ -216,7 +216,7 @@ def carry_data_position(run: Run, path: str) -> str:
     the last whole batch are seen again. Which rank sees which sample, and so the dropout
     masks, differ from a run that never stopped (engine.load_checkpoint says so). The
     number of epochs or steps asked for still holds: --epochs E ends after epoch E."""
-    from minizero.checkpoint.checkpoint_io import saved_batch
+    from minizero.checkpoint_files.checkpoint_io import saved_batch
     state, args, engine = run.state, run.args, run.engine
     # minizero's load_checkpoint returns the tag folder, DeepSpeed's the model-states file in it.
     old_world, old_micro = saved_batch(path if os.path.isdir(path) else os.path.dirname(path))

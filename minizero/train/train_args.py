@@ -19,7 +19,7 @@ import io
 import os
 import time
 
-from minizero.runtime.launcher_env import launcher_rank
+from minizero.launcher_env import launcher_rank
 from minizero.train import output_dir
 from minizero.gpt.presets import DATASETS, PRESETS, GPTConfig, ModelConfigError, get_preset
 
@@ -204,7 +204,7 @@ def fill_defaults(parser: argparse.ArgumentParser, args) -> None:
 
 def read_config_file(path: str) -> dict:
     """--config's JSON object (config.read_json), its errors as UserError naming the flag."""
-    from minizero.runtime.config import ConfigError, read_json
+    from minizero.config import ConfigError, read_json
     try:
         return read_json(path, f"--config {path}")
     except ConfigError as e:
@@ -228,7 +228,7 @@ def stage_of(cfg: dict) -> int:
 
 def build_config(args, world_size: int) -> dict:
     """The DeepSpeed config dict this run uses: --config (or DEFAULT_CONFIG) + the overrides."""
-    from minizero.runtime.config import ActivationCheckpointingConfig, resolve_batch_size
+    from minizero.config import ActivationCheckpointingConfig, resolve_batch_size
     cfg = read_config_file(args.config) if args.config else copy.deepcopy(DEFAULT_CONFIG)
     if args.stage is not None:
         z = cfg.get("zero_optimization")
@@ -267,7 +267,7 @@ def build_config(args, world_size: int) -> dict:
 def find_checkpoint(path: str, tag: str | None = None) -> str:
     """The tag --resume loads: `tag`, or the one `latest` names. Refused early, with one
     line that lists the complete checkpoints there, unless it is a complete checkpoint."""
-    from minizero.checkpoint.checkpoint_folder import complete_tags, describe_tags, read_latest
+    from minizero.checkpoint_files.checkpoint_folder import complete_tags, describe_tags, read_latest
     if not os.path.isdir(path):
         raise UserError(f"--resume {path}: no such directory")
     tags = complete_tags(path)

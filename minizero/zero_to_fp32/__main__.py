@@ -1,6 +1,6 @@
 """`python -m minizero.zero_to_fp32`."""
 import sys
 
-from ..checkpoint.zero_to_fp32 import main
+from ..checkpoint_files.zero_to_fp32 import main
 
 sys.exit(main())

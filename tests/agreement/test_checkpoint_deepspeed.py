@@ -1,5 +1,5 @@
-"""DeepSpeed's checkpoints into minizero and back (minizero/checkpoint/deepspeed_checkpoint.py,
-minizero/checkpoint/export_deepspeed.py), against DeepSpeed 0.19.8 itself.
+"""DeepSpeed's checkpoints into minizero and back (minizero/checkpoint_files/deepspeed_checkpoint.py,
+minizero/checkpoint_files/export_deepspeed.py), against DeepSpeed 0.19.8 itself.
 
 2 gloo ranks, bf16, ZeRO-1 and ZeRO-3, a GPT of 2 layers and width 12 without dropout
 (DeepSpeed saves no RNG state, so a resumed run must not draw random numbers), AdamW with
@@ -30,8 +30,8 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore")
 deepspeed = pytest.importorskip("deepspeed")
 
-from minizero.checkpoint.checkpoint_folder import CheckpointError  # noqa: E402
-from minizero.checkpoint.deepspeed_checkpoint import (assign_groups, open_source, zero3_partition_numel,  # noqa: E402
+from minizero.checkpoint_files.checkpoint_folder import CheckpointError  # noqa: E402
+from minizero.checkpoint_files.deepspeed_checkpoint import (assign_groups, open_source, zero3_partition_numel,  # noqa: E402
                                            zero12_offsets, zero12_partition_numel, zero12_tail_padding)
 from reference.ds_run import SyntheticBatches, build_model, prepare_ds_config  # noqa: E402
 from tests.support import harness  # noqa: E402
@@ -142,7 +142,7 @@ def _ds_moments(engine) -> dict:
 def _both_ways(stage: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from minizero.checkpoint.export_deepspeed import export, open_checkpoint
+    from minizero.checkpoint_files.export_deepspeed import export, open_checkpoint
 
     cfg = make_config(stage)
     batches = SyntheticBatches(62, 63, 2, seed=5)
@@ -246,7 +246,7 @@ def test_zero12_links_adam_state_of_the_first_param_group_only(runs, stage):
 
 def test_reading_deepspeed_checkpoints_does_not_import_deepspeed(runs):
     root = runs[3][0]
-    code = ("import sys; from minizero.checkpoint.deepspeed_checkpoint import open_source; "
+    code = ("import sys; from minizero.checkpoint_files.deepspeed_checkpoint import open_source; "
             f"s = open_source({str(root / 'ds' / _tag(root / 'ds'))!r}); "
             "[s.read(k, n) for n in s.names for k in ('master', 'exp_avg')]; "
             "assert not any(m == 'deepspeed' or m.startswith('deepspeed.') for m in sys.modules), 'imported'")
@@ -361,7 +361,7 @@ def _stage0_and_fp16(root: str) -> dict:
     rewritten folder and take 2 more steps."""
     import torch.distributed as dist
 
-    from minizero.checkpoint.export_deepspeed import export
+    from minizero.checkpoint_files.export_deepspeed import export
     from reference.ds_run import patch_cpu_fp16
 
     patch_cpu_fp16()
@@ -424,7 +424,7 @@ def test_fp16_loss_scaler_carries_through_a_rewritten_folder(ds_to_ds):
 # ----------------------------------------------------------------------------- the command line
 
 def test_export_command_line(runs, tmp_path, capsys):
-    from minizero.checkpoint.export_deepspeed import main
+    from minizero.checkpoint_files.export_deepspeed import main
 
     mz = str(runs[1][0] / "mz")
     assert main([mz, str(tmp_path / "out"), "--stage", "3", "--world-size", "4"]) == 0
@@ -494,7 +494,7 @@ def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs,
     ZeRO's optimizer state partitioning with a new world size is not currently supported");
     export_deepspeed rewrites it: 2 ranks at ZeRO-3 -> 1 rank at ZeRO-1, state bit for bit,
     and DeepSpeed continues it as minizero continues the original."""
-    from minizero.checkpoint.export_deepspeed import main
+    from minizero.checkpoint_files.export_deepspeed import main
 
     original = runs[3][0] / "ds"
     assert main([str(original), str(tmp_path / "one"), "--stage", "1", "--world-size", "1"]) == 0

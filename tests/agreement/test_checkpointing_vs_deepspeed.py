@@ -15,7 +15,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
 
 import minizero.checkpointing as ck  # noqa: E402
-from minizero.checkpointing import count_saved_bytes  # noqa: E402
+from minizero.observe.saved_bytes import count_saved_bytes  # noqa: E402
 from minizero.gpt.model import GPT, get_preset  # noqa: E402
 from reference.activation_bytes import ds_ctx_inputs_counted, ds_init_single_process  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""minizero.runtime.config against DeepSpeed 0.19.8's own config parser (runtime/config.py)."""
+"""minizero.config against DeepSpeed 0.19.8's own config parser (runtime/config.py)."""
 import json
 import types
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minizero.runtime.config import (ActivationCheckpointingConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig,
+from minizero.config import (ActivationCheckpointingConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig,
                              ZeroConfig, ignored_knobs, ignored_knobs_note, load_config, resolve_batch_size)
 from minizero.sharded_optimizer import ChunkedAdam, ChunkedAdamW, build_optimizer
 
@@ -198,7 +198,7 @@ def test_load_from_path_and_duplicate_keys(tmp_path):
                                          ('{"train_batch_size": 8, // x\n}', "no comments")])
 def test_read_json_one_line_errors(tmp_path, text, needle):
     """The one JSON reader (load_config, train.py's --config, checkpointing.configure)."""
-    from minizero.runtime.config import read_json
+    from minizero.config import read_json
     from minizero.train.train_args import UserError, read_config_file
     p = tmp_path / "c.json"
     p.write_text(text)

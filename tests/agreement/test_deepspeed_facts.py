@@ -474,7 +474,7 @@ def test_zero3_replaces_f_linear_for_the_rest_of_the_process(seen):
 
 
 def test_checkpoint_folder_layout(seen):
-    from minizero.checkpoint.checkpoint_folder import complete_tags
+    from minizero.checkpoint_files.checkpoint_folder import complete_tags
 
     z2, z3 = _get(seen, "zero12")[2]["checkpoint"], _get(seen, "zero3")["defaults"]["checkpoint"]
     z2_bf16 = _get(seen, "zero2_bf16_checkpoint")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minizero import fp16 as mz
-from minizero.runtime.config import load_config
+from minizero.config import load_config
 
 ds = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config  # noqa: E402

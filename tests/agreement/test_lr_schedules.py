@@ -1,11 +1,11 @@
-"""minizero.runtime.lr_schedules against deepspeed.runtime.lr_schedules: identical lr, step for step."""
+"""minizero.lr_schedules against deepspeed.runtime.lr_schedules: identical lr, step for step."""
 import math
 
 import pytest
 import torch
 
-from minizero.runtime import lr_schedules as mz
-from minizero.runtime.config import ConfigError, load_config
+from minizero import lr_schedules as mz
+from minizero.config import ConfigError, load_config
 
 ds = pytest.importorskip("deepspeed.runtime.lr_schedules")
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import minizero.checkpointing.checkpoint_buffers as cb
+import minizero.checkpointing_buffers as cb
 import minizero.checkpointing as ck
-from minizero.checkpointing import checkpoint, configure, count_saved_bytes, saved_bytes_for_backward
+from minizero.checkpointing import checkpoint, configure
+from minizero.observe.saved_bytes import count_saved_bytes, saved_bytes_for_backward
 from minizero.gpt.model import GPT, get_preset
 
 
@@ -346,7 +347,7 @@ def test_configure_from_dict_and_json_and_kwargs_override(tmp_path):
 
 def test_configure_from_the_parsed_section():
     """What the engine does: the section load_config parsed, not the raw dict again."""
-    from minizero.runtime.config import load_config
+    from minizero.config import load_config
     section = load_config({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": True}},
                           1).activation_checkpointing
     ck.configure_from(section)

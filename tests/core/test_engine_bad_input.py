@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minizero
-from minizero.runtime.config import ConfigError
+from minizero.config import ConfigError
 from minizero.gpt.model import GPT, get_preset
 
 pytestmark = pytest.mark.skipif("RANK" in os.environ, reason="needs a single process with no torchrun env")

@@ -127,7 +127,7 @@ def test_nvme_changes_no_bit_and_moves_the_bytes(runs, i):
 # ----------------------------------------------------------------------------- config
 
 def test_nvme_config_keys():
-    from minizero.runtime.config import ConfigError, ignored_knobs, load_config
+    from minizero.config import ConfigError, ignored_knobs, load_config
     base = {"train_batch_size": 8}
     with pytest.raises(ConfigError, match="needs zero_optimization.offload_param.nvme_path") as e:
         load_config({**base, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 1)
@@ -151,7 +151,7 @@ def _start(path, mode=None):
     None. mode "full": the disk reports 1,000 free bytes; "rank1_blocked": rank 1's folder
     cannot be made (a file is in its place)."""
     from minizero import comm, nvme
-    from minizero.runtime.errors import ConfigError
+    from minizero.errors import ConfigError
     from tests.support.harness import micro_engine
     if mode == "full":
         nvme.free_bytes = lambda p: 1000

@@ -174,7 +174,7 @@ def test_offload_param_copies_each_gather(runs):
 
 
 def test_bad_offload_configs_are_one_line_errors():
-    from minizero.runtime.config import ConfigError, load_config
+    from minizero.config import ConfigError, load_config
     base = {"train_batch_size": 8}
     for zero, needle in [({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "needs zero_optimization.offload_optimizer.nvme_path"),
                          ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs stage 3"),

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from minizero.runtime.config import ActivationCheckpointingConfig
+from minizero.config import ActivationCheckpointingConfig
 from reference.ds_run import (SyntheticBatches, build_model, get_batch,  # noqa: F401
                               prepare_ds_config, run_deepspeed, train_steps)
 from tests.support import probes

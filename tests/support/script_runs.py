@@ -35,8 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROGRAMS = {   # as a user types it -> the module whose main(argv) it runs
     "minizero.train": "minizero.train.train",
     "reference/train.py": "reference.train",
-    "minizero.export_deepspeed": "minizero.checkpoint.export_deepspeed",
-    "minizero.reshard": "minizero.checkpoint.reshard",
+    "minizero.export_deepspeed": "minizero.checkpoint_files.export_deepspeed",
+    "minizero.reshard": "minizero.checkpoint_files.reshard",
     "minizero.memory_table": "minizero.observe.memory_table",
 }
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import minizero
-from minizero.checkpoint.checkpoint_folder import CheckpointError
+from minizero.checkpoint_files.checkpoint_folder import CheckpointError
 from tests.support.launcher import run_ranks
 
 MB = 4  # micro-batch per rank
@@ -97,7 +97,7 @@ def test_consolidate_equals_live_weights_and_loads_into_plain_gpt(tmp_path, stag
     model = GPT(get_preset("micro"))
     model.load_state_dict(sd)  # strict: every parameter present, shapes right
     # and the command-line form writes the same thing
-    from minizero.checkpoint.zero_to_fp32 import main
+    from minizero.checkpoint_files.zero_to_fp32 import main
     out = tmp_path / "full.pt"
     assert main([str(tmp_path), str(out)]) == 0
     again = torch.load(out)
@@ -131,7 +131,7 @@ def test_no_checkpoint_returns_none(tmp_path):
 
 
 def test_crash_mid_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path, monkeypatch):
-    from minizero.checkpoint import checkpoint_io as checkpoint
+    from minizero.checkpoint_files import checkpoint_io as checkpoint
     engine = checkpoint_engine(1, "fp32")
     engine.save_checkpoint(str(tmp_path), tag="good")
     real_save = torch.save
@@ -196,7 +196,7 @@ def test_resaving_the_tag_latest_names_survives_a_kill_at_every_step(tmp_path, m
     killed before the k-th rename / delete / link of the publish, for every k: `latest`
     must name a complete checkpoint holding A or B, and the next save must clean up."""
     import shutil
-    from minizero.checkpoint.checkpoint_folder import complete_tags
+    from minizero.checkpoint_files.checkpoint_folder import complete_tags
     engine, checker = checkpoint_engine(1, "fp32"), checkpoint_engine(1, "fp32")
     base = str(tmp_path / "base")
     for s in range(2):     # WarmupLR: the first two steps have lr 0

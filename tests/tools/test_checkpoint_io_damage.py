@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from minizero.checkpoint.checkpoint_folder import CheckpointError, complete_tags, describe_tags, optim_file
+from minizero.checkpoint_files.checkpoint_folder import CheckpointError, complete_tags, describe_tags, optim_file
 from tests.support.launcher import run_ranks
 from tests.tools.test_checkpoint_io import _one_step, checkpoint_engine
 
@@ -91,7 +91,7 @@ def test_truncated_shard_of_rank1_is_one_error_on_every_rank(two_rank_run, tmp_p
 
 
 def test_zero_to_fp32_on_a_missing_folder_says_so(tmp_path, capsys):
-    from minizero.checkpoint.zero_to_fp32 import main
+    from minizero.checkpoint_files.zero_to_fp32 import main
     missing = str(tmp_path / "nope")
     assert main([missing, str(tmp_path / "out.pt")]) == 2
     err = capsys.readouterr().err
@@ -112,7 +112,7 @@ def test_zero_to_fp32_on_a_truncated_shard_is_one_line(two_rank_run, tmp_path):
     assert "other complete checkpoints" in lines[0] and ": global_step1 (pick one with --tag TAG)" in lines[0]
     assert not os.path.exists(out)
     # the other checkpoint still consolidates
-    from minizero.checkpoint.zero_to_fp32 import main
+    from minizero.checkpoint_files.zero_to_fp32 import main
     assert main([d, out, "--tag", "global_step1"]) == 0 and os.path.exists(out)
 
 
@@ -120,7 +120,7 @@ def _save_node_local(d):
     """Rank 1 plays a rank on another node whose local disk has its own, empty `d`: it does
     not see the `<tag>.tmp` folder rank 0 creates (os.path.isdir is what save asks)."""
     import torch.distributed as dist
-    from minizero.checkpoint import checkpoint_io as checkpoint
+    from minizero.checkpoint_files import checkpoint_io as checkpoint
     engine = checkpoint_engine(1, "fp32")
     _one_step(engine, 0)
     if dist.get_rank() == 1:

@@ -163,7 +163,7 @@ def test_environment_switch_and_a_rank_left_alone_in_the_check(tmp_path):
 
 
 def test_config_key_is_parsed_and_checked():
-    from minizero.runtime.config import ConfigError, load_config
+    from minizero.config import ConfigError, load_config
     cfg = load_config({"train_batch_size": 2, "minizero_collectives": {"check": True, "timeout_s": 30}}, 1)
     assert (cfg.collectives.check, cfg.collectives.timeout_s) == (True, 30.0)
     default = load_config({"train_batch_size": 2}, 1).collectives

@@ -427,7 +427,7 @@ def test_offload_checks_run_the_tutorials_step5_config_and_the_cuda_offload_test
 def test_memory_checks_run_zero3_with_prefetch_and_reuse_at_0():
     # At DeepSpeed's default reuse distance ZeRO-3 keeps every unit gathered from forward to
     # backward, and memory-falls would fail for a config reason.
-    from minizero.runtime.config import load_config
+    from minizero.config import load_config
     for stage in range(4):
         p = procs(by_name(2)[f"memory-z{stage}"])[0]
         path = ROOT / flag(p.argv, "--config")
@@ -443,7 +443,7 @@ def test_memory_checks_run_zero3_with_prefetch_and_reuse_at_0():
 
 
 def test_every_check_config_is_a_valid_config():
-    from minizero.runtime.config import load_config
+    from minizero.config import load_config
     for path in sorted((ROOT / "launch" / "gpu_check_configs").glob("*.json")):
         with open(path) as f:
             load_config(json.load(f), 2)

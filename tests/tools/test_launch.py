@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.runtime.config import load_config
+from minizero.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"

@@ -76,7 +76,7 @@ def _slurm_env(monkeypatch, **env):
 def test_plain_python_inside_a_two_task_allocation_is_one_process(monkeypatch):
     # sbatch --nodes=2 --ntasks-per-node=1: the batch script (and gpu_check's one-GPU children,
     # whose environment drops RANK but keeps SLURM_*) sees the allocation, not an srun step.
-    from minizero.runtime import process_group
+    from minizero import process_group
     _slurm_env(monkeypatch, SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_NPROCS="2", SLURM_JOB_ID="77",
                MASTER_ADDR="127.0.0.1")
     process_group._from_slurm()
@@ -84,7 +84,7 @@ def test_plain_python_inside_a_two_task_allocation_is_one_process(monkeypatch):
 
 
 def test_an_srun_step_of_two_tasks_is_mapped_to_two_ranks(monkeypatch):
-    from minizero.runtime import process_group
+    from minizero import process_group
     _slurm_env(monkeypatch, SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID="0",
                SLURM_JOB_ID="77", MASTER_ADDR="10.0.0.1")
     process_group._from_slurm()
@@ -179,7 +179,7 @@ def test_launcher_rank_is_one_torch_free_rule(monkeypatch):
         assert launcher_env.launcher_rank() == want
         assert process_group.get_rank() == want
     assert train_args.launcher_rank is launcher_env.launcher_rank
-    code = ("import sys, minizero, minizero.runtime.launcher_env, minizero.train.train_args; "
+    code = ("import sys, minizero, minizero.launcher_env, minizero.train.train_args; "
             "import logging; print('torch' in sys.modules, logging.getLogger('minizero').level)")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, SLURM_PROCID="2"),

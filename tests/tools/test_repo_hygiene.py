@@ -192,8 +192,8 @@ def test_docs_name_tests_that_exist():
 # ----------------------------------------------------------------------------- import cycles
 
 def module_name(path: Path) -> str:
-    """minizero/engine.py -> "engine", minizero/runtime/config.py -> "runtime.config",
-    minizero/checkpointing/__init__.py -> "checkpointing"; the package itself is "__init__"."""
+    """minizero/engine.py -> "engine", minizero/config.py -> "config",
+    minizero/checkpointing.py -> "checkpointing"; the package itself is "__init__"."""
     parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
@@ -232,7 +232,7 @@ def _package_imports(path: Path, modules: set[str]) -> list[tuple[str, int]]:
                 if up < 0:
                     continue
                 base = package[:up] + (node.module.split(".") if node.module else [])
-            for alias in node.names:     # from minizero.runtime import config: the module config
+            for alias in node.names:     # from minizero import config: the module config
                 out.append((known(base + [alias.name]), node.lineno))
     return [(m, line) for m, line in out if m in modules]
 
@@ -315,7 +315,7 @@ def test_import_cycle_finder_finds_a_deferred_cycle():
 
 def test_no_import_cycle_inside_minizero():
     graph = import_graph()
-    assert {"engine", "runtime.config", "zero0"} <= set(graph), "minizero/ not found where expected"
+    assert {"engine", "config", "zero0"} <= set(graph), "minizero/ not found where expected"
     cycles = import_cycles(graph)
     lines = []
     for cyc in cycles:
@@ -331,7 +331,7 @@ def test_no_import_cycle_inside_minizero():
 # checkpointing (a mechanism inside the step, DeepSpeed's public minizero.checkpointing) and
 # model checkpoints (the engine's save_checkpoint/load_checkpoint and minizero.consolidate are
 # DeepSpeed's API). Everything else watches or uses the core, and the core imports none of it.
-STANDS_ON = ("runtime", "checkpointing", "checkpoint")
+STANDS_ON = ("checkpoint_files",)
 
 
 def core_modules(graph: dict[str, dict[str, int]]) -> list[str]:
@@ -363,9 +363,9 @@ def periphery_reached(graph: dict[str, dict[str, int]], start: str) -> list[list
 
 
 def test_periphery_finder_follows_what_the_core_stands_on():
-    graph = {"engine": {"runtime.config": 3}, "runtime.config": {"observe.trace": 9}, "observe.trace": {},
+    graph = {"engine": {"config": 3}, "config": {"observe.trace": 9}, "observe.trace": {},
              "comm": {}}
-    assert periphery_reached(graph, "engine") == [["engine", "runtime.config", "observe.trace"]]
+    assert periphery_reached(graph, "engine") == [["engine", "config", "observe.trace"]]
     assert periphery_reached(graph, "comm") == []
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import minizero
-from minizero.checkpoint.checkpoint_folder import CheckpointError, complete_tags, optim_file
-from minizero.checkpoint.zero_to_fp32 import consolidate
+from minizero.checkpoint_files.checkpoint_folder import CheckpointError, complete_tags, optim_file
+from minizero.checkpoint_files.zero_to_fp32 import consolidate
 from minizero.partition import padded_numel, param_offsets, params_in_range, shard_range, shards_holding
 from tests.support.launcher import run_ranks
 from tests.tools.test_checkpoint_io import _one_step, checkpoint_config, checkpoint_engine, train_checkpointed
@@ -241,7 +241,7 @@ def _offline_equals_load_time(offline, original, stage):
 
 
 def test_reshard_cli_round_trip_equals_load_time_reshard(saved, tmp_path, capsys):
-    from minizero.checkpoint.reshard import main
+    from minizero.checkpoint_files.reshard import main
     d, full, carried = saved[1]
     out = str(tmp_path / "four")
     assert main([d, out, "--world-size", "4", "--stage", "3"]) == 0
@@ -262,7 +262,7 @@ def test_reshard_cli_round_trip_equals_load_time_reshard(saved, tmp_path, capsys
 
 
 def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch):
-    from minizero.checkpoint.reshard import main
+    from minizero.checkpoint_files.reshard import main
     d = saved[2][0]
     copy = str(tmp_path / "copy")
     shutil.copytree(d, copy)
@@ -273,7 +273,7 @@ def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch)
     foreign.mkdir(parents=True)
     torch.save({"module": {}, "ds_config": {}}, str(foreign / "mp_rank_00_model_states.pt"))
     (tmp_path / "ds" / "latest").write_text("global_step1")
-    monkeypatch.setitem(sys.modules, "minizero.checkpoint.deepspeed_checkpoint", None)   # as if it were not there
+    monkeypatch.setitem(sys.modules, "minizero.checkpoint_files.deepspeed_checkpoint", None)   # as if it were not there
     cases = [
         ([str(tmp_path / "nope"), str(tmp_path / "o1"), "--world-size", "2"], "no such directory"),
         ([d, str(tmp_path / "o2"), "--world-size", "0"], "--world-size must be a whole number >= 1, got 0"),
@@ -296,7 +296,7 @@ def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch)
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "o6"))
 
 
-@pytest.mark.parametrize("module", ["minizero.checkpoint.reshard", "minizero.checkpoint.export_deepspeed"])
+@pytest.mark.parametrize("module", ["minizero.checkpoint_files.reshard", "minizero.checkpoint_files.export_deepspeed"])
 def test_a_pickle_that_is_no_checkpoint_is_one_line(module, tmp_path, capsys):
     """Both commands that rewrite a checkpoint share one error path (checkpoint_folder.command_error):
     a model file that unpickles but holds no usable checkpoint is one line naming SRC, not a traceback."""
@@ -358,7 +358,7 @@ def test_foreign_folders_are_one_line(tmp_path, monkeypatch):
     ds = tmp_path / "ds" / "global_step1"           # DeepSpeed's ZeRO-3 names, no reader
     ds.mkdir(parents=True)
     torch.save({"module": None}, str(ds / "zero_pp_rank_0_mp_rank_00_model_states.pt"))
-    monkeypatch.setitem(sys.modules, "minizero.checkpoint.deepspeed_checkpoint", None)
+    monkeypatch.setitem(sys.modules, "minizero.checkpoint_files.deepspeed_checkpoint", None)
     with pytest.raises(CheckpointError, match="looks like DeepSpeed's: reading DeepSpeed checkpoints is not available"):
         checkpoint_engine(2, "fp32").load_checkpoint(str(tmp_path / "ds"), tag="global_step1")
 
@@ -388,7 +388,7 @@ def test_data_position_at_another_world_size(monkeypatch):
     m' go on at floor(b*m*N / (m'*M)); --epochs still ends after its last epoch."""
     from types import SimpleNamespace
 
-    from minizero.checkpoint import checkpoint_io
+    from minizero.checkpoint_files import checkpoint_io
     from minizero import comm
     from minizero.train import runsetup
 

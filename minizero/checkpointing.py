@@ -41,9 +41,9 @@ Layout: this file is the mechanism and the one owner of module state (config, co
 buffers, timings). The keys are declared once, as `ActivationCheckpointingConfig` in
 config.py; their precedence, checks and meaning under pure data parallelism are in
 checkpointing_config.py; where the kept inputs wait for backward (as they are, pinned CPU
-copies, contiguous buffer slots) in checkpoint_buffers.py; the bytes-held-for-backward
-measuring tool in saved_bytes.py; their public names are re-exported here
-(minizero.checkpointing.configure).
+copies, contiguous buffer slots) in checkpointing_buffers.py. The tool that measures the
+bytes held for backward, with and without checkpointing, watches from outside the core:
+minizero/observe/saved_bytes.py.
 """
 from __future__ import annotations
 
@@ -55,18 +55,15 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from . import checkpoint_buffers
-from .. import comm
+from . import checkpointing_buffers as buffers, comm
 from .checkpointing_config import check, describe, resolve
-from ..runtime.config import ActivationCheckpointingConfig
-from .saved_bytes import SavedBytes, count_saved_bytes, saved_bytes_for_backward
+from .config import ActivationCheckpointingConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "configure", "configure_from", "is_configured", "reset", "checkpoint", "CheckpointFunction", "get_config",
     "ActivationCheckpointingConfig", "timings", "in_recompute",
-    "count_saved_bytes", "saved_bytes_for_backward", "SavedBytes",
 ]
 
 
@@ -236,9 +233,9 @@ class CheckpointFunction(torch.autograd.Function):
         # them: it checks they were not modified in place and saved_tensors_hooks see them.
         # DeepSpeed keeps them as ctx.deepspeed_saved_tensors instead, invisible to
         # saved_tensors_hooks: count those by hand when comparing bytes held for backward.
-        saved = [checkpoint_buffers.stash(i, t, _cfg, _buffers, _offsets) for i, t in enumerate(tensors)]
+        saved = [buffers.stash(i, t, _cfg, _buffers, _offsets) for i, t in enumerate(tensors)]
         ctx.save_for_backward(*saved)
-        ctx.offloaded = checkpoint_buffers.offload_events(tensors, saved)
+        ctx.offloaded = buffers.offload_events(tensors, saved)
 
         flat = out_spec.flatten(outputs)
         ctx.mark_non_differentiable(*[o for o in flat if not o.is_floating_point()])
@@ -268,7 +265,7 @@ class CheckpointFunction(torch.autograd.Function):
             torch.cuda.current_stream(dev).wait_event(ev)
         # Fresh leaves on the original device: the recompute builds its own small graph
         # rooted at them, and their .grad is what we hand back to the outer graph.
-        leaves = iter([checkpoint_buffers.restore_to_device(t, dev).detach().requires_grad_(rg)
+        leaves = iter([buffers.restore_to_device(t, dev).detach().requires_grad_(rg)
                        for t, dev, rg in zip(saved, ctx.devices, ctx.inputs_requires_grad)])
         non_tensors = iter(ctx.non_tensors)
         inputs = [next(leaves) if is_t else next(non_tensors) for is_t in ctx.is_tensor]

@@ -27,9 +27,9 @@ from torch import nn
 from .checkpoint_folder import MODEL_FILE, CheckpointError, command_error, optim_file, publish, rng_file, tag_folder
 from .checkpoint_io import open_checkpoint, rank_span
 from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
-from ..runtime.config import ZeroConfig
+from ..config import ZeroConfig
 from ..partition import padded_numel
-from ..runtime.version import __version__
+from ..version import __version__
 
 PROG = "python -m minizero.reshard"
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -129,7 +129,7 @@ def _write(source, layout: list[dict], tmp: str, world_size: int, stage: int, sh
 def _adam_defaults(config: dict | None, world_size: int) -> dict:
     """The param-group keys of the Adam the saved config builds (sharded_optimizer.build_optimizer),
     for a source that does not carry them all; AdamW's when the config cannot say."""
-    from ..runtime.config import load_config
+    from ..config import load_config
     from ..sharded_optimizer import build_optimizer
     dummy = [{"params": [nn.Parameter(torch.zeros(1))]}]
     try:

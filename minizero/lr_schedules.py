@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from minizero.runtime.errors import ConfigError
+from .errors import ConfigError
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"

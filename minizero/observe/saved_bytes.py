@@ -4,7 +4,7 @@ Used to compare what minizero.checkpointing keeps for backward with no checkpoin
 with DeepSpeed (tests/core/test_checkpointing*.py, reference/activation_bytes.py). It counts the
 distinct storages autograd saves, via torch.autograd.graph.saved_tensors_hooks; DeepSpeed
 keeps its checkpoint inputs on ctx.deepspeed_saved_tensors, which the hooks never see, so
-those are counted by hand there. Also importable from minizero.checkpointing.
+those are counted by hand there.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 
-from minizero.runtime.errors import ConfigError
+from .errors import ConfigError
 
 def unknown_key(key: str, full: str, path: str, accepted) -> str:
     """The error for a key a section does not have, in one line. Most are typos of one it

@@ -65,7 +65,7 @@ from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
                                fill_missing_hparams, rank_state)
 from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # noqa: F401  (rank_span: reshard.py)
-from ..runtime.version import __version__
+from ..version import __version__
 
 logger = logging.getLogger("minizero")
 

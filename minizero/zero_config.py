@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from minizero.runtime.config_schema import Section, boolean, integer, key, number, only, optional
-from minizero.runtime.errors import ConfigError
+from .config_schema import Section, boolean, integer, key, number, only, optional
+from .errors import ConfigError
 
 
 def _offload_device(v, path):

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from minizero.runtime.config import ActivationCheckpointingConfig, read_json
+from .config import ActivationCheckpointingConfig, read_json
 
 __all__ = ["resolve", "check", "describe"]
 

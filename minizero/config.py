@@ -30,11 +30,11 @@ from typing import Optional
 
 import torch
 
-from minizero.runtime import lr_schedules
-from minizero.runtime.config_schema import (Section, anything, boolean, integer, key, list_of, number, only, optional, real,
+from . import lr_schedules
+from .config_schema import (Section, anything, boolean, integer, key, list_of, number, only, optional, real,
                                     string)
-from minizero.runtime.errors import ConfigError
-from minizero.runtime.zero_config import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,
+from .errors import ConfigError
+from .zero_config import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,
                                           _zero, ignored_knobs, ignored_knobs_note)
 
 __all__ = ["ConfigError", "Config", "AioConfig", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
