@@ -239,12 +239,6 @@ class Pending:
 # name and the ledger's per-label breakdown, and async_op: False (the default) returns when
 # the collective is done; True returns a Pending to wait() on before touching the tensors.
 
-def _ranks() -> int:
-    """How many ranks the (default) group has: what process_group.get_world_size says, read
-    here without a call out of this file, as every collective asks."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _done(_) -> None:
     """One rank: the collective was a local copy, done already; no work handle."""
     return None
@@ -253,7 +247,7 @@ def _done(_) -> None:
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str | None = None,
                            group=None, async_op: bool = False):
     """output (N*n elements) <- concatenation of every rank's `shard` (n elements), rank order."""
-    n = _ranks()
+    n = get_world_size(group)
     assert output.numel() == shard.numel() * n, (output.numel(), shard.numel(), n)
     if n == 1:
         call = lambda: _done(output.copy_(shard.view_as(output)))
@@ -267,7 +261,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str | None = None,
                           group=None, async_op: bool = False):
     """output (n elements) <- SUM over ranks of chunk `rank` of `full` (N*n elements)."""
-    n = _ranks()
+    n = get_world_size(group)
     assert full.numel() == output.numel() * n, (full.numel(), output.numel(), n)
     if n == 1:
         call = lambda: _done(output.copy_(full.view_as(output)))
@@ -281,7 +275,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str |
 def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
                group=None, async_op: bool = False):
     """In place. `op` is "sum" or "max" (the fp16 overflow vote uses max)."""
-    n = _ranks()
+    n = get_world_size(group)
     call = lambda: None
     if n > 1:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
@@ -293,7 +287,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
 
 def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, group=None) -> torch.Tensor:
     """In place: every rank's `tensor` becomes rank `src`'s."""
-    n = _ranks()
+    n = get_world_size(group)
     call = lambda: None
     if n > 1:
         call = lambda: dist.broadcast(tensor, src=src, group=group)

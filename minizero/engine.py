@@ -11,7 +11,7 @@
                              5. share new parameters    (ZeRO-1/2 all-gather; ZeRO-3 gathers on use)
                              6. LR schedule, counters
 
-Two objects do the work: `self.zero`, the stage (zero0-3.py: where parameters and
+Two objects do the work: `self.stage`, the stage (zero0-3.py: where parameters and
 gradients live, which collective moves them, and when), and `self.sharded_optimizer`
 (sharded_optimizer.py: the step on this rank's shard, the same at every stage). With
 ZeRO-Offload a third, `self.offload` (offload.py), says what lives in host memory.
@@ -63,18 +63,18 @@ class Engine(torch.nn.Module):
         model.to(device=self.device, dtype=self.dtype)  # bf16/fp16: the module computes in low precision
         self.module = model
         groups = param_groups_of(model, model_parameters)
-        self.zero = STAGES[self.config.zero.stage](model, groups, self.config.zero)
+        self.stage = STAGES[self.config.zero.stage](model, groups, self.config.zero)
         self.offload = HostOffload.from_config(self.config.zero, self.device)   # None: all on the device
         opt_on_host = self.offload is not None and self.offload.optimizer
-        self.sharded_optimizer = ShardedOptimizer(self.zero.flat_params, groups,
+        self.sharded_optimizer = ShardedOptimizer(self.stage.flat_params, groups,
                                                   lambda gs: build_optimizer(gs, self.config.optimizer, opt_on_host),
                                                   offload=self.offload)
         self.optimizer = self.sharded_optimizer.optimizer   # torch's Adam(W), on the fp32 master shards
         if self.offload is not None:
-            self.offload.move_param_shards(self.zero.flat_params)   # offload_param: ZeRO-3's shards to the host
+            self.offload.move_param_shards(self.stage.flat_params)   # offload_param: ZeRO-3's shards to the host
             self.offload.start_swapping(self.sharded_optimizer, self.config.aio)   # "nvme": on to their files
             if self.global_rank == 0:
-                logger.info(self.offload.describe(self.zero.flat_params))
+                logger.info(self.offload.describe(self.stage.flat_params))
 
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
             lr_scheduler = lr_scheduler(self.optimizer)  # a factory of the optimizer
@@ -138,9 +138,9 @@ class Engine(torch.nn.Module):
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        self.zero.prepare_backward(self.is_gradient_accumulation_boundary())
+        self.stage.prepare_backward(self.is_gradient_accumulation_boundary())
         scaled.backward()
-        self.zero.finish_backward()
+        self.stage.finish_backward()
         return loss
 
     # ------------------------------------------------------------------ step
@@ -153,7 +153,7 @@ class Engine(torch.nn.Module):
     @comm.observed("step")
     def _take_model_step(self) -> None:
         opt = self.sharded_optimizer
-        self.zero.reduce_gradients()                                    # 1
+        self.stage.reduce_gradients()                                    # 1
         # The scale this step's backward used: unscale by it even after the scaler updates
         # below (DeepSpeed reads the updated one: docs/deepspeed.md, "The step on which the
         # loss scale grows").
@@ -170,7 +170,7 @@ class Engine(torch.nn.Module):
             self._global_grad_norm = float("inf")
         else:
             opt.step(norm_sq, scale, self.config.gradient_clipping)     # 4
-            self.zero.after_step()                                      # 5
+            self.stage.after_step()                                      # 5
             opt.zero_grad()
             # == float(norm) / scale, bit for bit, without a second sync: sqrt is correctly
             # rounded in fp64 on every device, and the fp32 rounding is done on the host.
@@ -211,9 +211,9 @@ class Engine(torch.nn.Module):
         full low-precision gradient, ZeRO-2/3 only its reduced shard."""
         opt = self.sharded_optimizer
         where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
-        for f in self.zero.flat_params:
+        for f in self.stage.flat_params:
             where["host" if f.shard_on_host else "device"]["params"] += f.param_bytes()
-        where["device"]["grads"] = self.zero.grad_bytes()
+        where["device"]["grads"] = self.stage.grad_bytes()
         opt_place = "host" if opt.on_host else "device"
         where[opt_place]["master_params"] = opt.master_bytes()
         where[opt_place]["optimizer_states"] = opt.state_bytes()

@@ -47,7 +47,7 @@ from .partition import FlatPlan, padded_numel, shard_range, unflatten
 
 class FlatParam:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], label: str, *, group: int,
-                 num_shards: int, shard_index: int, keep_full: bool = True):
+                 num_shards: int, shard_index: int, persistent: bool = True):
         assert params, "a FlatParam needs at least one parameter"
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"{label}: parameters of one FlatParam must share a dtype, got {dtypes}"
@@ -73,8 +73,8 @@ class FlatParam:
         # Start every rank from rank 0's weights (DeepSpeed's `_broadcast_model`), before
         # anything is sharded, so a model initialised differently per rank still agrees.
         comm.broadcast(self.full, src=0, label=f"{label}.init")
-        self.keep_full = keep_full
-        if keep_full:
+        self.persistent = persistent
+        if persistent:
             self.shard = self.full[self.shard_start:self.shard_end]   # a view: in-place all-gather
         else:
             self.shard = self.full[self.shard_start:self.shard_end].clone()
@@ -113,7 +113,7 @@ class FlatParam:
             p.data = v
 
     def all_gather(self, label: str = "params", async_op: bool = False):
-        """full <- every rank's shard. With keep_full the shard is already in place. A shard
+        """full <- every rank's shard. With persistent the shard is already in place. A shard
         in host memory (offload_param) is copied into this rank's slice of `full` first,
         and that slice is the gather's input: in place again, no temporary on the device.
         async_op (ZeRO-3 prefetch, ZeRO-1/2's gather after the step): returns the Pending;
@@ -151,7 +151,7 @@ class FlatParam:
 
     def param_bytes(self) -> int:
         """Bytes of low-precision parameters this rank keeps between uses."""
-        return (self.padded_numel if self.keep_full else self.shard_numel) * self.full.element_size()
+        return (self.padded_numel if self.persistent else self.shard_numel) * self.full.element_size()
 
     # -- gradients: reduce ----------------------------------------------------------------
     def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
@@ -255,7 +255,7 @@ def all_gather_params(flats: list[FlatParam]) -> None:
 def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:
     """The FlatParam a plan describes, over the module's parameters of those names."""
     return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
-                     num_shards=num_shards, shard_index=shard_index, keep_full=plan.keep_full)
+                     num_shards=num_shards, shard_index=shard_index, persistent=plan.persistent)
 
 
 class CopiedThenGathered:

@@ -142,7 +142,7 @@ def held_bytes(engine) -> dict:
     gathered, "shard": elements of this rank's shards, padding included} (at stage 0 both
     are the whole model), so a comparison can tell padding from anything else.
     """
-    zero, opt = engine.zero, engine.sharded_optimizer
+    zero, opt = engine.stage, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
     # "device": "nvme": writes in flight finished first, so each state is counted in one place
     nvme = offload.swapped_out_bytes() if offload is not None and offload.swappers else None
@@ -167,7 +167,7 @@ def held_bytes(engine) -> dict:
                                if torch.is_tensor(v) and v.dim() > 0], opt.on_host)   # not Adam's scalar step
     for f in zero.flat_params:
         claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
-    elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.keep_full),
+    elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.persistent),
                 "shard": sum(f.shard_numel for f in zero.flat_params)}
     if nvme is None:
         return {**placed(where["device"], where["host"]), "elements": elements}

@@ -98,7 +98,7 @@ class HostOffload:
         Persistent ones keep their shard as a view of the gathered buffer, on the device."""
         moved = 0
         for f in flat_params:
-            if self.params and not f.keep_full and not f.shard_on_host:
+            if self.params and not f.persistent and not f.shard_on_host:
                 host = host_empty(f.shard_numel, f.dtype, self.pin_params)
                 comm.copy_to_host(host, f.shard, label=f"{f.label}.offload_param")
                 f.shard, f.shard_on_host = host, True
@@ -306,7 +306,7 @@ class HostOffload:
             parts.append("offload_optimizer: fp32 master shard + Adam moments in host memory, Adam on the CPU")
         if self.params:
             moved = [f for f in flat_params if f.shard_on_host]
-            kept = [f for f in flat_params if f.keep_full]
+            kept = [f for f in flat_params if f.persistent]
             parts.append(f"offload_param: {len(moved)} partitioned parameter shard(s) in host memory"
                          + (f"; {len(kept)} persistent FlatParam(s) (parameters <= "
                             f"stage3_param_persistence_threshold) stay gathered on the device" if kept else ""))

@@ -72,7 +72,7 @@ def bucketize(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
 @dataclass(frozen=True)
 class FlatPlan:
     """One FlatParam before it exists: which parameters (by name, in buffer order) it
-    flattens, its param group, and whether ZeRO-3 keeps it gathered (`keep_full`).
+    flattens, its param group, and whether ZeRO-3 keeps it gathered (`persistent`).
 
     Every stage decides its layout as a list of these (buckets.bucket_plan,
     zero3.unit_plan) and then builds its FlatParams from the list. The plan depends on the
@@ -82,7 +82,7 @@ class FlatPlan:
     group: int
     names: tuple
     numels: tuple
-    keep_full: bool = True
+    persistent: bool = True
 
     @property
     def numel(self) -> int:

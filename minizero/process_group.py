@@ -112,8 +112,9 @@ def get_rank() -> int:
     return launcher_rank()
 
 
-def get_world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+def get_world_size(group=None) -> int:
+    """Ranks in `group` (default: all); 1 with no process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
 
 
 def get_local_rank() -> int:

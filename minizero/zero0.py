@@ -1,4 +1,4 @@
-"""Stage 0: plain data parallelism, the baseline every ZeRO stage is measured against.
+"""Stage 0: plain data parallelism, the baseline every ZeRO stage builds on.
 
 Every rank holds everything: low-precision parameters (2Ψ bytes in bf16/fp16), their
 gradients (2Ψ), an fp32 master copy (4Ψ) and Adam's two moments (8Ψ): the 16Ψ of the
@@ -6,31 +6,78 @@ ZeRO paper's baseline (Rajbhandari et al., SC'20, section 3.1). After backward, 
 all-reduce of the flat gradient averages it across ranks; each rank then takes the same
 optimizer step on the same numbers.
 
-Each stage (zero0-3.py) is a `Stage` (stage.py): the same four methods, called by
-engine.py; this one adds nothing to them but its buckets and its collective.
+This class is also the protocol of every stage. zero1.py derives from it, zero2.py from
+zero1.py, zero3.py from zero2.py, and each file shows only what its stage adds. The engine
+calls, in this order (plus `grad_bytes` for memory_breakdown):
 
-Stage 0: one FlatParam per gradient bucket (reduce_bucket_size elements; DeepSpeed's
-default makes that one per param group), not sharded (num_shards = 1: a rank's "shard" is
-the whole buffer), each reduced by one all-reduce at the boundary, or with `overlap_comm`
-from backward hooks as it fills (buckets.py).
+    prepare_backward(b)  before each micro-batch's backward (b: it is the step's last)
+    finish_backward()    after it returns
+    reduce_gradients()   at the accumulation boundary, before the step
+    after_step()         after the optimizer updated this rank's shard
+    grad_bytes()         gradient bytes a rank holds at the end of backward
+
+What a stage decides is *where state lives and which collective moves it*: its buckets
+(`make_buckets`: each a FlatParam, or a ZeRO-3 unit's FlatParams), `flat_params` (what the
+optimizer shards), and `reduce` (the collective on one bucket's gradient). The step itself
+(norm, clip, Adam on the fp32 masters) is the same at every stage: sharded_optimizer.py.
+`grad_buckets` holds the backward hooks that reduce each bucket as its last gradient
+arrives (buckets.py).
+
+Stage 0's buckets: one FlatParam per gradient bucket (reduce_bucket_size elements;
+DeepSpeed's default makes that one per param group), not sharded (num_shards = 1: a rank's
+"shard" is the whole buffer), each reduced by one all-reduce at the boundary, or with
+`overlap_comm` from backward hooks as it fills (DDP's bucketed all-reduce).
 """
 from __future__ import annotations
 
 import torch
 
-from .buckets import replicated_buckets
+from .buckets import Bucket, GradBuckets, replicated_buckets
 from .flat_param import FlatParam
-from .stage import Stage, keep_grad_buffers
 
 
-class DataParallel(Stage):
+class DataParallel:
     """Gradients accumulate in p.grad over the micro-steps; with overlap_comm the last
     micro-step's backward all-reduces each bucket as it fills (DDP); without, one all-reduce
     per bucket's flat buffer at the boundary (one collective per bucket rather than one per
     parameter)."""
     stage = 0
+    reduce_every_micro_step = False   # gradients accumulate in p.grad; reduced once per step
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        buckets = replicated_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
-        super().__init__(buckets, FlatParam.all_reduce_grad, every_micro_step=False, zero_cfg=zero_cfg)
-        keep_grad_buffers(self.flat_params)
+        self.buckets = self.make_buckets(module, param_groups, zero_cfg)
+        self.flat_params = [f for b in self.buckets for f in b.flats]
+        self.grad_buckets = GradBuckets(self.buckets, self.reduce, every_micro_step=self.reduce_every_micro_step,
+                                        overlap=bool(zero_cfg.overlap_comm))
+        # On a CPU, reuse each bucket's flat gradient buffer every step (flat_param.py,
+        # keep_grad_buffer): this stage holds the full gradient at the end of backward anyway.
+        for f in self.flat_params:
+            f.keep_grad_buffer = f.device.type == "cpu"
+
+    def make_buckets(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg) -> list[Bucket]:
+        return replicated_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
+
+    def reduce(self, flat: FlatParam, async_op: bool):
+        """The collective on one bucket's gradient: the rank-averaged whole."""
+        return flat.all_reduce_grad(async_op=async_op)
+
+    def prepare_backward(self, boundary: bool = True) -> None:
+        self.grad_buckets.prepare_backward(boundary)
+
+    def finish_backward(self) -> None:
+        """Buckets some of whose parameters got no gradient: reduce them now, zeros for the
+        missing ones, in bucket order so every rank issues the same collectives; then wait
+        for every reduction in flight."""
+        self.grad_buckets.finish_backward()
+
+    def reduce_gradients(self) -> None:
+        """Every bucket's reduction, at the boundary (done already in the last backward with
+        overlap_comm)."""
+        self.grad_buckets.reduce_all()
+
+    def after_step(self) -> None:
+        """Nothing: every rank took the same step on the whole model."""
+
+    def grad_bytes(self) -> int:
+        """The full low-precision gradient (held at the end of backward)."""
+        return sum(f.numel for f in self.flat_params) * self.flat_params[0].full.element_size()

@@ -2,10 +2,13 @@
 
 Adam keeps, per parameter, an fp32 master copy and two fp32 moments: 12 of the 16 bytes
 per parameter of mixed-precision training. None of it is needed by forward or backward,
-only by the update, and the update is element-wise. So rank r keeps those 12 bytes only for its 1/N slice of the flat parameter buffer and updates only that slice. That code
-is not in this file: every stage shares it (sharded_optimizer.py, `ShardedOptimizer`, builds
-the fp32 master and Adam's moments for this rank's shard); what this file adds is only
-*how the gradient slice arrives* and the all-gather after the step:
+only by the update, and the update is element-wise. So rank r keeps those 12 bytes only
+for its slice of the parameters and updates only that slice. The paper draws one buffer of
+all Ψ parameters cut into N pieces; minizero cuts each gradient bucket's flat buffer
+(buckets.py), so rank r owns slice r of every bucket: the same 1/N, up to padding. The
+update itself is not in this file: every stage shares it (sharded_optimizer.py builds the
+fp32 master and Adam's moments for this rank's shard). What this file adds to stage 0
+(zero0.py) is only *how the gradient slice arrives* and the all-gather after the step:
 
     memory per rank: 2Ψ (lp params) + 2Ψ (lp grads) + 12Ψ/N
 
@@ -33,21 +36,24 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import size_buckets
+from .buckets import Bucket, size_buckets
 from .flat_param import FlatParam, all_gather_params
-from .stage import Stage, keep_grad_buffers
+from .zero0 import DataParallel
 
 
-class Zero1(Stage):
+class Zero1(DataParallel):
     """Gradients accumulate in p.grad over the micro-steps; with overlap_comm the last
     micro-step's backward reduce-scatters each bucket as it fills; without, each bucket's
     flat gradient is reduce-scattered at the boundary: rank r keeps the averaged slice r only."""
     stage = 1
 
-    def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        buckets = size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
-        super().__init__(buckets, FlatParam.reduce_scatter_grad, every_micro_step=False, zero_cfg=zero_cfg)
-        keep_grad_buffers(self.flat_params)
+    def make_buckets(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg) -> list[Bucket]:
+        """The same buckets, each cut into N shards: rank r owns slice r of every bucket."""
+        return size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
+
+    def reduce(self, flat: FlatParam, async_op: bool):
+        """Only this rank's slice of the rank-averaged gradient."""
+        return flat.reduce_scatter_grad(async_op=async_op)
 
     def after_step(self) -> None:
         """Every rank updated only its slice: all-gather the new low-precision parameters.

@@ -26,37 +26,39 @@ Mechanics:
   one rank only would reduce buckets in a different order per rank; DeepSpeed's hooks
   have the same requirement.
 
-Communication is ZeRO-1's: reduce-scatter + all-gather = one all-reduce's volume.
+Communication per micro-step is ZeRO-1's: reduce-scatter + all-gather = one all-reduce's
+volume, Ψ(N-1)/N each way. With gradient accumulation it is not the same: ZeRO-2
+reduce-scatters in every micro-step's backward (it cannot keep the full gradient to sum
+locally: that is what it saves), so A micro-steps per step move (A + 1)·Ψ(N-1)/N per rank,
+against 2Ψ(N-1)/N for stage 0 and ZeRO-1, which reduce once per step.
 
-ZeRO-3 (zero3.py) is this class with one change of layout and two additions: each module
-is its own bucket, its parameters are sharded too, gathered around its forward and
-backward and freed again after its bucket is reduced.
+What this file adds to ZeRO-1 (zero1.py): reduce in every micro-step (`reduce_every_micro_step`,
+so the hooks are on and the full gradient is dropped bucket by bucket), nothing left to
+reduce at the boundary, no kept full-size gradient buffer, and the shard as the gradient
+bytes a rank holds. ZeRO-3 (zero3.py) builds on this class in turn.
 """
 from __future__ import annotations
 
 import torch
 
-from .buckets import size_buckets
-from .flat_param import FlatParam, all_gather_params
-from .stage import Stage
+from .zero1 import Zero1
 
 
-class Zero2(Stage):
+class Zero2(Zero1):
     """Each bucket's gradients are reduce-scattered in every micro-step's backward, as soon
     as all of them have arrived (buckets.py), asynchronously with overlap_comm; rank r keeps
     the averaged slice r only, accumulated over the micro-steps."""
     stage = 2
+    reduce_every_micro_step = True
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        buckets = size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
-        super().__init__(buckets, FlatParam.reduce_scatter_grad, every_micro_step=True, zero_cfg=zero_cfg)
+        super().__init__(module, param_groups, zero_cfg)
+        for f in self.flat_params:   # the full gradient must not outlive its reduction
+            f.keep_grad_buffer = False
 
     def reduce_gradients(self) -> None:
         """Nothing left to do at the boundary: every micro-step was reduced in backward."""
 
-    def after_step(self) -> None:
-        """Every rank updated only its slice: all-gather the new low-precision parameters."""
-        all_gather_params(self.flat_params)
-
     def grad_bytes(self) -> int:
+        """Only this rank's reduced slice of each bucket."""
         return sum(f.shard_numel for f in self.flat_params) * self.flat_params[0].full.element_size()

@@ -11,7 +11,8 @@ memory_breakdown, comm_stats, the ledger per label, and hashes of the full fp32 
 of every optimizer-state tensor. Runs: a matrix of engine configurations on gloo ranks
 (stages 0-3 x fp32/bf16/fp16 x gradient accumulation 1/2, clipping off, fp16 overflows,
 activation checkpointing, a model with unused parameters, small ZeRO-2 buckets, ZeRO-3
-persistence thresholds, world sizes 1/2/4), plus every minizero run of the agreement tests
+persistence thresholds, prefetch and live limits, an evaluation forward, overlap_comm, offload
+to host memory and to NVMe files, world sizes 1/2/4), plus every minizero run of the agreement tests
 (tests/support/agreement.py ALL_MZ_KEYS).
 """
 from __future__ import annotations
@@ -49,7 +50,33 @@ def cases() -> list[dict]:
     out.append(dict(stage=3, dtype="bf16", gas=2, world=2, zero=dict(stage3_param_persistence_threshold=0)))
     out.append(dict(stage=3, dtype="fp16", gas=1, world=2, zero=dict(stage3_param_persistence_threshold=10**9)))
     out.append(dict(stage=3, dtype="bf16", gas=1, world=2, ckpt=True, plain=True))
+    # when data moves: overlap at stages 0/1, the paper's on-demand ZeRO-3, a tight live limit,
+    # and an evaluation forward between steps (the prefetcher's reset)
+    for st in (0, 1):
+        out.append(dict(stage=st, dtype="bf16", gas=2, world=2, zero=dict(overlap_comm=True)))
+    out.append(dict(stage=3, dtype="bf16", gas=2, world=2, zero=dict(
+        stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)))
+    out.append(dict(stage=3, dtype="fp32", gas=2, world=2, evaluate=True, zero=dict(
+        stage3_param_persistence_threshold=0, stage3_max_live_parameters=30000)))
+    # where shards live: host memory and NVMe files
+    for st in (1, 2, 3):
+        for dt in ("fp32", "bf16"):
+            out.append(dict(stage=st, dtype=dt, gas=2, world=2, zero=dict(offload_optimizer={"device": "cpu"})))
+    for dt in ("fp32", "bf16"):
+        out.append(dict(stage=3, dtype=dt, gas=2, world=2, zero=dict(
+            stage3_param_persistence_threshold=0, offload_param={"device": "cpu"})))
+        out.append(dict(stage=3, dtype=dt, gas=2, world=2, zero=dict(
+            stage3_param_persistence_threshold=0, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})))
+    out.append(dict(stage=3, dtype="bf16", gas=2, world=2, nvme=True, zero=dict(
+        stage3_param_persistence_threshold=0, offload_param={"device": "nvme"}, offload_optimizer={"device": "nvme"})))
+    out.append(dict(stage=2, dtype="fp32", gas=1, world=2, nvme=True, zero=dict(offload_optimizer={"device": "nvme"})))
     return out
+
+
+def _with_nvme_paths(zero: dict, folder: str) -> dict:
+    """The case's offload sections, with their nvme_path under `folder`."""
+    return {k: dict(v, nvme_path=folder) if isinstance(v, dict) and v.get("device") == "nvme" else v
+            for k, v in zero.items()}
 
 
 def _run_case(c: dict, rank: int, world: int) -> dict:
@@ -63,6 +90,9 @@ def _run_case(c: dict, rank: int, world: int) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": c["gas"],
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
            "gradient_clipping": c.get("clip", 1.0), "zero_optimization": {"stage": c["stage"], **c.get("zero", {})}}
+    if c.get("nvme"):
+        import tempfile
+        cfg["zero_optimization"] = _with_nvme_paths(cfg["zero_optimization"], tempfile.mkdtemp(prefix="snap_nvme_"))
     if c["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     if c["dtype"] == "fp16":
@@ -85,6 +115,12 @@ def _run_case(c: dict, rank: int, world: int) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()).hex())
+        if c.get("evaluate"):   # a forward without backward between steps
+            engine.eval()
+            with torch.no_grad():
+                _, eval_loss = engine(x[:mb], y[:mb])
+            engine.train()
+            losses.append(float(eval_loss).hex())
         norm = engine.get_global_grad_norm()
         rec["steps"].append(dict(loss=losses, norm=None if norm is None else float(norm).hex(),
                                  scale=engine.loss_scale, skipped=engine.skipped_steps))

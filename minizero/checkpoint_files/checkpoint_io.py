@@ -71,14 +71,14 @@ logger = logging.getLogger("minizero")
 
 def _layout(engine) -> list[dict]:
     return [{"label": f.label, "names": f.names, "shapes": [tuple(s) for s in f.shapes],
-             "numel": f.numel, "padded_numel": f.padded_numel, "keep_full": f.keep_full, "group": f.group}
-            for f in engine.zero.flat_params]
+             "numel": f.numel, "padded_numel": f.padded_numel, "persistent": f.persistent, "group": f.group}
+            for f in engine.stage.flat_params]
 
 
 def _param_names(engine) -> list[str]:
     """The trained parameters in model order (named_parameters), which the layout does not
     keep (ZeRO-2/3 order buffers by bucket and by module)."""
-    trained = {n for f in engine.zero.flat_params for n in f.names}
+    trained = {n for f in engine.stage.flat_params for n in f.names}
     return [n for n, _ in engine.module.named_parameters() if n in trained]
 
 
@@ -112,7 +112,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     _refuse_non_finite(engine, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    rank, zero, opt = engine.global_rank, engine.zero, engine.sharded_optimizer
+    rank, zero, opt = engine.global_rank, engine.stage, engine.sharded_optimizer
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -195,7 +195,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
-    rank, zero, opt = engine.global_rank, engine.zero, engine.sharded_optimizer
+    rank, zero, opt = engine.global_rank, engine.stage, engine.sharded_optimizer
     meta = shard_state = rng = source = None
     err = None
     try:
@@ -231,7 +231,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
             m.copy_(saved_m)
             # In another dtype the low-precision weights are the masters rounded, as a step makes them.
             f.shard.copy_(saved_s if same_dtype else m)
-            if f.keep_full and f.num_shards > 1:
+            if f.persistent and f.num_shards > 1:
                 f.all_gather(label="load")
     if load_optimizer_states:
         opt.load_optimizer_state(shard_state["optimizer"])
@@ -308,16 +308,16 @@ def _deepspeed_source(path: str):
 def _same_layout(meta: dict, engine) -> bool:
     """Does the checkpoint hold exactly the shards this engine has (same FlatParams, same
     parameters in each, same number of shards)? Stage 0 is not sharded: any world size."""
-    stage = engine.zero.stage
+    stage = engine.zero_optimization_stage()
     if meta["stage"] != stage or (meta["world_size"] != engine.world_size and stage > 0):
         return False
     saved = [(list(f["names"]), [tuple(s) for s in f["shapes"]]) for f in meta["layout"]]
-    return saved == [(list(f.names), [tuple(s) for s in f.shapes]) for f in engine.zero.flat_params]
+    return saved == [(list(f.names), [tuple(s) for s in f.shapes]) for f in engine.stage.flat_params]
 
 
 def _reshard_state(engine, source, path: str, load_optimizer_states: bool) -> dict:
     """This rank's masters and Adam state, built from the source for this engine's layout."""
-    flats = engine.zero.flat_params
+    flats = engine.stage.flat_params
     check_same_model(source, {n: tuple(s) for f in flats for n, s in zip(f.names, f.shapes)}, path)
     groups = [set() for _ in engine.optimizer.param_groups]
     for f in flats:
@@ -340,7 +340,7 @@ def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, lo
         for f, m, new in zip(opt.flat_params, opt.masters, state["masters"]):
             m.copy_(new)
             f.shard.copy_(m)
-            if f.keep_full and f.num_shards > 1:
+            if f.persistent and f.num_shards > 1:
                 f.all_gather(label="load")
     if state["optimizer"] is not None:
         opt.load_optimizer_state(state["optimizer"])

@@ -40,7 +40,7 @@ def _moved_note(path: str, library: str, n: int, stage: int, dtype: str, saved_s
         lost.append(f"each batch is split over {ranks(m)}, not {n}, so data order and dropout masks differ from "
                     f"a run that never stopped")
     return (f"{path}: {lib} of {ranks(n)} at ZeRO stage {stage} {how} onto {ranks(m)} at stage "
-            f"{engine.zero.stage}: {carried}" + "".join(f"; {x}" for x in lost))
+            f"{engine.zero_optimization_stage()}: {carried}" + "".join(f"; {x}" for x in lost))
 
 
 def _dtype_name(d) -> str:

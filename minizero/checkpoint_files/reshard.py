@@ -54,7 +54,7 @@ def stand_in_model(names, shapes) -> nn.Module:
 def target_layout(source, stage: int) -> list[dict]:
     """The FlatParams stage `stage` builds for the source's model and param groups (with the
     saved config's reduce_bucket_size and stage3_param_persistence_threshold): per FlatParam
-    {"label", "names", "shapes", "group", "keep_full"}, in buffer order."""
+    {"label", "names", "shapes", "group", "persistent"}, in buffer order."""
     from ..observe.memory_table import layout
     model = stand_in_model(source.names, source.shapes)
     params = dict(model.named_parameters())
@@ -65,7 +65,7 @@ def target_layout(source, stage: int) -> list[dict]:
                             if isinstance(saved_zero, dict) else {}, "zero_optimization")
     plans = layout(model, groups, stage, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold)
     return [{"label": p.label, "names": list(p.names), "shapes": [tuple(source.shapes[n]) for n in p.names],
-             "group": p.group, "keep_full": p.keep_full} for p in plans]
+             "group": p.group, "persistent": p.persistent} for p in plans]
 
 
 def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = None, tag: str | None = None):
@@ -118,7 +118,7 @@ def _write(source, layout: list[dict], tmp: str, world_size: int, stage: int, sh
     torch.save({
         "minizero_version": __version__, "stage": stage, "world_size": world_size,
         "dtype": str(lp), "layout": [{k: f[k] for k in ("label", "names", "shapes", "numel", "padded_numel",
-                                                         "keep_full", "group")} for f in layout],
+                                                         "persistent", "group")} for f in layout],
         "param_names": list(source.names), **source.counters,
         "lr_scheduler": source.lr_scheduler, "loss_scaler": source.loss_scaler,
         "client_state": source.client_state, "config": config,

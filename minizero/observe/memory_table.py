@@ -69,7 +69,7 @@ def computed_breakdown(plans: list[FlatPlan], world: int, stage: int, dtype: str
     """memory_breakdown() of every rank (all ranks hold equal shards) for this layout."""
     off = offload_section(stage, offload)
     return expected_bytes([p.numel for p in plans], world, stage, mixed=dtype != "fp32",
-                          persistent=[p.keep_full for p in plans],
+                          persistent=[p.persistent for p in plans],
                           offload_optimizer="offload_optimizer" in off, offload_param="offload_param" in off,
                           nvme=offload == "nvme" and bool(off))
 

@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import checkpointing, comm
-from ..zero3 import on_backward
+from ..unit import on_backward
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
 # The parts of Engine._take_model_step timed on the `step` track: (the engine's attribute, its

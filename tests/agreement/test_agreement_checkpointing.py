@@ -55,7 +55,7 @@ def test_zero3_checkpointing_same_losses_weights_and_one_extra_gather_per_block(
         cp, cc = plain[r]["comm"], ck[r]["comm"]
         lay = ck[r]["layout"]
         n_blocks = ck[r]["n_blocks"]
-        block_flats = [f["label"] for f in lay if f["label"].startswith("blocks.") and not f["keep_full"]]
+        block_flats = [f["label"] for f in lay if f["label"].startswith("blocks.") and not f["persistent"]]
         per_block = len(block_flats) // n_blocks
         assert n_blocks == 2 and per_block == 2        # (decay, no-decay) FlatParam per block unit
 

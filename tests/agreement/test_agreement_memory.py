@@ -61,7 +61,7 @@ def test_minizero_memory_equals_its_layout_formula_and_the_paper_up_to_padding(s
     lay = _mz_layout(stage)
     mz = _mem(A.cached_mz(stage, "bf16"), rank, "after_backward")
     numels = [f["numel"] for f in lay]
-    exp = expected_bytes(numels, N, stage, mixed=True, persistent=[f["keep_full"] and stage == 3 for f in lay])
+    exp = expected_bytes(numels, N, stage, mixed=True, persistent=[f["persistent"] and stage == 3 for f in lay])
     assert mz == exp   # the four categories and their device / host split
     assert mz == _mem(A.cached_mz(stage, "bf16"), rank, "after_step")  # static: layout only
     psi = sum(numels)

@@ -243,7 +243,7 @@ def layout(n: int, c: Case) -> list:
 def flat_shards(lay: list, stage: int):
     """(Σ shard over all FlatParams, Σ shard over the partitioned (not kept full) ones)."""
     shard = sum(f["shard"] for f in lay)
-    partitioned = sum(f["shard"] for f in lay if stage == 3 and not f["keep_full"])
+    partitioned = sum(f["shard"] for f in lay if stage == 3 and not f["persistent"])
     return shard, partitioned
 
 
@@ -255,7 +255,7 @@ def test_minizero_offload_moves_12_psi_over_n_and_the_parameter_shard(n, c):
     lay = layout(n, c)
     assert lay == layout(n, c.off()), "offload must not change the layout"
     numels = [f["numel"] for f in lay]
-    persistent = [f["keep_full"] and c.stage == 3 for f in lay]
+    persistent = [f["persistent"] and c.stage == 3 for f in lay]
     mixed, b = c.dtype != "fp32", lp_bytes(c.dtype)
     shard, partitioned = flat_shards(lay, c.stage)
     psi, pad = sum(numels), sum(f["padded"] - f["numel"] for f in lay)
@@ -320,7 +320,7 @@ def named_differences(c: Case, n: int, rank: int) -> dict:
         S = zero3_partition_numel(numels, n)
         kept = [x for x in numels if x <= c.persist]
         S_kept = zero3_partition_numel(kept, n)
-        full_kept = sum(f["padded"] for f in lay if f["keep_full"])
+        full_kept = sum(f["padded"] for f in lay if f["persistent"])
         # the premise of the terms below: both libraries keep the same parameters gathered
         assert (full_kept > 0) == bool(kept) and (not kept or len(kept) == len(numels))
         lp_place = "host" if c.op else "device"

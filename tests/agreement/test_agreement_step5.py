@@ -201,7 +201,7 @@ def test_both_offload_what_the_config_says(runs):
     m = mz[0]["memory"]["after_step"][-1]
     assert m["host"]["optimizer_states"] == m["optimizer_states"] > 0
     assert m["host"]["master_params"] == m["master_params"] > 0
-    assert m["host"]["params"] == 0 and all(f["keep_full"] for f in mz[0]["layout"])
+    assert m["host"]["params"] == 0 and all(f["persistent"] for f in mz[0]["layout"])
     assert m["device"]["master_params"] == m["device"]["optimizer_states"] == 0
 
 

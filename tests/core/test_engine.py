@@ -275,7 +275,7 @@ def test_zero3_holds_no_gathered_parameter_between_steps():
 
 def test_zero3_default_threshold_keeps_small_params_gathered():
     run = er.get(**STAGE_RUNS["stage3_default"])
-    assert all(f["keep_full"] for f in run[0]["flats"])    # every micro param is < 1e5 elements
+    assert all(f["persistent"] for f in run[0]["flats"])    # every micro param is < 1e5 elements
     assert run[0]["z3_between_steps"]["n_partitioned"] == 0
 
 

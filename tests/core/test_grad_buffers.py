@@ -15,7 +15,7 @@ def reduced_buffers(stage: int, dtype: str, steps: int = 3) -> list[list[torch.T
     engine, model = micro_engine(make_config(stage, dtype, micro_batch=2, lr=1e-3))
     batches = SyntheticBatches(model.config.vocab_size, model.config.block_size, 2)
     seen: list[list[torch.Tensor]] = []
-    flats = engine.zero.flat_params
+    flats = engine.stage.flat_params
     for f in flats:
         grad = f.flat_grad
         f.flat_grad = lambda *a, _grad=grad, **k: seen[-1].append(_grad(*a, **k)) or seen[-1][-1]

@@ -1,7 +1,7 @@
 """Model-state memory per rank: engine.memory_breakdown() against
 
 - memory.expected_bytes(): the ZeRO paper's formula on minizero's actual flat layout (Ψ of
-  each FlatParam, padded to a multiple of N; ZeRO-3 persistence flags = FlatParam.keep_full),
+  each FlatParam, padded to a multiple of N; ZeRO-3 persistence flags = FlatParam.persistent),
 - the bytes really held, found by walking the live tensors (flat buffers, shards, p.grad,
   grad shards, fp32 masters, Adam moments; deduplicated by storage) at the end of backward,
   which is when `grads` is counted (probes.measured_bytes),
@@ -36,7 +36,7 @@ def flat(mb):
 
 def expected(r, stage, mixed=True):
     return memory.expected_bytes([f["numel"] for f in r["flats"]], r["world"], stage, mixed=mixed,
-                                 persistent=[f["keep_full"] for f in r["flats"]])
+                                 persistent=[f["persistent"] for f in r["flats"]])
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -49,7 +49,7 @@ def test_breakdown_equals_layout_formula_and_live_tensors(stage, n):
         assert r["measured_after_backward"] == flat(mb), (r["measured_after_backward"], mb)
         assert mb["device"] == flat(mb) and memory.total(mb["host"]) == 0   # no offload: all on the device
         if stage == 3:
-            assert not any(f["keep_full"] for f in r["flats"])
+            assert not any(f["persistent"] for f in r["flats"])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -97,7 +97,7 @@ def test_offload_changes_no_bit(runs, off, on):
 def _expected(r, stage, dtype, offload):
     lay = r["layout"]
     return memory.expected_bytes([f["numel"] for f in lay], N, stage, mixed=dtype != "fp32",
-                                 persistent=[f["keep_full"] and stage == 3 for f in lay],
+                                 persistent=[f["persistent"] and stage == 3 for f in lay],
                                  offload_optimizer="offload_optimizer" in offload,
                                  offload_param="offload_param" in offload)
 
@@ -131,12 +131,12 @@ def test_offload_optimizer_moves_exactly_the_optimizer_shard(runs, stage, dtype)
 def test_offload_param_moves_the_partitioned_shard(runs, dtype):
     for persist in PERSIST:
         lay = runs[0][key(3, dtype, persist, {})]["layout"]
-        partitioned = sum(f["shard"] for f in lay if not f["keep_full"]) * 2
+        partitioned = sum(f["shard"] for f in lay if not f["persistent"]) * 2
         off = runs[0][key(3, dtype, persist, OPT)]["memory"]["after_init"]
         on = runs[0][key(3, dtype, persist, {**OPT, **PAR})]["memory"]["after_init"]
         assert memory.total(off["device"]) - memory.total(on["device"]) == partitioned
         assert memory.total(on["host"]) - memory.total(off["host"]) == partitioned
-        assert on["device"]["params"] == sum(f["padded"] for f in lay if f["keep_full"]) * 2
+        assert on["device"]["params"] == sum(f["padded"] for f in lay if f["persistent"]) * 2
     assert partitioned > 0
 
 
@@ -256,13 +256,13 @@ def test_cuda_offload_places_pins_and_copies():
         assert m.device.type == "cpu" and m.is_pinned() and m.dtype == torch.float32
     for st in opt.optimizer.state.values():
         assert st["exp_avg"].device.type == "cpu"
-    for f in engine.zero.flat_params:
+    for f in engine.stage.flat_params:
         assert f.shard.device.type == "cpu" and f.shard.is_pinned() and f.full.device.type == "cuda"
     before = comm.ledger.snapshot()
     _cuda_step(engine)
     after = comm.ledger.snapshot()
     moved = {op: after[op]["bytes"] - before[op]["bytes"] for op in ("d2h", "h2d")}
-    shards = sum(f.shard_numel for f in engine.zero.flat_params) * 2
+    shards = sum(f.shard_numel for f in engine.stage.flat_params) * 2
     # d2h: gradient shards; h2d: each unit's shard before its forward and backward gathers
     assert moved == {"d2h": shards, "h2d": 2 * shards}
     assert all(torch.isfinite(m).all() for m in opt.masters)

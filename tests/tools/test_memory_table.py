@@ -48,13 +48,13 @@ def test_computed_equals_real_engines(stage, dtype, zero, offload, n):
     runs = er.get(**kw)
     plans, want = computed(stage, dtype, zero, offload, n)
     for r in runs:
-        assert [(p.label, p.group, p.numel, p.keep_full, len(p.names)) for p in plans] == \
-               [(f["label"], f["group"], f["numel"], f["keep_full"], f["n_params"]) for f in r["flats"]]
+        assert [(p.label, p.group, p.numel, p.persistent, len(p.names)) for p in plans] == \
+               [(f["label"], f["group"], f["numel"], f["persistent"], f["n_params"]) for f in r["flats"]]
         assert r["memory_breakdown"] == want, (r["rank"], r["memory_breakdown"], want)
     if zero.get("reduce_bucket_size"):
         assert len(plans) > 2                                          # the bucket plan really split
     if zero.get("stage3_param_persistence_threshold"):
-        assert any(p.keep_full for p in plans) and not all(p.keep_full for p in plans)
+        assert any(p.persistent for p in plans) and not all(p.persistent for p in plans)
     if offload != "none":
         assert memory.total(want["host"]) > 0
 

@@ -126,7 +126,7 @@ def _set_from_consolidated(engine, full: dict, saved: dict) -> None:
                 t.copy_(buf[f.shard_start:f.shard_end])
             st["step"].fill_(saved["steps"][0])
             f.shard.copy_(m)
-            if f.keep_full and f.num_shards > 1:
+            if f.persistent and f.num_shards > 1:
                 f.all_gather(label="test")
     for g, lr in zip(engine.optimizer.param_groups, saved["lr"]):
         g["lr"] = lr

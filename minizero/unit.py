@@ -1,0 +1,140 @@
+"""A ZeRO-3 unit: one module's parameters, gathered and freed together, and their lifecycle.
+
+The unit of gathering is a module: each transformer block (every child of an
+`nn.ModuleList`), plus the root for what is left (embeddings, final norm, head). A `Unit`
+holds one module's FlatParams and their lifecycle, as PyTorch FSDP2's FSDPParamGroup does,
+in FSDP2's vocabulary (Zhao et al., "PyTorch FSDP", VLDB'23, section 3.2):
+
+    pre_forward    unshard: all-gather the unit's parameters
+    post_forward   reshard: free them; hook the outputs so backward can find the unit
+    pre_backward   unshard again (backward needs the weights): `on_backward`, an autograd
+                   Function placed on the unit's outputs in post_forward
+    post_backward  when every parameter of the unit has its gradient, ZeRO-2's bucket path
+                   reduce-scatters the gradients (buckets.py) and calls it: reshard
+
+*When* a unit is gathered and freed is prefetch.py's decision (the `Prefetcher`, which the
+unit asks at each hook and obeys). A unit is also ZeRO-2's gradient bucket (buckets.Bucket).
+"""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+from torch import nn
+
+from . import checkpointing
+from .buckets import Bucket
+from .flat_param import FlatParam
+from .prefetch import Prefetcher
+
+
+class ShardState(Enum):
+    """A unit's state, read from its FlatParams' storage, never stored beside it (so it
+    cannot go stale)."""
+    SHARDED = auto()      # only this rank's shards exist; parameters are empty placeholders
+    UNSHARDED = auto()    # the full buffers are allocated; parameters are views into them
+
+
+class Unit(Bucket):
+    """One module's parameters, gathered and freed together, and their lifecycle (module
+    docstring); also ZeRO-2's gradient bucket. The Prefetcher decides when; the unit acts."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam]):
+        super().__init__(name, flats)
+        self.module = module
+        self.partitioned = [f for f in flats if not f.persistent]   # the persistent ones stay gathered
+        self.partitioned_numel = sum(f.padded_numel for f in self.partitioned)   # elements while gathered
+        self.ends_forward = False   # the root: its post_forward ends the model's forward
+        self.prefetcher: Prefetcher | None = None
+
+    @property
+    def state(self) -> ShardState:
+        return ShardState.UNSHARDED if any(f.full_is_allocated() for f in self.partitioned) else ShardState.SHARDED
+
+    # ------------------------------------------------------------------ the two moves
+    def unshard(self, why: str, async_op: bool = False):
+        """All-gather the partitioned FlatParams (`why`: fwd, bwd, recompute; .prefetch).
+        async_op: returns their Pendings, to wait() before the unit runs (prefetch.py)."""
+        with torch.profiler.record_function(f"minizero::unshard::{self.name}"):
+            pendings = [f.all_gather(label=why, async_op=async_op) for f in self.partitioned]
+        return pendings if async_op else None
+
+    def reshard(self) -> None:
+        for f in self.partitioned:
+            f.free_full()
+
+    # ------------------------------------------------------------------ the four hooks
+    def attach(self, prefetcher: Prefetcher) -> None:
+        self.prefetcher = prefetcher
+        self.module.register_forward_pre_hook(self.pre_forward)
+        self.module.register_forward_hook(self.post_forward)
+
+    def pre_forward(self, module, args) -> None:
+        # label only: a forward inside minizero's activation-checkpointing backward is
+        # a recompute (another library's recompute is labelled "fwd")
+        self._fetch("recompute" if checkpointing.in_recompute() else "fwd")
+
+    def post_forward(self, module, args, output):
+        self._release()
+        if not torch.is_grad_enabled():
+            if self.ends_forward:   # an evaluation forward: no backward will follow
+                for u in self.prefetcher.reset():
+                    u.reshard()
+            return output
+        return on_backward(output, self.pre_backward)
+
+    def pre_backward(self) -> None:
+        self._fetch("bwd")
+
+    def post_backward(self) -> None:
+        """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
+        free its parameters. Safe while the reduce-scatter may still run: it reads the flat
+        gradient buffer, which its Pending keeps alive, never the parameters."""
+        self._release()
+
+    def _fetch(self, why: str) -> None:
+        """The unit is about to run: do what the Prefetcher says (free, gather, read ahead)."""
+        free, gather, ahead = self.prefetcher.fetch(self)
+        for u in free:
+            u.reshard()
+        if gather:
+            self.unshard(why)
+        for u in ahead:
+            self.prefetcher.prefetched(u, u.unshard(f"{why}.prefetch", async_op=True))
+
+    def _release(self) -> None:
+        if self.prefetcher.release(self):
+            self.reshard()
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward first calls `callback` (once), then passes the
+    gradients on unchanged: the gradient arriving at a module's outputs is the signal that its
+    backward is next. ZeRO-3's pre_backward (re-gather the unit) and the trace's unit marks
+    (trace.py) are both this."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def on_backward(value, callback):
+    """`value` (a tensor, or a tuple/list holding tensors and others) with its grad-requiring
+    tensors routed together through one _OnBackward, the same structure back."""
+    if torch.is_tensor(value):
+        return _OnBackward.apply(callback, value)[0] if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        idx = [i for i, t in enumerate(value) if torch.is_tensor(t) and t.requires_grad]
+        if not idx:
+            return value
+        out = list(value)
+        for i, t in zip(idx, _OnBackward.apply(callback, *[value[i] for i in idx])):
+            out[i] = t
+        return type(value)(out) if isinstance(value, tuple) else out
+    return value
