@@ -40,15 +40,19 @@ With prefetch 0 and reuse 0, `fetch` gathers and `release` frees: exactly the ga
 the paper's 3Ψ, which the communication-volume tests assert. Gathers write the same
 bytes whenever they run, so losses are bit-identical with prefetch on or off.
 
-The Prefetcher only decides; the unit acts (zero3.py, `Unit`). `fetch` answers which
-units to free first, whether to gather this one, and which to prefetch after it; `release`
-whether to free it. Every gather and free goes through these answers, so the Prefetcher
-knows which units are gathered (`gathered`) without asking them. A unit is only its name
-and `partitioned_numel` here.
+The Prefetcher only decides; the unit acts and owns its state (unit.py, `Unit`: whether
+it is sharded, being gathered or gathered, whether it is being computed, and its gathers in
+flight). At each of its hooks the unit asks: `before_fetch` (units to free first: the trace
+was left), `make_room` (kept units to free so that this one fits under the live limit),
+`ahead` (units to prefetch now), `keep` (stay gathered after use?). The Prefetcher reads
+units' `state`, `in_use` and `partitioned_numel`; what it holds is the trace and where
+the step is in it.
 """
 from __future__ import annotations
 
 from enum import Enum, auto
+
+from .unit import ShardState
 
 
 class TraceMode(Enum):
@@ -58,7 +62,7 @@ class TraceMode(Enum):
 
 
 class Prefetcher:
-    """Decides when each ZeRO-3 unit is gathered and freed (zero3.Unit asks: fetch / release)."""
+    """Decides when each ZeRO-3 unit is gathered and freed; the units ask (module docstring)."""
 
     def __init__(self, units, prefetch_numel: int, max_live_numel: int, reuse_numel: int):
         self.prefetch_numel, self.max_live_numel, self.reuse_numel = prefetch_numel, max_live_numel, reuse_numel
@@ -67,70 +71,62 @@ class Prefetcher:
         self.mode = TraceMode.RECORD
         self.order: list = []            # the recorded fetch order: units
         self.next = 0                    # index into order of the next fetch
-        self.gathered: set = set()       # units whose partitioned parameters are gathered (or being)
-        self.in_flight: dict = {}        # unit -> its Pending all-gathers (prefetched)
-        self.active: set = set()         # units fetched and not yet released (being computed)
         self.covered_to: dict = {}       # unit -> furthest trace index a prefetch walk passed it at
 
     # ------------------------------------------------------------------ fetch
-    def fetch(self, unit) -> tuple[list, bool, list]:
-        """The unit is about to run (its pre_forward / pre_backward): (units to free first,
-        gather it now?, units to prefetch after it: issue them, then `prefetched`)."""
-        free = self._follow_trace(unit) if self.reads_ahead else []
-        self.active.add(unit)
-        gather = False
-        if unit in self.in_flight:                       # prefetched: just wait for it
-            for pending in self.in_flight.pop(unit):
-                pending.wait()
-        elif unit not in self.gathered:
-            free += self._make_room(unit.partitioned_numel)
-            self._gather(unit)
-            gather = True
-        ahead = self._prefetch() if self.mode is TraceMode.COMPLETE else []
-        self.next += 1
-        return free, gather, ahead
-
-    def prefetched(self, unit, pendings: list) -> None:
-        """The unit's asynchronous all-gathers, issued: waited for at its fetch (or a drain)."""
-        self.in_flight[unit] = pendings
-
-    def _follow_trace(self, unit) -> list:
+    def before_fetch(self, unit) -> list:
+        """The unit is about to run (its pre_forward / pre_backward): record it, or check it
+        against the trace. The units to free first (the trace was left: what was prefetched)."""
+        if not self.reads_ahead:
+            return []
         if self.mode is TraceMode.RECORD:
             self.order.append(unit)
         elif self.mode is TraceMode.COMPLETE and (self.next >= len(self.order) or self.order[self.next] is not unit):
             return self.invalidate()
         return []
 
-    def _prefetch(self) -> list:
-        """The units after this one in the trace to gather now, up to the prefetch bucket and
-        the live limit (DeepSpeed's loop, with the limit never crossed)."""
-        budget = min(self.max_live_numel - self.live_numel(), self.prefetch_numel)
-        issued, ahead = 0, []
-        for i in range(self.next + 1, len(self.order)):
-            u = self.order[i]
-            self.covered_to[u] = max(self.covered_to.get(u, -1), i)
-            if u in self.in_flight or u in self.gathered:   # issued already, or gathered
-                continue
-            numel = u.partitioned_numel
-            if issued + numel > budget:
+    def make_room(self, numel: int) -> list:
+        """Kept (gathered, idle, no gather in flight) units to free until `numel` more fit
+        under the live limit."""
+        live, free = self.live_numel(), []
+        for u in self.units:
+            if live + numel <= self.max_live_numel:
                 break
-            self.in_flight[u] = []   # its Pendings come with `prefetched`
-            self._gather(u)
-            ahead.append(u)
-            issued += numel
-            if issued >= budget:
-                break
-        return ahead
+            if not u.in_use and u.state is ShardState.UNSHARDED:
+                live -= u.partitioned_numel
+                free.append(u)
+        return free
+
+    def ahead(self) -> list:
+        """After the current unit is gathered: the units after it in the trace to gather now,
+        up to the prefetch bucket and the live limit (DeepSpeed's loop, with the limit never
+        crossed). Moves the step on to the next fetch."""
+        chosen = []
+        if self.mode is TraceMode.COMPLETE:
+            budget = min(self.max_live_numel - self.live_numel(), self.prefetch_numel)
+            issued = 0
+            for i in range(self.next + 1, len(self.order)):
+                u = self.order[i]
+                self.covered_to[u] = max(self.covered_to.get(u, -1), i)
+                if u in chosen or u.state is not ShardState.SHARDED:   # chosen already, or gathered
+                    continue
+                numel = u.partitioned_numel
+                if issued + numel > budget:
+                    break
+                if numel:   # a unit of persistent parameters only is never gathered
+                    chosen.append(u)
+                issued += numel
+                if issued >= budget:
+                    break
+        self.next += 1
+        return chosen
 
     # ------------------------------------------------------------------ release
-    def release(self, unit) -> bool:
-        """The unit is done (its post_forward / post_backward): free it? Not if reuse keeps it."""
-        self.active.discard(unit)
-        if self.mode is TraceMode.COMPLETE and self._used_again_soon(unit) \
-                and self.live_numel() <= self.max_live_numel:
-            return False
-        self.gathered.discard(unit)
-        return True
+    def keep(self, unit) -> bool:
+        """The unit is done (its post_forward / post_backward): keep it gathered, because it
+        is used again soon (reuse) and the live limit allows?"""
+        return (self.mode is TraceMode.COMPLETE and self._used_again_soon(unit)
+                and self.live_numel() <= self.max_live_numel)
 
     def _used_again_soon(self, unit) -> bool:
         """Within stage3_max_reuse_distance elements of upcoming fetches (DeepSpeed's
@@ -146,27 +142,12 @@ class Prefetcher:
             traversed += u.partitioned_numel
         return False
 
-    def _make_room(self, numel: int) -> list:
-        """Kept (gathered, idle, not in flight) units to free until `numel` more fit under the limit."""
-        live, free = self.live_numel(), []
-        for u in self.units:
-            if live + numel <= self.max_live_numel:
-                break
-            if u not in self.active and u not in self.in_flight and u in self.gathered:
-                live -= u.partitioned_numel
-                self.gathered.discard(u)
-                free.append(u)
-        return free
-
-    def _gather(self, unit) -> None:
-        if unit.partitioned_numel:   # a unit of persistent parameters only is never gathered
-            self.gathered.add(unit)
-
     # ------------------------------------------------------------------ resets
     def invalidate(self) -> list:
-        """Execution left the trace: finish what is in flight, free what was prefetched,
-        read nothing ahead until the next micro-step has recorded a new trace."""
-        free = self._drain()
+        """Execution left the trace: free what was prefetched (its gathers are waited for by
+        the unit's reshard), read nothing ahead until the next micro-step has recorded a new
+        trace."""
+        free = [u for u in self.units if u.state is ShardState.UNSHARDING and not u.in_use]
         self.mode, self.order = TraceMode.INVALID, []
         return free
 
@@ -174,7 +155,7 @@ class Prefetcher:
         """A micro-step's forward and backward are over: nothing may stay gathered (the
         optimizer may write the shards next): the units to free. The trace starts over
         (RECORD -> COMPLETE, INVALID -> RECORD)."""
-        free = self._free_all()
+        free = self._gathered()
         if self.mode is TraceMode.RECORD and self.reads_ahead:
             self.mode = TraceMode.COMPLETE
         elif self.mode is TraceMode.INVALID:
@@ -184,34 +165,18 @@ class Prefetcher:
 
     def reset(self) -> list:
         """A pass ended without backward (an evaluation forward), or the optimizer has written
-        new shards: finish what is in flight and free every gathered unit, so nothing
-        stale or in flight outlives the pass; the next fetch is the trace's first again (a
-        forward-only pass never completes a recording). The units to free."""
-        free = self._free_all()
+        new shards: every gathered unit is to be freed, so nothing stale or in flight outlives
+        the pass; the next fetch is the trace's first again (a forward-only pass never
+        completes a recording). The units to free."""
+        free = self._gathered()
         if self.mode is TraceMode.RECORD:
             self.order = []
         self.next, self.covered_to = 0, {}
         return free
 
-    def _free_all(self) -> list:
-        free = self._drain()
-        free += [u for u in self.units if u in self.gathered]
-        self.gathered.clear()
-        self.active.clear()
-        return free
-
-    def _drain(self) -> list:
-        """Wait for every gather in flight (a buffer may not be freed while a gather writes
-        it); the prefetched units nobody is computing, to free."""
-        free = []
-        for u, pendings in list(self.in_flight.items()):
-            for pending in pendings:
-                pending.wait()
-            if u not in self.active:
-                self.gathered.discard(u)
-                free.append(u)
-        self.in_flight.clear()
-        return free
+    def _gathered(self) -> list:
+        return [u for u in self.units if u.state is not ShardState.SHARDED]
 
     def live_numel(self) -> int:
-        return sum(u.partitioned_numel for u in self.gathered)
+        """Gathered elements of partitioned units (being gathered included)."""
+        return sum(u.partitioned_numel for u in self.units if u.state is not ShardState.SHARDED)

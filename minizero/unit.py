@@ -18,6 +18,7 @@ unit asks at each hook and obeys). A unit is also ZeRO-2's gradient bucket (buck
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,19 +26,23 @@ from torch import nn
 from . import checkpointing
 from .buckets import Bucket
 from .flat_param import FlatParam
-from .prefetch import Prefetcher
+
+if TYPE_CHECKING:
+    from .prefetch import Prefetcher
 
 
 class ShardState(Enum):
-    """A unit's state, read from its FlatParams' storage, never stored beside it (so it
-    cannot go stale)."""
+    """Where a unit's parameters are. Read from its FlatParams' storage and its gathers in
+    flight, never stored beside them, so it cannot go stale."""
     SHARDED = auto()      # only this rank's shards exist; parameters are empty placeholders
-    UNSHARDED = auto()    # the full buffers are allocated; parameters are views into them
+    UNSHARDING = auto()   # asynchronous all-gathers are writing the full buffers (a prefetch)
+    UNSHARDED = auto()    # the full buffers hold every rank's shard; parameters are views into them
 
 
 class Unit(Bucket):
     """One module's parameters, gathered and freed together, and their lifecycle (module
-    docstring); also ZeRO-2's gradient bucket. The Prefetcher decides when; the unit acts."""
+    docstring); also ZeRO-2's gradient bucket. The unit owns its state and its gathers in
+    flight; the Prefetcher only answers which units to free, prefetch or keep."""
 
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParam]):
         super().__init__(name, flats)
@@ -45,23 +50,38 @@ class Unit(Bucket):
         self.partitioned = [f for f in flats if not f.persistent]   # the persistent ones stay gathered
         self.partitioned_numel = sum(f.padded_numel for f in self.partitioned)   # elements while gathered
         self.ends_forward = False   # the root: its post_forward ends the model's forward
+        self.in_use = False         # between its pre_ hook and its post_ hook: being computed
+        self.gathers: list = []     # the comm.Pendings of an unshard still in flight
         self.prefetcher: Prefetcher | None = None
 
     @property
     def state(self) -> ShardState:
+        if self.gathers:
+            return ShardState.UNSHARDING
         return ShardState.UNSHARDED if any(f.full_is_allocated() for f in self.partitioned) else ShardState.SHARDED
 
     # ------------------------------------------------------------------ the two moves
-    def unshard(self, why: str, async_op: bool = False):
+    def unshard(self, why: str, async_op: bool = False) -> None:
         """All-gather the partitioned FlatParams (`why`: fwd, bwd, recompute; .prefetch).
-        async_op: returns their Pendings, to wait() before the unit runs (prefetch.py)."""
+        async_op: the gathers run while the caller goes on (a prefetch); wait_unshard()
+        before the unit runs."""
         with torch.profiler.record_function(f"minizero::unshard::{self.name}"):
             pendings = [f.all_gather(label=why, async_op=async_op) for f in self.partitioned]
-        return pendings if async_op else None
+        if async_op:
+            self.gathers = pendings
+
+    def wait_unshard(self) -> None:
+        for pending in self.gathers:
+            pending.wait()
+        self.gathers = []
 
     def reshard(self) -> None:
+        """Free the full buffers. A gather still in flight is waited for first: on NCCL it
+        writes from its own stream, and the allocator would hand the memory on under it."""
+        self.wait_unshard()
         for f in self.partitioned:
             f.free_full()
+        self.in_use = False
 
     # ------------------------------------------------------------------ the four hooks
     def attach(self, prefetcher: Prefetcher) -> None:
@@ -93,17 +113,24 @@ class Unit(Bucket):
         self._release()
 
     def _fetch(self, why: str) -> None:
-        """The unit is about to run: do what the Prefetcher says (free, gather, read ahead)."""
-        free, gather, ahead = self.prefetcher.fetch(self)
-        for u in free:
+        """The unit is about to run: free what the Prefetcher says, make sure this unit is
+        gathered, then start the gathers it says to read ahead."""
+        for u in self.prefetcher.before_fetch(self):
             u.reshard()
-        if gather:
+        if self.state is ShardState.UNSHARDING:     # prefetched: its gathers were issued earlier
+            self.wait_unshard()
+        elif self.state is ShardState.SHARDED:
+            for u in self.prefetcher.make_room(self.partitioned_numel):
+                u.reshard()
             self.unshard(why)
-        for u in ahead:
-            self.prefetcher.prefetched(u, u.unshard(f"{why}.prefetch", async_op=True))
+        self.in_use = True
+        for u in self.prefetcher.ahead():
+            u.unshard(f"{why}.prefetch", async_op=True)
 
     def _release(self) -> None:
-        if self.prefetcher.release(self):
+        """The unit is done: free it, unless the Prefetcher keeps it for a use soon."""
+        self.in_use = False
+        if not self.prefetcher.keep(self):
             self.reshard()
 
 
