@@ -29,6 +29,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     Returns (engine, optimizer, training_dataloader or None, lr_scheduler or None). The
     config is a DeepSpeed JSON dict or path; it may also come from `args.deepspeed_config`.
     """
+    from .checkpoint_files import checkpoint_io
     from .engine import Engine
     from .observe import switches
 
@@ -44,7 +45,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None:
         raise ValueError("minizero.initialize: no config; pass config=<dict or path to a DeepSpeed JSON file>")
     switches.subscribe()   # the tools the config may switch on watch the engine (observe/switches.py)
-    engine = Engine(model, model_parameters=model_parameters, config=config, lr_scheduler=lr_scheduler)
+    engine = Engine(model, model_parameters=model_parameters, config=config, lr_scheduler=lr_scheduler,
+                    checkpoint_io=checkpoint_io)
     loader = None
     if training_data is not None:
         from torch.utils.data import DataLoader, DistributedSampler

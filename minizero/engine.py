@@ -47,8 +47,12 @@ STAGES = {0: DataParallel, 1: Zero1, 2: Zero2, 3: Zero3}
 
 
 class Engine(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, model_parameters=None, config=None, lr_scheduler=None):
+    def __init__(self, model: torch.nn.Module, model_parameters=None, config=None, lr_scheduler=None,
+                 checkpoint_io=None):
+        """checkpoint_io: what save_checkpoint / load_checkpoint call (minizero.initialize passes
+        checkpoint_files.checkpoint_io): the core owns the state, not the files."""
         super().__init__()
+        self.checkpoint_io = checkpoint_io
         comm.init_distributed()
         self._comm_start = comm.ledger.snapshot()   # comm_stats() counts this engine's traffic only
         self.world_size, self.global_rank = comm.get_world_size(), comm.get_rank()
@@ -246,25 +250,91 @@ class Engine(torch.nn.Module):
             return self.offload.resident()
         return contextlib.nullcontext()
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ state and checkpoints
+    def layout(self) -> list[dict]:
+        """The FlatParams this rank's state is cut along, in buffer order: label, names,
+        shapes, numel, padded_numel, persistent, group. A checkpoint saved with the same
+        layout (and the same world size and stage) loads file for file; any other is
+        resharded into this one (checkpoint_files/)."""
+        return [{"label": f.label, "names": f.names, "shapes": [tuple(s) for s in f.shapes], "numel": f.numel,
+                 "padded_numel": f.padded_numel, "persistent": f.persistent, "group": f.group}
+                for f in self.stage.flat_params]
+
+    def state_dict(self) -> dict:
+        """This rank's share of everything a resume needs, as host tensors: no collective, so
+        each rank saves its own (DeepSpeed's and FSDP's sharded state dict). Take it at a
+        gradient-accumulation boundary, where no partial gradient exists: gradients are not
+        part of it.
+
+            stage, world_size, rank, dtype, config   what wrote it
+            layout, param_names                      the FlatParams; the parameters in model order
+            masters, shards                          this rank's fp32 masters and low-precision shards
+            optimizer                                torch's Adam state over the masters
+            lr_scheduler, loss_scaler                their state_dicts (None when there is none)
+            counters                                 global_steps, skipped_steps, micro_steps, global_samples
+        """
+        opt, flats = self.sharded_optimizer, self.stage.flat_params
+        trained = {n for f in flats for n in f.names}
+        with self._states_in_memory():
+            return {
+                "stage": self.zero_optimization_stage(), "world_size": self.world_size, "rank": self.global_rank,
+                "dtype": str(self.dtype), "config": self.config.raw,
+                "layout": self.layout(), "param_names": [n for n, _ in self.module.named_parameters() if n in trained],
+                "masters": [m.detach().cpu().clone() for m in opt.masters],
+                "shards": [f.shard.detach().cpu().clone() for f in flats],
+                "optimizer": opt.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "counters": {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                             "micro_steps": self.micro_steps, "global_samples": self.global_samples},
+            }
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> None:
+        """Put a state_dict of this engine's layout back (a collective: persistent parameters
+        are all-gathered). `shards` may be None: the low-precision weights are then the masters
+        rounded, as every step makes them (a resume in another dtype, or a resharded one).
+        `optimizer`, `lr_scheduler`, `loss_scaler` may be None: left as they are."""
+        opt = self.sharded_optimizer
+        shards = state.get("shards") or [None] * len(opt.masters)
+        with self._states_in_memory():
+            opt.zero_grad()   # a resumed step starts with no gradient, as the saved one did
+            with torch.no_grad():
+                for f, m, saved_m, saved_s in zip(opt.flat_params, opt.masters, state["masters"], shards):
+                    m.copy_(saved_m)
+                    f.shard.copy_(saved_s if saved_s is not None else m)
+                    if f.persistent and f.num_shards > 1:   # ZeRO-1/2 and persistent ZeRO-3: the full buffer
+                        f.all_gather(label="load")
+            if load_optimizer_states and state.get("optimizer") is not None:
+                opt.load_optimizer_state(state["optimizer"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        c = state["counters"]
+        self.global_steps, self.skipped_steps = c["global_steps"], c["skipped_steps"]
+        self.micro_steps, self.global_samples = c["micro_steps"], c["global_samples"]
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
-        """Every rank writes its own shard; a `latest` file names the tag (checkpoint_io.py).
-        Must be called at a gradient-accumulation boundary. Returns the tag's folder."""
-        from .checkpoint_files import checkpoint_io
-        with self._states_in_memory():
-            return checkpoint_io.save(self, save_dir, tag, client_state, save_latest)
+        """DeepSpeed's method: every rank writes its state_dict() into one tag folder, and a
+        `latest` file names the tag. The folder and its files are the checkpoint room's
+        (checkpoint_files/checkpoint_io.py, handed to the engine by minizero.initialize).
+        Call at a gradient-accumulation boundary. Returns the tag's folder."""
+        return self._checkpoints().save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
-        """Returns (the tag's folder, client_state), or (None, None) when `load_dir` holds
-        no checkpoint."""
-        from .checkpoint_files import checkpoint_io
-        with self._states_in_memory():
-            path, client = checkpoint_io.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
-        if path is None:
-            logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
-        return path, client
+        """DeepSpeed's method: returns (the tag's folder, client_state), or (None, None) when
+        `load_dir` holds no checkpoint. A folder of another world size or stage, or DeepSpeed's,
+        is resharded as it loads (checkpoint_files/)."""
+        return self._checkpoints().load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def _checkpoints(self):
+        if self.checkpoint_io is None:
+            raise RuntimeError("minizero: this engine has no checkpoint format; build it with minizero.initialize, "
+                               "or save engine.state_dict() yourself")
+        return self.checkpoint_io
 
     # ------------------------------------------------------------------ setup helpers
     def _configure_activation_checkpointing(self) -> None:

@@ -18,7 +18,6 @@ unit asks at each hook and obeys). A unit is also ZeRO-2's gradient bucket (buck
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +25,6 @@ from torch import nn
 from . import checkpointing
 from .buckets import Bucket
 from .flat_param import FlatParam
-
-if TYPE_CHECKING:
-    from .prefetch import Prefetcher
 
 
 class ShardState(Enum):
@@ -52,7 +48,7 @@ class Unit(Bucket):
         self.ends_forward = False   # the root: its post_forward ends the model's forward
         self.in_use = False         # between its pre_ hook and its post_ hook: being computed
         self.gathers: list = []     # the comm.Pendings of an unshard still in flight
-        self.prefetcher: Prefetcher | None = None
+        self.prefetcher = None      # the Prefetcher (prefetch.py) it asks; given by attach
 
     @property
     def state(self) -> ShardState:
@@ -84,7 +80,7 @@ class Unit(Bucket):
         self.in_use = False
 
     # ------------------------------------------------------------------ the four hooks
-    def attach(self, prefetcher: Prefetcher) -> None:
+    def attach(self, prefetcher) -> None:
         self.prefetcher = prefetcher
         self.module.register_forward_pre_hook(self.pre_forward)
         self.module.register_forward_hook(self.post_forward)

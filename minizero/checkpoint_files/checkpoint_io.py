@@ -68,19 +68,7 @@ from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # no
 from ..version import __version__
 
 logger = logging.getLogger("minizero")
-
-def _layout(engine) -> list[dict]:
-    return [{"label": f.label, "names": f.names, "shapes": [tuple(s) for s in f.shapes],
-             "numel": f.numel, "padded_numel": f.padded_numel, "persistent": f.persistent, "group": f.group}
-            for f in engine.stage.flat_params]
-
-
-def _param_names(engine) -> list[str]:
-    """The trained parameters in model order (named_parameters), which the layout does not
-    keep (ZeRO-2/3 order buffers by bucket and by module)."""
-    trained = {n for f in engine.stage.flat_params for n in f.names}
-    return [n for n, _ in engine.module.named_parameters() if n in trained]
-
+COUNTERS = ("global_steps", "skipped_steps", "micro_steps", "global_samples")   # the engine's, in the model file
 
 def _rng_state() -> dict:
     st = {"cpu": torch.get_rng_state()}
@@ -101,6 +89,8 @@ def _set_rng_state(st: dict) -> None:
 
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
          save_latest: bool = True) -> str:
+    """Collective: every rank writes its engine.state_dict() into `<tag>.tmp`, which becomes
+    `<tag>` once all have written (checkpoint_folder.publish). Returns the tag's folder."""
     if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
         raise CheckpointError(f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient-"
                               f"accumulation window of {engine.gradient_accumulation_steps()}: the partial "
@@ -109,10 +99,11 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if tag.endswith(".tmp"):
         raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
                               f"unfinished saves)")
-    _refuse_non_finite(engine, save_dir, tag)
+    state = engine.state_dict()
+    _refuse_non_finite(engine, state, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    rank, zero, opt = engine.global_rank, engine.stage, engine.sharded_optimizer
+    rank, stage = engine.global_rank, state["stage"]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -120,21 +111,15 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     _refuse_unshared(engine, save_dir, tmp)
     if rank == 0:
         torch.save({
-            "minizero_version": __version__, "stage": zero.stage, "world_size": engine.world_size,
-            "dtype": str(engine.dtype), "layout": _layout(engine), "param_names": _param_names(engine),
-            "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-            "micro_steps": engine.micro_steps, "global_samples": engine.global_samples,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "client_state": client_state or {}, "config": engine.config.raw,
+            "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
+            "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
+            **state["counters"], "lr_scheduler": state["lr_scheduler"], "loss_scaler": state["loss_scaler"],
+            "client_state": client_state or {}, "config": state["config"],
         }, os.path.join(tmp, MODEL_FILE))
-    if zero.stage > 0 or rank == 0:
+    if stage > 0 or rank == 0:   # stage 0: every rank holds the same optimizer state
         torch.save({
-            "rank": rank,
-            "masters": [m.detach().cpu().clone() for m in opt.masters],
-            "shards": [f.shard.detach().cpu().clone() for f in zero.flat_params],
-            "optimizer": opt.optimizer.state_dict(),
-            "partition_count": zero.flat_params[0].num_shards,
+            "rank": rank, "masters": state["masters"], "shards": state["shards"], "optimizer": state["optimizer"],
+            "partition_count": state["world_size"] if stage > 0 else 1,
         }, os.path.join(tmp, optim_file(rank)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
     torch.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
@@ -145,11 +130,10 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     return final
 
 
-def _refuse_non_finite(engine, save_dir: str, tag: str) -> None:
+def _refuse_non_finite(engine, state: dict, save_dir: str, tag: str) -> None:
     """Collective: every rank checks its own shards; one MAX all-reduce tells all which
     ranks hold an inf/NaN, and then all of them refuse, before anything is written."""
-    opt = engine.sharded_optimizer
-    bad = any(not bool(torch.isfinite(t).all()) for t in [*opt.masters, *(f.shard for f in opt.flat_params)])
+    bad = any(not bool(torch.isfinite(t).all()) for t in [*state["masters"], *state["shards"]])
     flags = torch.zeros(engine.world_size, device=engine.device)
     flags[engine.global_rank] = float(bad)
     comm.all_reduce(flags, op="max", label="checkpoint_finite")
@@ -193,9 +177,10 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     saved slices that it needs (checkpoint_state.py)."""
     tag = resolve_tag(load_dir, tag)
     if tag is None:
+        logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return None, None
     path = os.path.join(load_dir, tag)
-    rank, zero, opt = engine.global_rank, engine.stage, engine.sharded_optimizer
+    rank, stage = engine.global_rank, engine.zero_optimization_stage()
     meta = shard_state = rng = source = None
     err = None
     try:
@@ -204,7 +189,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
             raise CheckpointError(f"{path}: no such checkpoint{named}; {describe_tags(load_dir)}")
         meta = _minizero_meta(load_dir, tag)
         if meta is not None and _same_layout(meta, engine):
-            src = rank if zero.stage > 0 else 0
+            src = rank if stage > 0 else 0
             shard_state = load_file(load_dir, tag, optim_file(src))
             # A stage-0 checkpoint may be resumed on more ranks than saved it: those start their own RNG.
             if rank < meta["world_size"]:
@@ -224,23 +209,14 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     if source is not None:
         return _load_resharded(engine, source, shard_state, rng, path, load_lr_scheduler_states)
 
-    opt.zero_grad()  # a resumed step starts with no gradient, as the saved one did
     same_dtype = meta["dtype"] == str(engine.dtype)
-    with torch.no_grad():
-        for f, m, saved_m, saved_s in zip(opt.flat_params, opt.masters, shard_state["masters"], shard_state["shards"]):
-            m.copy_(saved_m)
-            # In another dtype the low-precision weights are the masters rounded, as a step makes them.
-            f.shard.copy_(saved_s if same_dtype else m)
-            if f.persistent and f.num_shards > 1:
-                f.all_gather(label="load")
-    if load_optimizer_states:
-        opt.load_optimizer_state(shard_state["optimizer"])
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
-    engine.micro_steps, engine.global_samples = meta["micro_steps"], meta["global_samples"]
+    engine.load_state_dict({
+        "masters": shard_state["masters"],
+        # in another dtype the low-precision weights are the masters rounded, as a step makes them
+        "shards": shard_state["shards"] if same_dtype else None,
+        "optimizer": shard_state["optimizer"], "lr_scheduler": meta["lr_scheduler"], "loss_scaler": meta["loss_scaler"],
+        "counters": {k: meta[k] for k in COUNTERS},
+    }, load_optimizer_states, load_lr_scheduler_states)
     if rng is not None:
         _set_rng_state(rng)
     if rank == 0 and meta["world_size"] != engine.world_size:   # stage 0, on another number of ranks
@@ -312,19 +288,20 @@ def _same_layout(meta: dict, engine) -> bool:
     if meta["stage"] != stage or (meta["world_size"] != engine.world_size and stage > 0):
         return False
     saved = [(list(f["names"]), [tuple(s) for s in f["shapes"]]) for f in meta["layout"]]
-    return saved == [(list(f.names), [tuple(s) for s in f.shapes]) for f in engine.stage.flat_params]
+    return saved == [(list(f["names"]), f["shapes"]) for f in engine.layout()]
 
 
 def _reshard_state(engine, source, path: str, load_optimizer_states: bool) -> dict:
     """This rank's masters and Adam state, built from the source for this engine's layout."""
-    flats = engine.stage.flat_params
-    check_same_model(source, {n: tuple(s) for f in flats for n, s in zip(f.names, f.shapes)}, path)
+    layout = engine.layout()
+    check_same_model(source, {n: tuple(s) for f in layout for n, s in zip(f["names"], f["shapes"])}, path)
     groups = [set() for _ in engine.optimizer.param_groups]
-    for f in flats:
-        groups[f.group].update(f.names)
+    for f in layout:
+        groups[f["group"]].update(f["names"])
     check_same_groups(source, groups, path)
-    layout = [{"names": f.names, "shapes": f.shapes, "group": f.group} for f in flats]
-    state = rank_state(source, layout, flats[0].num_shards, flats[0].shard_index, optimizer=load_optimizer_states)
+    sharded = engine.zero_optimization_stage() > 0
+    state = rank_state(source, layout, engine.world_size if sharded else 1, engine.global_rank if sharded else 0,
+                       optimizer=load_optimizer_states)
     if state["optimizer"] is not None:
         fill_missing_hparams(state["optimizer"], engine.optimizer.param_groups)
     return state
@@ -334,23 +311,9 @@ def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, lo
     """Put the resharded state into the engine: masters, the low-precision shards rounded
     from them (as a step does), Adam's moments and step, schedule, loss scale, counters,
     this rank's RNG when the saving run had this rank."""
-    opt = engine.sharded_optimizer
-    opt.zero_grad()
-    with torch.no_grad():
-        for f, m, new in zip(opt.flat_params, opt.masters, state["masters"]):
-            m.copy_(new)
-            f.shard.copy_(m)
-            if f.persistent and f.num_shards > 1:
-                f.all_gather(label="load")
-    if state["optimizer"] is not None:
-        opt.load_optimizer_state(state["optimizer"])
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and source.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(source.lr_scheduler)
-    if engine.loss_scaler is not None and source.loss_scaler is not None:
-        engine.loss_scaler.load_state_dict(source.loss_scaler)
-    c = source.counters
-    engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
-    engine.micro_steps, engine.global_samples = c["micro_steps"], c["global_samples"]
+    engine.load_state_dict({"masters": state["masters"], "shards": None, "optimizer": state["optimizer"],
+                            "lr_scheduler": source.lr_scheduler, "loss_scaler": source.loss_scaler,
+                            "counters": source.counters}, True, load_lr_scheduler_states)
     if rng is not None:
         _set_rng_state(rng)
     if engine.global_rank == 0:
@@ -358,5 +321,3 @@ def _load_resharded(engine, source, state: dict, rng: dict | None, path: str, lo
                                    source.loss_scaler, engine, has_rng=rng is not None,
                                    optimizer=state["optimizer"] is not None, how="resharded"))
     return path, source.client_state
-
-

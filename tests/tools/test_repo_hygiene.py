@@ -325,63 +325,56 @@ def test_no_import_cycle_inside_minizero():
                         "modules need into a third one):\n" + "\n".join(lines))
 
 
-# ----------------------------------------------------------------------------- the core and its periphery
-
-# What the core may stand on: the runtime (config, LR schedules, process groups), activation
-# checkpointing (a mechanism inside the step, DeepSpeed's public minizero.checkpointing) and
-# model checkpoints (the engine's save_checkpoint/load_checkpoint and minizero.consolidate are
-# DeepSpeed's API). Everything else watches or uses the core, and the core imports none of it.
-STANDS_ON = ("checkpoint_files",)
-
+# ----------------------------------------------------------------------------- the core and its rooms
 
 def core_modules(graph: dict[str, dict[str, int]]) -> list[str]:
     """minizero/*.py but __init__.py, the front door that wires the tools to the engine."""
     return sorted(m for m in graph if "." not in m and m != "__init__" and not PACKAGE.joinpath(m).is_dir())
 
 
-def periphery_reached(graph: dict[str, dict[str, int]], start: str) -> list[list[str]]:
-    """Every shortest import path from `start`, through the core and what it stands on, to a
-    module outside both."""
-    inside = lambda m: "." not in m and not PACKAGE.joinpath(m).is_dir() or m.split(".")[0] in STANDS_ON
-    prev, frontier, found = {start: None}, [start], []
-    while frontier:
-        nxt = []
-        for v in frontier:
-            for w in sorted(graph[v]):
-                if w in prev or w == "__init__":
-                    continue
-                prev[w] = v
-                if inside(w):
-                    nxt.append(w)
-                else:
-                    path = [w]
-                    while prev[path[-1]] is not None:
-                        path.append(prev[path[-1]])
-                    found.append(path[::-1])
-        frontier = nxt
-    return found
-
-
-def test_periphery_finder_follows_what_the_core_stands_on():
-    graph = {"engine": {"config": 3}, "config": {"observe.trace": 9}, "observe.trace": {},
-             "comm": {}}
-    assert periphery_reached(graph, "engine") == [["engine", "config", "observe.trace"]]
-    assert periphery_reached(graph, "comm") == []
-
-
-def test_the_core_imports_no_periphery():
-    """The core (minizero/*.py) and what it stands on import nothing from observe/, compare/,
-    train/, gpt/ or a command package, at any depth: the tools subscribe to comm.py's observer
-    hook instead (observe/switches.py), and the front door, minizero/__init__.py, wires them."""
+def test_the_core_imports_only_itself():
+    """Every import in a core module (minizero/*.py), at any depth, names another core module:
+    no room (observe/, train/, compare/, checkpoint_files/, runtime/, gpt/, the command
+    packages), no exemption. The rooms reach the core through its public API; the front door
+    (minizero/__init__.py) hands the engine its checkpoint format and puts the config's tools
+    on comm's observer seam."""
     graph = import_graph()
     core = core_modules(graph)
-    assert {"engine", "comm", "zero3", "flat_param"} <= set(core), core
+    assert {"engine", "comm", "zero3", "flat_param", "config", "checkpointing"} <= set(core), core
+    bad = [f"minizero/{m.replace('.', '/')}.py:{line} imports {t}" for m in core
+           for t, line in sorted(graph[m].items(), key=lambda kv: kv[1]) if t not in core]
+    assert not bad, "the core imports a room (use the engine's public API or comm's observer seam):\n" + \
+        "\n".join(bad)
+    front = {t for t in graph["__init__"] if t not in core}
+    assert front == {"observe.switches", "checkpoint_files.checkpoint_io", "checkpoint_files.zero_to_fp32"}, front
+
+
+def test_the_core_imports_only_torch_and_the_standard_library():
+    """Outside minizero itself, a core module imports torch or the standard library: a
+    student needs nothing else to read it, and a user nothing else to run it."""
+    import sys
+    allowed = set(sys.stdlib_module_names) | {"torch", "minizero", "__future__"}
     bad = []
-    for m in core:
-        for path in periphery_reached(graph, m):
-            steps = ", ".join(f"{_path_of(a)}:{graph[a][b]} imports {b}" for a, b in zip(path, path[1:]))
-            bad.append(f"{' -> '.join(path)}  ({steps})")
-    assert not bad, "the core imports the periphery (announce through comm.observers instead):\n" + "\n".join(
-        sorted(set(bad)))
-    front = {t for t in graph["__init__"] if not (t in core or t.split(".")[0] in STANDS_ON)}
-    assert front == {"observe.switches"}, front
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            bad += [f"minizero/{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] not in allowed]
+    assert not bad, "\n".join(bad)
+
+
+def test_boundary_checks_catch_a_room_import(tmp_path):
+    """The import graph sees a function-level import of a room from a core module."""
+    pkg = tmp_path / "minizero"
+    (pkg / "observe").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "observe" / "__init__.py").write_text("")
+    (pkg / "observe" / "trace.py").write_text("")
+    (pkg / "engine.py").write_text("def f():\n    from .observe import trace\n")
+    modules = {"__init__", "engine", "observe", "observe.trace"}
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, pkg
+    try:
+        assert _package_imports(pkg / "engine.py", modules) == [("observe.trace", 2)]
+    finally:
+        PACKAGE = saved
