@@ -240,7 +240,7 @@ def floor_ranks(args_d: dict) -> dict:
     import torch.distributed as dist
 
     from minizero import comm
-    from minizero.sharded_optimizer import ChunkedAdamW
+    from minizero.adam import ChunkedAdamW
     from reference.ds_run import build_model
     os.dup2(2, 1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args_d["floor_dtype"]]

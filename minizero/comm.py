@@ -301,6 +301,20 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
 # must be pinned for the copy to really run asynchronously (offload.host_empty). A CPU reading
 # a d2h result must wait for the stream first (offload.py does, once per step).
 
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer; pinned (page-locked) when asked, so device copies run asynchronously.
+    torch caches pinned blocks, so a staging buffer made every step is not a new
+    cudaHostAlloc every step."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block the CPU until the device-to-host copies queued on the current stream are done
+    (non_blocking copies into pinned memory return before the data is there)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
     """dst (host memory) <- src (this rank's device)."""
     _issue("d2h", label, lambda: dst.copy_(src, non_blocking=True), _nbytes(src), 0)

@@ -34,8 +34,9 @@ from .config import ignored_knobs_note, load_config
 from .fp16 import create_loss_scaler, overflow_vote
 from .lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
-from .offload import HostOffload
-from .sharded_optimizer import ShardedOptimizer, build_optimizer
+from .adam import build_optimizer
+from .offload import Offload
+from .sharded_optimizer import ShardedOptimizer
 from .zero0 import DataParallel
 from .zero1 import Zero1
 from .zero2 import Zero2
@@ -68,15 +69,15 @@ class Engine(torch.nn.Module):
         self.module = model
         groups = param_groups_of(model, model_parameters)
         self.stage = STAGES[self.config.zero.stage](model, groups, self.config.zero)
-        self.offload = HostOffload.from_config(self.config.zero, self.device)   # None: all on the device
-        opt_on_host = self.offload is not None and self.offload.optimizer
+        self.offload = Offload.from_config(self.config, self.device)   # None: all on the device
+        states = self.offload.optimizer_states() if self.offload is not None else None   # None: on the device
         self.sharded_optimizer = ShardedOptimizer(self.stage.flat_params, groups,
-                                                  lambda gs: build_optimizer(gs, self.config.optimizer, opt_on_host),
-                                                  offload=self.offload)
+                                                  lambda gs: build_optimizer(gs, self.config.optimizer, states is not None),
+                                                  states=states)
         self.optimizer = self.sharded_optimizer.optimizer   # torch's Adam(W), on the fp32 master shards
         if self.offload is not None:
-            self.offload.move_param_shards(self.stage.flat_params)   # offload_param: ZeRO-3's shards to the host
-            self.offload.start_swapping(self.sharded_optimizer, self.config.aio)   # "nvme": on to their files
+            self.offload.place_params(self.stage.flat_params)   # offload_param: ZeRO-3's shards to the host
+            self.offload.start_nvme(self.stage.flat_params, self.sharded_optimizer)   # "nvme": on to their files
             if self.global_rank == 0:
                 logger.info(self.offload.describe(self.stage.flat_params))
 
@@ -216,12 +217,12 @@ class Engine(torch.nn.Module):
         opt = self.sharded_optimizer
         where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
         for f in self.stage.flat_params:
-            where["host" if f.shard_on_host else "device"]["params"] += f.param_bytes()
+            where["host" if f.storage.on_host else "device"]["params"] += f.param_bytes()
         where["device"]["grads"] = self.stage.grad_bytes()
         opt_place = "host" if opt.on_host else "device"
         where[opt_place]["master_params"] = opt.master_bytes()
         where[opt_place]["optimizer_states"] = opt.state_bytes()
-        nvme = self.offload.nvme_places(where) if self.offload is not None and self.offload.swappers else None
+        nvme = self.offload.nvme_places(where) if self.offload is not None and self.offload.tier is not None else None
         return placed(where["device"], where["host"], nvme)
 
     def comm_stats(self) -> dict:
@@ -246,9 +247,9 @@ class Engine(torch.nn.Module):
     def _states_in_memory(self):
         """"device": "nvme": swapped states back in host memory for the block (offload.py);
         a checkpoint then holds what it holds with "device": "cpu"."""
-        if self.offload is not None and self.offload.swappers:
-            return self.offload.resident()
-        return contextlib.nullcontext()
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.resident(self.stage.flat_params, self.sharded_optimizer)
 
     # ------------------------------------------------------------------ state and checkpoints
     def layout(self) -> list[dict]:
@@ -282,7 +283,7 @@ class Engine(torch.nn.Module):
                 "layout": self.layout(), "param_names": [n for n, _ in self.module.named_parameters() if n in trained],
                 "masters": [m.detach().cpu().clone() for m in opt.masters],
                 "shards": [f.shard.detach().cpu().clone() for f in flats],
-                "optimizer": opt.optimizer.state_dict(),
+                "optimizer": _on_host(opt.optimizer.state_dict()),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                 "counters": {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
@@ -362,6 +363,18 @@ def read_on_host(norm_sq: torch.Tensor, vote: torch.Tensor | None) -> tuple[floa
         return float(norm_sq), None
     norm_sq_host, voted = torch.cat([norm_sq.reshape(1), vote.double()]).tolist()
     return norm_sq_host, voted
+
+
+def _on_host(obj):
+    """`obj` with every tensor in it copied to host memory: a state_dict stays valid after the
+    call, whatever the engine does next (NVMe swaps the live states out of memory)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 def param_groups_of(model: torch.nn.Module, model_parameters) -> list[dict]:

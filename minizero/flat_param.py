@@ -74,16 +74,14 @@ class FlatParam:
         # anything is sharded, so a model initialised differently per rank still agrees.
         comm.broadcast(self.full, src=0, label=f"{label}.init")
         self.persistent = persistent
+        # Where this rank's shard lives between uses: a policy the FlatParam owns. Device memory
+        # here; offload_param moves a partitioned shard to host memory or NVMe files
+        # (move_shard; offload.HostShard, nvme.NvmeShard), which change how it reaches a gather.
         if persistent:
-            self.shard = self.full[self.shard_start:self.shard_end]   # a view: in-place all-gather
+            self.storage = DeviceShard(self.full[self.shard_start:self.shard_end])   # a view: in-place all-gather
         else:
-            self.shard = self.full[self.shard_start:self.shard_end].clone()
+            self.storage = DeviceShard(self.full[self.shard_start:self.shard_end].clone())
             self.free_full()
-        # offload_param (offload.py) moves a partitioned shard into host memory; all_gather
-        # then copies it to the device first.
-        self.shard_on_host = False
-        # offload_param to NVMe (offload.ParamSwap): the host shard lives in a file between gathers
-        self.swap = None
         # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
         # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
@@ -113,44 +111,36 @@ class FlatParam:
             p.data = v
 
     def all_gather(self, label: str = "params", async_op: bool = False):
-        """full <- every rank's shard. With persistent the shard is already in place. A shard
-        in host memory (offload_param) is copied into this rank's slice of `full` first,
-        and that slice is the gather's input: in place again, no temporary on the device.
-        async_op (ZeRO-3 prefetch, ZeRO-1/2's gather after the step): returns the Pending;
-        `full` must be neither read nor freed before its wait()."""
+        """full <- every rank's shard. With persistent the shard is already in place; a shard
+        elsewhere is the gather's input, or is first copied into this rank's slice of `full`
+        (host memory, NVMe: the storage policy says how). async_op (ZeRO-3 prefetch, ZeRO-1/2's
+        gather after the step): returns the Pending; `full` must be neither read nor freed
+        before its wait()."""
         if not self.full_is_allocated():
             self.alloc_full()
-        shard = self.shard
-        if self.swap is not None:
-            self.swap.fetch()                    # the shard's bytes from its file into host memory
-        side = copy_stream(self.device) if self.shard_on_host and async_op else None
-        if side is not None:
-            # A prefetch of a host shard on a GPU: the copy, and the gather that reads it, go on
-            # a side stream, so the copy runs beside the compute queued after this point instead
-            # of ahead of it on the compute stream (which would stall the next unit's forward).
-            # NCCL's stream waits for the stream that issues the gather (so the gather follows
-            # the copy), and Pending.wait() makes the compute stream wait for NCCL's. First the
-            # side stream waits for the compute stream's work so far: `full` was just given memory
-            # that kernels queued there may still be using. At world size 1 the "gather" is a
-            # copy on the side stream itself: the returned wait() also waits for its event.
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
-                                            label=f"{self.label}.{label}")
-                pending = comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}", async_op=True)
-                if self.swap is not None:
-                    self.swap.done()             # pinned: torch's host allocator keeps it until the copy ran
-                return CopiedThenGathered(pending, side.record_event(), self.device)
-        if self.shard_on_host:
-            shard = comm.copy_to_device(self.full[self.shard_start:self.shard_end], self.shard,
-                                        label=f"{self.label}.{label}")
-            if self.swap is not None:
-                self.swap.done()                 # its file still holds it: dropped, not written
-        pending = comm.all_gather_into_tensor(self.full, shard, label=f"{self.label}.{label}", async_op=async_op)
-        return pending if async_op else None
+        return self.storage.all_gather(self, f"{self.label}.{label}", async_op)
+
+    # -- where the shard lives --------------------------------------------------------------
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's slice, wherever its storage keeps it."""
+        return self.storage.tensor
+
+    def move_shard(self, storage) -> None:
+        """Keep the shard in `storage` from now on (offload_param). Partitioned FlatParams only:
+        a persistent one's shard is a view of its gathered buffer, which stays on the device."""
+        assert not self.persistent, f"{self.label}: a persistent shard stays in its gathered buffer"
+        self.storage = storage
+
+    def write_shard(self, values: torch.Tensor, from_host: bool, pin: bool = False) -> None:
+        """The shard <- `values` (the optimizer's updated master), rounded to this dtype where
+        the values are, and copied over when they live on the other side of the device/host
+        divide (counted as h2d / d2h). from_host: the values are in host memory; pin: stage
+        them in pinned memory (a GPU's asynchronous copy)."""
+        self.storage.write(values, from_host, pin, f"{self.label}.params")
 
     def param_bytes(self) -> int:
-        """Bytes of low-precision parameters this rank keeps between uses."""
+        """Bytes of low-precision parameters this rank keeps between uses (wherever the shard lives)."""
         return (self.padded_numel if self.persistent else self.shard_numel) * self.full.element_size()
 
     # -- gradients: reduce ----------------------------------------------------------------
@@ -258,26 +248,34 @@ def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_inde
                      num_shards=num_shards, shard_index=shard_index, persistent=plan.persistent)
 
 
-class CopiedThenGathered:
-    """A prefetched gather of a host shard (FlatParam.all_gather on a GPU): wait() waits for
-    the gather (its Pending) and makes the compute stream wait for the side stream's work."""
+class DeviceShard:
+    """A shard that lives in device memory: the gather reads it where it is. The protocol of
+    every shard storage (offload.HostShard, nvme.NvmeShard):
 
-    def __init__(self, pending, event, device: torch.device):
-        self.pending, self.event, self.device = pending, event, device
+        tensor                the shard (its place is logical: "host" may be the CPU device too)
+        on_host               whether it lives in host memory between uses
+        all_gather(f, ...)    f.full <- every rank's shard, this rank's read from here
+        write(values, ...)    the optimizer's new values into the shard
+        written()             after the step's writes (NVMe: to the file)
+    """
+    on_host = False
 
-    def wait(self) -> None:
-        self.pending.wait()
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
+    def all_gather(self, f: FlatParam, label: str, async_op: bool):
+        pending = comm.all_gather_into_tensor(f.full, self.tensor, label=label, async_op=async_op)
+        return pending if async_op else None
 
-_copy_streams: dict = {}
+    def write(self, values: torch.Tensor, from_host: bool, pin: bool, label: str) -> None:
+        if not from_host:
+            if values is not self.tensor:    # fp32: the master is the shard itself
+                self.tensor.copy_(values)
+            return
+        # the master is in host memory (offload_optimizer): round there, send the low-precision bytes
+        staged = values if values.dtype == self.tensor.dtype else \
+            comm.host_empty(values.numel(), self.tensor.dtype, pin).copy_(values)
+        comm.copy_to_device(self.tensor, staged, label=label)
 
-
-def copy_stream(device: torch.device):
-    """The side stream offload_param's prefetched host-to-device copies run on (one per GPU,
-    made on first use); None on a CPU, where there are no streams."""
-    if device.type != "cuda":
-        return None
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device)
-    return _copy_streams[device]
+    def written(self) -> None:
+        """Nothing: device memory is where it lives."""

@@ -145,7 +145,7 @@ def held_bytes(engine) -> dict:
     zero, opt = engine.stage, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
     # "device": "nvme": writes in flight finished first, so each state is counted in one place
-    nvme = offload.swapped_out_bytes() if offload is not None and offload.swappers else None
+    nvme = offload.swapped_out_bytes(zero.flat_params, opt) if offload is not None and offload.tier is not None else None
     where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
     seen: set[int] = set()
 
@@ -161,7 +161,7 @@ def held_bytes(engine) -> dict:
 
     for f in zero.flat_params:
         claim("params", [f.full], False)              # allocated: ZeRO-0/1/2, persistent, or gathered now
-        claim("params", [f.shard], f.shard_on_host)   # ZeRO-3's own shard (a view of full otherwise)
+        claim("params", [f.shard], f.storage.on_host)   # ZeRO-3's own shard (a view of full otherwise)
     claim("master_params", opt.masters, opt.on_host)
     claim("optimizer_states", [v for st in opt.optimizer.state.values() for v in st.values()
                                if torch.is_tensor(v) and v.dim() > 0], opt.on_host)   # not Adam's scalar step

@@ -50,6 +50,7 @@ import socket
 import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import record_function
@@ -64,11 +65,6 @@ SWAP_DIR = "minizero_swap"
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def free_bytes(path: str) -> int:
-    """Free bytes on the file system that holds `path` (a function of its own: tests replace it)."""
-    return shutil.disk_usage(path).free
 
 
 class SwapFolder:
@@ -224,7 +220,7 @@ def check_free_space(folder: SwapFolder, need: int, what: str) -> None:
     """One line at start, on every rank, when the swap files would not fit: the ranks on one
     host that share a file system add up. A collective: call on every rank."""
     here = (socket.gethostname(), os.stat(folder.path).st_dev)
-    everyone = comm.all_gather_object((*here, need, free_bytes(folder.path)))
+    everyone = comm.all_gather_object((*here, need, shutil.disk_usage(folder.path).free))
     need_on, ranks_on = Counter(), Counter()          # per (host, file system): bytes needed, ranks
     for host, dev, n, _ in everyone:
         need_on[host, dev] += n
@@ -247,3 +243,154 @@ def agree_on_errors(fn):
     except ConfigError as e:
         err = str(e)
     comm.raise_if_any_rank_failed(err, ConfigError, label="nvme_ok")
+
+
+# ----------------------------------------------------------------------------- one rank's swap folders
+
+class NvmeTier:
+    """This rank's swap folders and their Swappers, one per nvme_path (offload_param and
+    offload_optimizer may share one). Made by `open` (a collective), filled by `start`."""
+
+    def __init__(self, folders: dict, swappers: dict):
+        self.folders, self.swappers = folders, swappers
+
+    @classmethod
+    def open(cls, paths: dict, aio) -> "NvmeTier":
+        """{nvme_path: the config key that names it}: each rank's folder made and locked; one
+        line on every rank if any rank cannot (agree_on_errors)."""
+        folders = {}
+
+        def make_folders():
+            for p in sorted(paths):
+                folders[p] = SwapFolder(p, comm.get_rank(), paths[p])
+        try:
+            agree_on_errors(make_folders)
+        except ConfigError:                          # leave no folder behind, on any rank
+            for folder in folders.values():
+                folder.remove()
+            raise
+        tier = cls(folders, {p: Swapper(f, aio.intra_op_parallelism, aio.block_size) for p, f in folders.items()})
+        tier.names = paths
+        return tier
+
+    def start(self, swapped: list) -> None:
+        """`swapped`: (key, tensor, swapper) of every state that lives in files. One line at
+        start on every rank when the files would not fit; then each is written once and its
+        host memory let go. A collective."""
+        try:
+            for p, swapper in self.swappers.items():
+                need = sum(nbytes(t) for _, t, s in swapped if s is swapper)
+                check_free_space(self.folders[p], need, self.names[p])
+        except ConfigError:                          # leave no folder behind, on any rank
+            self.close()
+            raise
+        for folder in self.folders.values():
+            if folder.removed_stale:
+                logger.warning(f"rank {comm.get_rank()}: removed {folder.removed_stale} swap file(s) in "
+                               f"{folder.path} left by a run that did not exit cleanly (swap files are not a "
+                               f"checkpoint: a run resumes from its checkpoint)")
+        for key, t, swapper in swapped:
+            swapper.resident.add(key)                 # all in host memory now: write each once
+        for key, t, swapper in swapped:
+            swapper.swap_out(key, t)
+        self.wait_all()                               # a disk error surfaces here, at start
+
+    @contextmanager
+    def resident(self, swapped, after_load):
+        """Everything swapped in for the block, written back after it. `swapped()` is asked
+        again at the end, and `after_load()` first: a checkpoint load may have replaced the
+        tensors."""
+        for key, t, swapper in swapped():
+            swapper.swap_in(key, t)
+        try:
+            yield
+        finally:
+            after_load()
+            now = swapped()
+            for key, t, swapper in now:
+                swapper.resident.add(key)
+            for key, t, swapper in now:
+                swapper.swap_out(key, t)
+
+    def wait_all(self) -> None:
+        for s in self.swappers.values():
+            s.wait_all()
+
+    def close(self) -> None:
+        for s in self.swappers.values():
+            s.close()
+
+
+# ----------------------------------------------------------------------------- what lives in the files
+
+class ReadAhead:
+    """The order in which NVMe parameter shards were gathered last step (the same every step:
+    forward, then backward's reverse, per micro-step), so each read can start the reads of the
+    next `count` shards while this unit computes. No read-ahead crosses a step: the step
+    rewrites every shard."""
+
+    def __init__(self, count: int):
+        self.count, self.last, self.now = count, [], []
+
+    def fetched(self, shard: "NvmeShard") -> list:
+        """`shard` is being read for a gather: the shards to read ahead of it."""
+        i = len(self.now)
+        self.now.append(shard)
+        if i < len(self.last) and self.last[i] is shard:   # on the same path as last step
+            return [s for s in self.last[i + 1:i + 1 + self.count] if s is not shard]
+        return []
+
+    def step_done(self) -> None:
+        """The step wrote the shards: this step's order is the one the next reads ahead in."""
+        if self.now:
+            self.last, self.now = self.now, []
+
+
+class ShardFile:
+    """offload_param to NVMe: a host shard's file (offload.HostShard holds it). The shard is
+    read just before its gather (and the next shards' reads started, ReadAhead), dropped right
+    after (its file still holds it: no write), and written after the step changed it."""
+
+    def __init__(self, swapper: Swapper, key: str, tensor: torch.Tensor, read_ahead: ReadAhead):
+        self.swapper, self.key, self.tensor, self.read_ahead = swapper, key, tensor, read_ahead
+
+    def read(self) -> None:
+        ahead = self.read_ahead.fetched(self)
+        self.swapper.swap_in(self.key, self.tensor)
+        for f in ahead:
+            self.swapper.prefetch(f.key, f.tensor)
+
+    def drop(self) -> None:
+        self.swapper.swap_out(self.key, self.tensor, write=False)
+
+    def reclaim(self) -> None:
+        """The storage back, unread: the caller overwrites all of it."""
+        self.swapper.prefetch(self.key, self.tensor, read=False)
+
+    def write(self) -> None:
+        """To the file, in the background (the caller waited for any device-to-host copy)."""
+        self.swapper.swap_out(self.key, self.tensor)
+        self.read_ahead.step_done()
+
+
+class StateFiles:
+    """offload_optimizer to NVMe (offload.HostStates holds it): the fp32 masters and Adam's
+    moments live in files between steps. Per step their reads start with the gradient copies
+    (the disk works meanwhile), are waited for just before Adam, and the writes start after it
+    and finish in the background, during the next forward and backward. `swappable`: the
+    optimizer's (key, tensor) pairs, asked each time (a checkpoint load replaces tensors)."""
+
+    def __init__(self, swapper: Swapper):
+        self.swapper = swapper
+
+    def prefetch(self, swappable) -> None:
+        for key, t in swappable:
+            self.swapper.prefetch(key, t)
+
+    def swap_in(self, swappable) -> None:
+        for key, t in swappable:
+            self.swapper.swap_in(key, t)
+
+    def swap_out(self, swappable) -> None:
+        for key, t in swappable:
+            self.swapper.swap_out(key, t)

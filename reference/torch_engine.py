@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from minizero.config import load_config
-from minizero.sharded_optimizer import build_optimizer
+from minizero.adam import build_optimizer
 from reference.comm_counter import COUNTER
 
 

@@ -8,7 +8,7 @@ import torch
 
 from minizero.config import (ActivationCheckpointingConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig,
                              ZeroConfig, ignored_knobs, ignored_knobs_note, load_config, resolve_batch_size)
-from minizero.sharded_optimizer import ChunkedAdam, ChunkedAdamW, build_optimizer
+from minizero.adam import ChunkedAdam, ChunkedAdamW, build_optimizer
 
 deepspeed = pytest.importorskip("deepspeed")
 import deepspeed.runtime.config as ds_config_mod  # noqa: E402
@@ -440,7 +440,7 @@ def _opt(section):
 
 def test_build_optimizer_mapping():
     # torch's AdamW/Adam classes, stepped in slices on a CPU (bit-identical to torch's own
-    # step: tests/core/test_chunked_adam.py); the subclass is what DeepSpeed's torch_adam builds
+    # step: tests/core/test_adam.py); the subclass is what DeepSpeed's torch_adam builds
     assert issubclass(ChunkedAdamW, torch.optim.AdamW) and issubclass(ChunkedAdam, torch.optim.Adam)
 
     def build(params):

@@ -155,7 +155,7 @@ class _Flat:
 def _consolidate_with_host_master_strict():
     from types import SimpleNamespace
 
-    from minizero.offload import host_empty
+    from minizero.comm import host_empty
     from minizero.sharded_optimizer import ShardedOptimizer
 
     def consolidate():
@@ -176,7 +176,7 @@ def test_adam_step_is_where_a_fused_or_capturable_adam_reads_it():
     # torch's _init_group puts `step` on the parameter's device for fused/capturable Adam and
     # on the CPU otherwise; init_optimizer_states must agree (a CUDA fused Adam with a CPU
     # step fails). meta stands in for the GPU: a device that is not the CPU.
-    from minizero.sharded_optimizer import init_optimizer_states
+    from minizero.adam import init_optimizer_states
     for kwargs, where in (({"capturable": True}, "meta"), ({}, "cpu"), ({"foreach": False}, "cpu")):
         p = torch.nn.Parameter(torch.zeros(3, device="meta"))
         opt = torch.optim.AdamW([p], **kwargs)

@@ -150,11 +150,12 @@ def _start(path, mode=None):
     """Build a stage-3 engine with both offloads on NVMe at `path`; the ConfigError's text, or
     None. mode "full": the disk reports 1,000 free bytes; "rank1_blocked": rank 1's folder
     cannot be made (a file is in its place)."""
-    from minizero import comm, nvme
+    import shutil
+    from minizero import comm
     from minizero.errors import ConfigError
     from tests.support.harness import micro_engine
-    if mode == "full":
-        nvme.free_bytes = lambda p: 1000
+    if mode == "full":   # this forked rank only
+        shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 40, (1 << 40) - 1000, 1000)
     if mode == "rank1_blocked" and comm.get_rank() == 1:
         os.makedirs(os.path.join(path, "minizero_swap"), exist_ok=True)
         open(os.path.join(path, "minizero_swap", "rank1"), "w").close()
@@ -162,7 +163,7 @@ def _start(path, mode=None):
         engine, _ = micro_engine(_cfg(3, "bf16", ("optimizer", "param"), 0, "nvme", path))
     except ConfigError as e:
         return str(e)
-    removed = [s.folder.removed_stale for s in engine.offload.swappers.values()]
+    removed = [folder.removed_stale for folder in engine.offload.tier.folders.values()]
     engine.destroy()
     return removed
 
@@ -216,7 +217,8 @@ def _train(path, ckpt, device, steps, save_at=None, resume=False, kill_at=None):
         if save_at == s + 1:
             engine.save_checkpoint(ckpt, client_state={"step": s + 1})
     state = engine.full_fp32_state_dict()
-    removed = [s.folder.removed_stale for s in engine.offload.swappers.values()]
+    tier = engine.offload.tier   # None with "device": "cpu"
+    removed = [folder.removed_stale for folder in tier.folders.values()] if tier is not None else []
     engine.destroy()
     return losses, state, removed, comm.get_rank()
 

@@ -1,12 +1,12 @@
-"""Adam stepped in slices (minizero/sharded_optimizer.py, ChunkedAdam/ChunkedAdamW) is torch's Adam bit for bit.
+"""Adam stepped in slices (minizero/adam.py, ChunkedAdam/ChunkedAdamW) is torch's Adam bit for bit.
 
 The slicing exists for speed only (no mmap'd temporaries per step); these tests pin that
 it changes no number and no state layout, so checkpoints written with torch's class load."""
 import pytest
 import torch
 
-from minizero.sharded_optimizer import ChunkedAdam, ChunkedAdamW
-from minizero.sharded_optimizer import build_optimizer
+from minizero.adam import ChunkedAdam, ChunkedAdamW
+from minizero.adam import build_optimizer
 
 HYPER = [dict(), dict(weight_decay=0.1, amsgrad=True), dict(betas=(0.8, 0.95), eps=1e-6, maximize=True)]
 
@@ -98,7 +98,7 @@ def test_torchs_foreach_step_whole_is_its_foreach_step_in_slices(dtype):
     AdamW (the GPU default) on the whole master after g.float().mul_(1 / divisor) gives the
     bits the sliced path gave with foreach on one-slice lists (run here on the CPU's foreach
     kernels; the update is element-wise either way), so GPU runs keep their numbers."""
-    from minizero import sharded_optimizer
+    from minizero import adam
     torch.manual_seed(0)
     lp = [torch.randn(1000).to(dtype) for _ in range(4)]
     inv = 1.0 / torch.full((), 3.7)
@@ -107,15 +107,15 @@ def test_torchs_foreach_step_whole_is_its_foreach_step_in_slices(dtype):
     sliced = ChunkedAdamW([sliced_p], lr=1e-2, weight_decay=0.1, foreach=True)
     sliced.chunk_numel = 96
     whole = torch.optim.AdamW([whole_p], lr=1e-2, weight_decay=0.1, foreach=True)
-    old = sharded_optimizer._chunkable
-    sharded_optimizer._chunkable = lambda group: True     # the old answer for GPU masters
+    old = adam._chunkable
+    adam._chunkable = lambda group: True     # the old answer for GPU masters
     try:
         for g in lp:
-            sliced.__dict__.setdefault("_low_precision_grads", {})[sliced_p] = (g.view(-1), inv)
+            sliced.low_precision_grads[sliced_p] = (g.view(-1), inv)
             sliced.step()
             whole_p.grad = g.float().mul_(inv)
             whole.step()
             whole_p.grad = None
     finally:
-        sharded_optimizer._chunkable = old
+        adam._chunkable = old
     assert torch.equal(sliced_p, whole_p)
