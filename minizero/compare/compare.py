@@ -372,7 +372,14 @@ def torch_note(args) -> str:
             "each parameter's dim 0 to a multiple of N (minizero pads each flat unit), frees gradients at "
             "`zero_grad`, and its optimizer steps the fp32 shard itself (no separate master). Its gradient-norm "
             "all-reduce goes through DTensor's functional collectives and is not counted. "
-            f"Details: [docs/fsdp.md]({fsdp}).")
+            f"Details: [docs/fsdp.md]({fsdp})."
+            + (" hsdp_shard_size S: the same on a 2-D mesh (N/S replicas, S shard ranks): gathers and the "
+               "reduce-scatter inside a row of S ranks, then the gradient shard all-reduced across the rows."
+               if "hsdp_shard_size" in hierarchy_keys(args) else "")
+            + (" zero_hpz_partition_size k: `reshard_after_forward=k`, FSDP2's hpZ: after forward each block keeps "
+               "a copy sharded over k ranks, which backward all-gathers from (freed after backward; DeepSpeed's "
+               "secondary partition lives until the step)."
+               if "zero_hpz_partition_size" in hierarchy_keys(args) else ""))
 
 
 def report_md(info, args, rows, offload: bool = False, results=None) -> str:
