@@ -307,11 +307,12 @@ def held_bytes(engine: TorchEngine) -> dict:
 
 
 def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bool = False, seed: int = 0,
-              weight_decay=None, return_final_state: bool = True) -> dict:
+              weight_decay=None, return_final_state: bool = True, drive=None) -> dict:
     """Train `steps` optimizer steps with DDP/FSDP2 on this rank: reference/ds_run.py's
     run_deepspeed for PyTorch (same model, param groups, batches and loop: ds_run.train_steps),
     the same result keys, plus `comm`: this engine's collectives during the steps, by op
-    (the loop's own fp64 loss all-reduce, one 8-byte tensor per step, taken out)."""
+    (the loop's own fp64 loss all-reduce, one 8-byte tensor per step, taken out). `drive`:
+    as run_deepspeed's (an object the loop calls instead of the engine; its result() joins)."""
     from reference.ds_run import build_model, prepare_ds_config, train_steps
     cfg = prepare_ds_config(config)
     model, groups = build_model(model_fn, cfg, seed, weight_decay)
@@ -319,8 +320,11 @@ def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bo
     world = dist.get_world_size() if dist.is_initialized() else 1
     memory = {"after_backward": [], "after_step": []} if capture_memory else None
     before = COUNTER.snapshot()
-    out = train_steps(engine, batches, steps, lambda e: 1.0, held_bytes, memory)
+    driven = drive(engine) if drive is not None else engine
+    out = train_steps(driven, batches, steps, lambda e: 1.0, lambda e: held_bytes(engine), memory)
     after = COUNTER.snapshot()
+    if driven is not engine:
+        out.update(driven.result())
     moved = {op: {k: after[op][k] - before[op][k] for k in after[op]} for op in after}
     if world > 1:   # train_steps' rank-averaged loss: one fp64 scalar all_reduce per step
         moved["all_reduce"]["calls"] -= steps
