@@ -20,6 +20,7 @@ import math
 
 import pytest
 
+from reference import hpz
 from tests.support import agreement as A
 from tests.support import two_nodes as T
 from tests.support.harness import max_abs_diff
@@ -42,7 +43,12 @@ def phases(result, phase):
 def secondary_elements() -> int:
     """Σ over parameters of padded/k: each parameter padded to a multiple of N
     (partition_parameters.py: _aligned_size), then cut into k node-local pieces."""
-    return sum(math.ceil(p.numel() / T.N) * T.N // T.PER_NODE for p in A.MODEL_FN().parameters())
+    return hpz.secondary_elements([p.numel() for p in A.MODEL_FN().parameters()], T.N, T.PER_NODE)
+
+
+def test_secondary_elements_of_the_tiny_gpt():
+    assert secondary_elements() == 54_426 == 2 * sum(math.ceil(p.numel() / T.N) for p in A.MODEL_FN().parameters())
+    assert hpz.node_groups(T.N, T.PER_NODE) == [(0, 1), (2, 3)]
 
 
 def test_hpz_changes_no_number():
