@@ -1,10 +1,16 @@
 """Calls and ring wire bytes of torch.distributed's collectives, for the reference runs
 (reference/train.py under DeepSpeed, reference/torch_train.py under DDP/FSDP2): neither
 library keeps a byte ledger as minizero.comm does. Importing this module installs COUNTER.
+
+Every collective is also recorded under the ranks of the group it ran on (`by_group`), so a
+run with several groups (DeepSpeed's hpZ: the world and a group per "node"; FSDP2's HSDP: a
+shard group and a replicate group) shows which collective crossed which ranks;
+`node_split(by_group, ranks_per_node)` then sorts them into intra-node and inter-node.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import torch
@@ -43,10 +49,15 @@ class CommCounter:
     def __init__(self):
         self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0} for op in ("all_gather", "reduce_scatter",
                                                                                  "all_reduce", "broadcast")}
+        self.by_group: dict = {}   # (global ranks of the group) -> {op: {"calls", "bytes", "wire_bytes"}}
         self._depth = threading.local()
 
     def snapshot(self) -> dict:
         return {op: dict(v) for op, v in self.stats.items()}
+
+    def group_snapshot(self) -> dict:
+        """{group ranks (a tuple of global ranks): {op: {"calls", "bytes", "wire_bytes"}}}."""
+        return {g: {op: dict(v) for op, v in ops.items()} for g, ops in self.by_group.items()}
 
     @staticmethod
     def _nbytes(x) -> int:
@@ -75,8 +86,19 @@ class CommCounter:
             return self._nbytes(arg(1, "input_list"))
         return self._nbytes(arg(1, "input_tensor", "input"))   # reduce_scatter_tensor & co.
 
+    @staticmethod
+    def _group_ranks(group) -> tuple:
+        """The global ranks of `group` (None: the world), in the group's rank order."""
+        if not dist.is_initialized():
+            return (0,)
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
     def _wrap(self, name, fn):
         op = self.OPS[name]
+        try:   # where `group` sits among the arguments: DeepSpeed passes it by keyword, other callers by position
+            group_at = list(inspect.signature(fn).parameters).index("group")
+        except (ValueError, TypeError):
+            group_at = None
 
         @functools.wraps(fn)
         def counted(*args, **kwargs):
@@ -87,13 +109,18 @@ class CommCounter:
             finally:
                 self._depth.n = depth
                 if depth == 0:
-                    n = dist.get_world_size(kwargs.get("group")) if dist.is_initialized() else 1
+                    group = kwargs.get("group")
+                    if group is None and group_at is not None and len(args) > group_at:
+                        group = args[group_at]
+                    ranks = self._group_ranks(group)
+                    n = len(ranks)
                     b = self._payload(name, args, kwargs)
                     wire = {"all_reduce": 2 * b * (n - 1) // n, "broadcast": b if n > 1 else 0}.get(op, b * (n - 1) // n)
-                    s = self.stats[op]
-                    s["calls"] += 1
-                    s["bytes"] += b
-                    s["wire_bytes"] += wire
+                    per_group = self.by_group.setdefault(ranks, {})
+                    for s in (self.stats[op], per_group.setdefault(op, {"calls": 0, "bytes": 0, "wire_bytes": 0})):
+                        s["calls"] += 1
+                        s["bytes"] += b
+                        s["wire_bytes"] += wire
         counted.__wrapped_by_comm_counter__ = True
         return counted
 
@@ -105,6 +132,35 @@ class CommCounter:
                     continue
                 setattr(mod, name, self._wrap(name, fn))
         return self
+
+
+def node_split(by_group: dict, ranks_per_node: int) -> dict:
+    """Sort `by_group` (CommCounter.group_snapshot(), or the difference of two) into
+    {"intra": {op: {...}}, "inter": {op: {...}}}: a group whose ranks all sit on one node
+    (global rank // ranks_per_node, torchrun's placement: node r holds ranks r*L .. r*L+L-1)
+    is intra-node, a group that spans nodes is inter-node. A spanning group's ring also has
+    intra-node edges; which of its bytes cross the slow link is the ledger's ring split
+    (minizero's), not this coarse one."""
+    out = {"intra": {}, "inter": {}}
+    for ranks, ops in by_group.items():
+        where = "intra" if len({r // ranks_per_node for r in ranks}) == 1 else "inter"
+        for op, v in ops.items():
+            acc = out[where].setdefault(op, {"calls": 0, "bytes": 0, "wire_bytes": 0})
+            for k in acc:
+                acc[k] += v[k]
+    return out
+
+
+def group_delta(after: dict, before: dict) -> dict:
+    """by_group after - before (each a CommCounter.group_snapshot()), groups and ops with no call left out."""
+    out = {}
+    for ranks, ops in after.items():
+        for op, v in ops.items():
+            b = before.get(ranks, {}).get(op, {"calls": 0, "bytes": 0, "wire_bytes": 0})
+            d = {k: v[k] - b[k] for k in v}
+            if d["calls"]:
+                out.setdefault(ranks, {})[op] = d
+    return out
 
 
 COUNTER = CommCounter().install()   # before `import deepspeed` (see the class docstring)

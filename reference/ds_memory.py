@@ -272,6 +272,10 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
                   _attr(opt, "param_groups_fp16_flat_cpu_memory"), "host")
         led.claim("params", "fp16_partitioned_groups_flat", _attr(opt, "fp16_partitioned_groups_flat"), lp_place)
         led.claim("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in params], lp_place)
+        # hpZ (zero_hpz_partition_size k > 1): the second, node-local partition, padded/k elements
+        # of each parameter in its low precision, alive from forward's release to the step
+        led.claim("params", "ds_secondary_tensor", [getattr(p, "ds_secondary_tensor", None) for p in params],
+                  lp_place)
         # parameters that are still gathered (ds_persist: numel <= persistence threshold)
         led.claim("params", "gathered p.data", [p.data for p in params])
     elif kind == "BF16_Optimizer":
@@ -393,8 +397,12 @@ def layout_elements(engine) -> Dict[str, int]:
                 "shard": sum(t.numel() for t in opt.single_partition_of_fp32_groups)}
     if kind == "DeepSpeedZeroOptimizer_Stage3":
         world = engine.dp_world_size
-        return {"full": sum(p.ds_tensor.numel() * world for p in params if getattr(p, "ds_persist", False)),
-                "shard": sum(p.ds_tensor.numel() for p in params)}
+        out = {"full": sum(p.ds_tensor.numel() * world for p in params if getattr(p, "ds_persist", False)),
+               "shard": sum(p.ds_tensor.numel() for p in params)}
+        secondary = [p.ds_secondary_tensor for p in params if getattr(p, "ds_secondary_tensor", None) is not None]
+        if secondary:   # hpZ, between forward and the step
+            out["secondary"] = sum(t.numel() for t in secondary)
+        return out
     whole = sum(p.numel() for p in params)
     return {"full": whole, "shard": whole}
 

@@ -298,7 +298,7 @@ def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None
 def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
                   fp16_cpu_patch: bool = True, capture_memory: bool = False, zero3_exact: bool = True,
                   seed: int = 0, weight_decay: Optional[float] = None,
-                  return_final_state: bool = True) -> Dict[str, Any]:
+                  return_final_state: bool = True, drive: Optional[Callable] = None) -> Dict[str, Any]:
     """Train `steps` optimizer steps with DeepSpeed on this rank; return plain data.
 
     model_fn: picklable callable -> nn.Module with forward(idx, targets) -> (logits, loss).
@@ -313,6 +313,9 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         weight_decay overrides the optimizer's, so the no-decay group really gets 0.
     capture_memory: record `reference.ds_memory.deepspeed_model_state_bytes` after init,
         after each step's last backward (before engine.step) and after each step.
+    drive: engine -> the object the loop calls instead of the engine (forward, backward,
+        step; everything else passes through), e.g. tests/support/two_nodes.py's PhaseRecorder,
+        which notes each phase's collectives; its `result()` joins the returned dict.
 
     Returns (per rank):
         losses         per step: mean over the accumulation micro-batches, averaged over
@@ -360,7 +363,10 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         memory = {"after_init": probe(engine), "after_backward": [], "after_step": [],
                   "transient_buckets": track_transient_buckets(engine)}
 
-    out = train_steps(engine, batches, steps, _loss_scale, probe, memory)
+    driven = drive(engine) if drive is not None else engine
+    out = train_steps(driven, batches, steps, _loss_scale, probe, memory)
+    if driven is not engine:
+        out.update(driven.result())
     out.update({
         "skipped_steps": int(engine.skipped_steps),
         "global_steps": int(engine.global_steps),

@@ -19,6 +19,24 @@ number. The stage names what is sharded, as in the ZeRO paper:
 fully_shard is applied to each transformer block and then to the root (tok_emb, pos_emb,
 ln_f, head): minizero's ZeRO-3 units are the same modules (docs/fsdp.md draws both).
 
+Two settings for a job on several nodes (S, k: ranks; torchrun puts ranks r*L .. r*L+L-1 on
+node r, so a block of consecutive ranks is a node):
+
+    zero_optimization.hsdp_shard_size S   HSDP (FSDP arXiv 2304.11277, section 3.2.2): a 2-D
+              mesh init_device_mesh(device, (N/S, S), mesh_dim_names=("replicate", "shard")),
+              each parameter sharded over the S ranks of its row (ranks r*S .. r*S+S-1) and
+              replicated over the N/S rows. Gathers stay inside a row; the gradient is
+              reduce-scattered inside the row, then its shard all-reduced across the rows
+              (HSDP_GRADIENT below). A key of minizero's own: DeepSpeed has none (its MiCS keys
+              were removed in 0.19.8 and now raise).
+    zero_optimization.zero_hpz_partition_size k   DeepSpeed's hpZ key, read as FSDP2's own
+              version of it: fully_shard(reshard_after_forward=k) reshards after forward to a
+              k-rank copy (ranks grouped k by k) and backward all-gathers from it; stage 3 only.
+              (The primary shard and the gradient stay on all N ranks, as in DeepSpeed.)
+
+The two keys are taken out of the config before minizero's parser reads the rest, so they
+work whether or not minizero's own config knows them.
+
 What follows DeepSpeed's semantics, so the numbers can agree (docs/fsdp.md):
 - the loss is divided by gradient_accumulation_steps before backward (DeepSpeed's
   engine.backward); each micro-batch's backward reduces (FSDP2 and DDP sync by default,
@@ -57,13 +75,62 @@ def is_sharded(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+HSDP_GRADIENT = """FSDP2's HSDP gradient, in order (torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py: foreach_reduce and _get_gradient_divide_factors), for reduce_dtype fp32
+or bf16 (MixedPrecisionPolicy.reduce_dtype, else the parameter's dtype):
+  1. the block's unsharded gradients (param dtype: bf16 under MixedPrecisionPolicy(bf16)) are
+     copied into one flat reduce-scatter input in reduce_dtype (each parameter's dim 0 padded
+     to a multiple of S);
+  2. reduce_scatter_tensor(op=ReduceOp.AVG) over the S ranks of the shard group, in
+     reduce_dtype: the shard sum over S ranks, divided by S inside the collective;
+  3. all_reduce(op=ReduceOp.AVG) of that shard over the N/S ranks of the replicate group,
+     in reduce_dtype: divided by N/S inside the collective;
+  4. cast to the sharded parameter's dtype (fp32) and assigned (or added) to its .grad.
+No pre- or post-division outside the collectives (both are AVG for fp32/bf16: the
+pre/post factors apply only to fp16). So the gradient a rank steps with is
+AVG_replicas(round(AVG_shard(g))): two roundings in bf16, each after a sum of S or N/S
+terms; at S = N/S = 2 every division is by 2 (exact) and each sum has two terms
+(commutative), so the result does not depend on gloo's order."""
+
+
+def hierarchy(cfg: dict, world: int) -> tuple[dict, int | None, int | None]:
+    """(the config without the two hierarchical keys, hsdp_shard_size, zero_hpz_partition_size);
+    None for a key that is absent or 1 (no hierarchy). Bad values: TorchEngineError, one line."""
+    zero = dict(cfg.get("zero_optimization") or {}) if isinstance(cfg.get("zero_optimization"), dict) else None
+    if zero is None:
+        return cfg, None, None
+    sizes = {}
+    for key in ("hsdp_shard_size", "zero_hpz_partition_size"):
+        if key not in zero:
+            continue
+        v = zero.pop(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TorchEngineError(f"zero_optimization.{key} must be a whole number >= 1, got {v!r}")
+        if world % v:
+            raise TorchEngineError(f"zero_optimization.{key} {v} does not divide the {world} ranks: "
+                                   f"use a divisor of {world} (the ranks of one node)")
+        sizes[key] = v if 1 < v < world else None   # 1 or N: no hierarchy (k = N is plain ZeRO-3)
+    if sizes.get("hsdp_shard_size") and sizes.get("zero_hpz_partition_size"):
+        raise TorchEngineError("zero_optimization.hsdp_shard_size and zero_hpz_partition_size together: "
+                               "choose one (HSDP shards within a node, hpZ keeps a node-local copy)")
+    return {**cfg, "zero_optimization": zero}, sizes.get("hsdp_shard_size"), sizes.get("zero_hpz_partition_size")
+
+
 class TorchEngine:
     """DeepSpeed's engine API (the part minizero's trainer calls) over DDP or FSDP2."""
 
     def __init__(self, model: torch.nn.Module, param_groups: list[dict], cfg: dict):
-        self.cfg = load_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cfg, self.hsdp_shard_size, self.hpz_partition_size = hierarchy(cfg, world)
+        self.cfg = load_config(cfg, world)
         z = self.cfg.zero
         self.stage = z.stage
+        if (self.hsdp_shard_size or self.hpz_partition_size) and self.stage not in (2, 3):
+            raise TorchEngineError("hsdp_shard_size / zero_hpz_partition_size shard parameters: use --stage 3 "
+                                   "(or 2 for HSDP), not stage 0 (DDP)")
+        if self.hpz_partition_size and self.stage != 3:
+            raise TorchEngineError("zero_hpz_partition_size is a ZeRO-3 setting (a second copy for backward's "
+                                   "gather; stage 2 keeps the gathered parameters anyway): use --stage 3")
         self.dtype = "bf16" if self.cfg.bf16.enabled else "fp16" if self.cfg.fp16.enabled else "fp32"
         if self.dtype == "fp16":
             raise TorchEngineError("the PyTorch reference runs fp32 and bf16; fp16 needs DeepSpeed's loss scaler "
@@ -116,12 +183,25 @@ class TorchEngine:
                 for p in model.parameters():
                     p.copy_(p.to(torch.bfloat16))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        mesh = self._mesh()
+        if self.hpz_partition_size and reshard_after_forward:
+            reshard_after_forward = self.hpz_partition_size   # FSDP2's hpZ: reshard to k ranks after forward
         for block in model.blocks:   # one unit per block, as minizero's ZeRO-3 and DeepSpeed's
-            fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         # The root gathers what is left (tok_emb, pos_emb, ln_f, head). FSDP2 never reshards
         # the root after forward (backward needs it at once) whatever the flag says.
-        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         return model
+
+    def _mesh(self):
+        """HSDP's 2-D mesh (replicas, shard): row r is ranks r*S .. r*S+S-1, one node; None
+        (FSDP2's default 1-D mesh over every rank) without hsdp_shard_size."""
+        if not self.hsdp_shard_size:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+        S = self.hsdp_shard_size
+        return init_device_mesh(self.device.type, (dist.get_world_size() // S, S),
+                                mesh_dim_names=("replicate", "shard"))
 
     # ------------------------------------------------------------------ DeepSpeed's API
     def __call__(self, *args, **kwargs):
@@ -227,11 +307,12 @@ def held_bytes(engine: TorchEngine) -> dict:
 
 
 def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bool = False, seed: int = 0,
-              weight_decay=None, return_final_state: bool = True) -> dict:
+              weight_decay=None, return_final_state: bool = True, drive=None) -> dict:
     """Train `steps` optimizer steps with DDP/FSDP2 on this rank: reference/ds_run.py's
     run_deepspeed for PyTorch (same model, param groups, batches and loop: ds_run.train_steps),
     the same result keys, plus `comm`: this engine's collectives during the steps, by op
-    (the loop's own fp64 loss all-reduce, one 8-byte tensor per step, taken out)."""
+    (the loop's own fp64 loss all-reduce, one 8-byte tensor per step, taken out). `drive`:
+    as run_deepspeed's (an object the loop calls instead of the engine; its result() joins)."""
     from reference.ds_run import build_model, prepare_ds_config, train_steps
     cfg = prepare_ds_config(config)
     model, groups = build_model(model_fn, cfg, seed, weight_decay)
@@ -239,8 +320,11 @@ def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bo
     world = dist.get_world_size() if dist.is_initialized() else 1
     memory = {"after_backward": [], "after_step": []} if capture_memory else None
     before = COUNTER.snapshot()
-    out = train_steps(engine, batches, steps, lambda e: 1.0, held_bytes, memory)
+    driven = drive(engine) if drive is not None else engine
+    out = train_steps(driven, batches, steps, lambda e: 1.0, lambda e: held_bytes(engine), memory)
     after = COUNTER.snapshot()
+    if driven is not engine:
+        out.update(driven.result())
     moved = {op: {k: after[op][k] - before[op][k] for k in after[op]} for op in after}
     if world > 1:   # train_steps' rank-averaged loss: one fp64 scalar all_reduce per step
         moved["all_reduce"]["calls"] -= steps

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 reference/torch_train.py --stage 3   # FSDP2, fully_shard per block + root
     torchrun --nproc-per-node 2 reference/torch_train.py --stage 2   # FSDP2, reshard_after_forward=False
     torchrun --nproc-per-node 2 reference/torch_train.py --stage 0   # DistributedDataParallel
+    torchrun --nproc-per-node 4 reference/torch_train.py --stage 3 --config hsdp.json   # HSDP: zero_optimization.hsdp_shard_size 2
 
 Same flags, loop, model, data, seed, LR schedule and clipping (imported from minizero, not
 copied), same files (metrics.csv, summary.json with "library": "torch", samples.png, the
@@ -26,7 +27,7 @@ from minizero import comm  # noqa: E402
 from minizero.config import load_config  # noqa: E402
 from minizero.train import runlog  # noqa: E402
 from minizero.train import train as mtrain  # noqa: E402
-from reference.torch_engine import TorchEngine, TorchEngineError, held_bytes  # noqa: E402
+from reference.torch_engine import TorchEngine, TorchEngineError, held_bytes, hierarchy  # noqa: E402
 
 
 def _initialize(model, param_groups, cfg, args):
@@ -36,14 +37,24 @@ def _initialize(model, param_groups, cfg, args):
     engine = TorchEngine(model, param_groups, cfg)
     kind = {0: "DistributedDataParallel", 2: "FSDP2 fully_shard(reshard_after_forward=False)",
             3: "FSDP2 fully_shard(reshard_after_forward=True)"}[engine.stage]
+    if engine.hsdp_shard_size:
+        S = engine.hsdp_shard_size
+        kind += f", HSDP: mesh ({comm.get_world_size() // S} replicas, {S} shard ranks)"
+    if engine.hpz_partition_size:
+        kind = kind.replace("=True", f"={engine.hpz_partition_size}") + " (hpZ: backward gathers within " \
+            f"{engine.hpz_partition_size} ranks)"
     runlog.log0(f"torch: {kind} on every block, then the root; no checkpoint is written" if engine.stage
                 else f"torch: {kind}; no checkpoint is written")
     return engine
 
 
 def _check_config(cfg, world_size):
-    parsed = load_config(cfg, world_size)   # the same keys and checks as minizero's
+    rest, hsdp, hpz = hierarchy(cfg, world_size)   # the two multi-node keys: reference/torch_engine.py
+    parsed = load_config(rest, world_size)   # the rest: the same keys and checks as minizero's
     stage = parsed.zero.stage
+    if (hsdp or hpz) and stage not in (2, 3) or hpz and stage != 3:
+        raise TorchEngineError(f"{'hsdp_shard_size' if hsdp else 'zero_hpz_partition_size'} needs "
+                               f"{'--stage 3' if hpz else '--stage 2 or 3'} (FSDP2), not stage {stage}")
     if stage == 1:
         raise TorchEngineError("FSDP2 has no ZeRO-1 setting (optimizer state sharded, parameters and gradients "
                                "whole): use --stage 0 (DDP), 2 or 3 (FSDP2)")

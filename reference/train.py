@@ -93,12 +93,32 @@ def _initialize(model, param_groups, cfg, args):
     if (cfg.get("fp16") or {}).get("enabled") and not torch.cuda.is_available():
         patch_cpu_fp16()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=cfg)
+    engine.load_checkpoint = _one_line_world_size_refusal(engine.load_checkpoint, args)
     if "activation_checkpointing" in cfg:
         # deepspeed.initialize parses this section but does not apply it. After initialize:
         # configure() asks deepspeed.comm for the rank, which initialize sets up.
         deepspeed.checkpointing.configure(None, deepspeed_config=cfg)
         engine.module.checkpoint_fn = deepspeed.checkpointing.checkpoint
     return engine
+
+
+def _one_line_world_size_refusal(load_checkpoint, args):
+    """DeepSpeed loads a ZeRO checkpoint only at the world size that wrote it (engine.py:
+    _load_zero_checkpoint raises ZeRORuntimeException "used a DP world size of 8 but the current
+    world size is 2"); say so in one line, with the way that works: minizero resumes a
+    DeepSpeed checkpoint at any world size (docs/checkpoints.md)."""
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    def load(*a, **k):
+        try:
+            return load_checkpoint(*a, **k)
+        except ZeRORuntimeException as e:
+            if "world size" not in str(e):
+                raise
+            raise mtrain.UserError(f"{str(e).split('. ')[0]}: DeepSpeed resumes ZeRO only at the world size that "
+                                   f"saved it; launch that many ranks, or resume it with minizero at any world size "
+                                   f"(-m minizero.train --resume {args.resume})") from None
+    return load
 
 
 def _check_config(cfg, world_size):

@@ -9,6 +9,16 @@ and FSDP2 (stages 2, 3) through reference/torch_train.py (docs/fsdp.md). The tab
 and memory pictures take one column per library; the sections that name every byte of
 DeepSpeed's difference (memory moments, comms summaries) need minizero and deepspeed.
 
+ZeRO for several nodes (k, S: ranks of one node; --nproc a multiple of it):
+
+    python -m minizero.compare --libs deepspeed torch --stages 3 --nproc 4 --hpz 2    # hpZ
+    python -m minizero.compare --libs torch --stages 3 --nproc 4 --hsdp 2             # HSDP
+
+--hpz k sets zero_optimization.zero_hpz_partition_size (DeepSpeed's hpZ; torch runs FSDP2's
+reshard_after_forward=k), --hsdp S sets hsdp_shard_size (FSDP2's HSDP; DeepSpeed has none).
+Either key may also come in --config. A library that lacks the setting is refused in one
+line (minizero runs them once its config knows the key).
+
 Per stage: `torchrun ... -m minizero.train`, then `... reference/train.py` (real DeepSpeed)
 with identical flags; unknown flags go to both. Writes into --out (default reports/compare-<dtype>):
 report.md (command, machine, versions, one table row per stage; the model states of both
@@ -23,6 +33,7 @@ config.json (the config both got), and <lib>-stage<N>/ (each run's save dir and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import importlib.metadata
@@ -77,6 +88,10 @@ def parse_args(argv):
     p.add_argument("--dataset", help="cifar10 or synthetic (train.py's default: synthetic on CPU)")
     p.add_argument("--image-size", type=int, help="8, 16 or 32")
     p.add_argument("--max-steps", type=int, default=30, help="optimizer steps per run")
+    p.add_argument("--hpz", type=int, metavar="K", help="zero_optimization.zero_hpz_partition_size: ZeRO++'s hpZ, a "
+                   "secondary parameter partition over K ranks (one node) that backward gathers from (stage 3)")
+    p.add_argument("--hsdp", type=int, metavar="S", help="zero_optimization.hsdp_shard_size: HSDP, parameters sharded "
+                   "over S ranks (one node) and replicated across the --nproc/S groups (stages 2, 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report folder (default reports/compare-<dtype>)")
     p.add_argument("--own-knobs", action="store_true",
@@ -114,6 +129,7 @@ def check_args(args) -> None:
     if args.comms_logger is None:
         import torch
         args.comms_logger = not torch.cuda.is_available()
+    check_hierarchy(args)
     args.out = os.path.abspath(args.out or os.path.join("reports", f"compare-{args.dtype}"))
     if why := output_dir.problem(args.out, "--out"):
         raise CompareError(why)
@@ -124,6 +140,62 @@ def check_args(args) -> None:
         if earlier:
             raise CompareError(f"{args.out} already holds a comparison ({', '.join(earlier[:3])}"
                                f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
+
+
+# The multi-node keys, the libraries that have each, and the stages it applies to.
+HIERARCHY = {"zero_hpz_partition_size": ("--hpz", {"deepspeed", "torch"}, {3}),
+             "hsdp_shard_size": ("--hsdp", {"torch"}, {2, 3})}
+LACKS = {("deepspeed", "hsdp_shard_size"): "DeepSpeed 0.19.8 has no HSDP (its MiCS keys mics_shard_size / "
+                                          "mics_hierarchical_params_gather were removed and now raise)"}
+
+
+def minizero_knows(key: str) -> bool:
+    """Whether minizero's config parser accepts `key` in zero_optimization (a ZeRO-3 config of
+    4 ranks, the key at 2): the keys pass through to minizero as soon as its config knows them."""
+    from minizero.config import ConfigError, load_config
+    try:
+        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, key: 2}}, 4)
+    except ConfigError:
+        return False
+    return True
+
+
+def hierarchy_keys(args) -> dict:
+    """{key: size} of the multi-node keys this comparison runs: the flags, else --config's."""
+    keys = {}
+    config = getattr(args, "config", None)
+    if config and os.path.isfile(config):
+        with contextlib.suppress(OSError, ValueError):
+            with open(config) as f:
+                zero = json.load(f).get("zero_optimization")
+            if isinstance(zero, dict):
+                keys.update({k: zero[k] for k in HIERARCHY if k in zero})
+    for key, (flag, _, _) in HIERARCHY.items():
+        value = getattr(args, flag[2:], None)
+        if value is not None:
+            keys[key] = value
+    return keys
+
+
+def check_hierarchy(args) -> None:
+    """--hpz / --hsdp (or the keys in --config): a size that splits --nproc into nodes, a stage
+    that has it, and only libraries that have it."""
+    for key, size in hierarchy_keys(args).items():
+        flag, libs, stages = HIERARCHY[key]
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 < size < args.nproc or args.nproc % size:
+            raise CompareError(f"{flag} / zero_optimization.{key} {size!r}: give the ranks of one node, a divisor of "
+                               f"--nproc {args.nproc} between 2 and {args.nproc // 2} (e.g. --nproc 4 {flag} 2)")
+        if bad := [s for s in args.stages if s not in stages]:
+            raise CompareError(f"{flag} applies to stage {' and '.join(map(str, sorted(stages)))}, not "
+                               f"{' '.join(map(str, bad))}: choose --stages {' '.join(map(str, sorted(stages)))}")
+        for lib in args.libs:
+            if lib == "minizero" and not minizero_knows(key):
+                raise CompareError(f"minizero's config has no zero_optimization.{key} yet: drop minizero from --libs "
+                                   f"(the libraries that have it: {' '.join(sorted(libs))})")
+            if lib != "minizero" and lib not in libs:
+                why = LACKS.get((lib, key))
+                raise CompareError(f"{why or lib + ' has no ' + key}: drop {lib} from --libs (the libraries that have "
+                                   f"it: {' '.join(sorted(libs))})")
 
 
 def pinned_knobs(args) -> dict:
@@ -140,7 +212,9 @@ def base_config(args) -> dict:
     except UserError as e:   # no such file / not JSON / not an object
         raise CompareError(str(e)) from None
     zero = cfg.get("zero_optimization")   # (--stage replaces DeepSpeed's deprecated `true` form)
-    cfg["zero_optimization"] = {**pinned_knobs(args), **(zero if isinstance(zero, dict) else {})}
+    cfg["zero_optimization"] = {**pinned_knobs(args), **(zero if isinstance(zero, dict) else {}),
+                                **{key: getattr(args, flag[2:]) for key, (flag, _, _) in HIERARCHY.items()
+                                   if getattr(args, flag[2:], None) is not None}}
     # DeepSpeed logs whenever the section is present, whatever its "enabled" says
     # (docs/deepspeed.md, "comms_logger is on whenever the section is present"): off means no section.
     if getattr(args, "comms_logger", False):
@@ -298,7 +372,14 @@ def torch_note(args) -> str:
             "each parameter's dim 0 to a multiple of N (minizero pads each flat unit), frees gradients at "
             "`zero_grad`, and its optimizer steps the fp32 shard itself (no separate master). Its gradient-norm "
             "all-reduce goes through DTensor's functional collectives and is not counted. "
-            f"Details: [docs/fsdp.md]({fsdp}).")
+            f"Details: [docs/fsdp.md]({fsdp})."
+            + (" hsdp_shard_size S: the same on a 2-D mesh (N/S replicas, S shard ranks): gathers and the "
+               "reduce-scatter inside a row of S ranks, then the gradient shard all-reduced across the rows."
+               if "hsdp_shard_size" in hierarchy_keys(args) else "")
+            + (" zero_hpz_partition_size k: `reshard_after_forward=k`, FSDP2's hpZ: after forward each block keeps "
+               "a copy sharded over k ranks, which backward all-gathers from (freed after backward; DeepSpeed's "
+               "secondary partition lives until the step)."
+               if "zero_hpz_partition_size" in hierarchy_keys(args) else ""))
 
 
 def report_md(info, args, rows, offload: bool = False, results=None) -> str:
@@ -310,7 +391,7 @@ def report_md(info, args, rows, offload: bool = False, results=None) -> str:
     ds_results = {s: {lib: r[lib] for lib in LIBS} for s, r in results.items()} if pair else {}
     return "\n".join([
         f"# {' vs '.join(NAMES[lib] for lib in libs)}: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
-        f"{args.nproc} rank(s)", "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
+        f"{args.nproc} rank(s)" + "".join(f", {key} {size}" for key, size in hierarchy_keys(args).items()), "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
         f"- date: {info['date']}", "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
         f"- config: [config.json](config.json), each run with `--stage N --dtype {args.dtype}`", "",
         table(rows), "",

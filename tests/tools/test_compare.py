@@ -402,6 +402,9 @@ def test_the_command_launches_torchrun(tmp_path):
     (["--stages", "0", "--libs", "minizero", "jax"], "unknown library jax"),
     (["--stages", "1", "--libs", "minizero", "torch"], "torch has no ZeRO-1"),
     (["--stages", "0", "--dtype", "fp16", "--libs", "minizero", "torch"], "torch runs fp32 and bf16"),
+    (["--stages", "3", "--nproc", "4", "--hsdp", "2", "--libs", "deepspeed", "torch"], "DeepSpeed 0.19.8 has no HSDP"),
+    (["--stages", "2", "--nproc", "4", "--hpz", "2", "--libs", "deepspeed"], "--hpz applies to stage 3"),
+    (["--stages", "3", "--nproc", "4", "--hpz", "3", "--libs", "deepspeed"], "a divisor of --nproc 4"),
 ])
 def test_bad_input_is_one_line(args, needle, tmp_path):
     """compare's main(argv) on a process forked from the tests' preloaded forkserver, its file

@@ -1,0 +1,142 @@
+"""The README's two-node command, rehearsed on one machine: two real torchruns, one per "node".
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \\
+        --rdzv-id ID -m minizero.train --stage 3 ...            # started twice, as on two nodes
+
+The c10d rendezvous joins the two launchers into one world of 8 gloo ranks (torchrun then
+ignores --node-rank: the rendezvous hands out the node ranks). Both write into one save folder,
+as ranks on two nodes write into one shared file system. The checkpoint of 8 ranks must then
+resume on 2 ranks and on 1 (minizero reshards a ZeRO-3 checkpoint at load:
+docs/checkpoints.md). The same command runs real DeepSpeed (reference/train.py), whose
+8-rank checkpoint minizero resumes too; DeepSpeed itself resumes only at the world size that
+saved it, and says so in one line.
+
+Cost, measured on 2 shared cores: each two-torchrun launch is 10 interpreters (2 launchers,
+8 ranks) importing torch, 50-65 s for minizero and about 85 s for DeepSpeed; each resume runs
+on ranks forked from the tests' preloaded forkserver (tests/support/command_runs.py), 5-15 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from minizero.comm import free_port
+from tests.support.command_runs import run_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NODES, PER_NODE = 2, 4
+WORLD = NODES * PER_NODE
+STEPS = 3
+# micro GPT, 8x8 synthetic images, 2 images per rank per step; the test set (always scored at
+# the end) must give each of the 8 ranks one full micro-batch.
+SMALL = ["--stage", "3", "--model", "micro", "--image-size", "8", "--synthetic-train", "64",
+         "--synthetic-test", "16", "--micro-batch", "2", "--num-samples", "0", "--eval-every", "0"]
+TIMEOUT = 600
+
+
+def node_command(program: list[str], port: int, rdzv_id: str) -> list[str]:
+    """One node's launcher: the same line on every node (the README's)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *program]
+
+
+def launch_two_nodes(program: list[str], argv: list[str], folder) -> None:
+    """Start both nodes' torchruns at once and wait for both; fail with each node's log tail."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = node_command(program, free_port(), f"rehearsal-{os.getpid()}") + argv
+    logs = [folder / f"node{n}.log" for n in range(NODES)]
+    procs = []
+    for log in logs:
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        rcs = [p.wait(timeout=TIMEOUT) for p in procs]
+    except subprocess.TimeoutExpired:
+        rcs = None
+    finally:
+        for p in procs:           # each launcher's own session: it and the ranks it started
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    tails = "\n".join(f"--- {log.name}\n" + "".join(open(log).readlines()[-12:]) for log in logs)
+    assert rcs == [0] * NODES, f"two-node launch {'timed out' if rcs is None else rcs}: {' '.join(cmd)}\n{tails}"
+
+
+def summary(save_dir) -> dict:
+    with open(os.path.join(save_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))   # the colour codebook, computed once
+
+
+@pytest.fixture(scope="module")
+def minizero_run(tmp_path_factory, data_dir):
+    folder = tmp_path_factory.mktemp("minizero-two-nodes")
+    save = str(folder / "save")
+    launch_two_nodes(["-m", "minizero.train"], [*SMALL, "--max-steps", str(STEPS), "--data-dir", data_dir,
+                                                "--save-dir", save], folder)
+    return save
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(tmp_path_factory, data_dir):
+    pytest.importorskip("deepspeed")
+    folder = tmp_path_factory.mktemp("deepspeed-two-nodes")
+    save = str(folder / "save")
+    launch_two_nodes([os.path.join(ROOT, "reference", "train.py")],
+                     [*SMALL, "--max-steps", str(STEPS), "--data-dir", data_dir, "--save-dir", save], folder)
+    return save
+
+
+def test_two_torchruns_make_one_world_of_eight(minizero_run):
+    s = summary(minizero_run)
+    assert (s["library"], s["status"], s["world_size"], s["stage"], s["steps"]) == ("minizero", "completed", WORLD, 3,
+                                                                                     STEPS)
+    shards = sorted(os.listdir(os.path.join(minizero_run, f"global_step{STEPS}")))
+    assert [f for f in shards if f.endswith("optim_states.pt")] == \
+        [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD)]   # every rank, one folder
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+@pytest.mark.parametrize("library", ["minizero", "deepspeed"])
+def test_eight_rank_checkpoint_resumes_in_minizero(library, nproc, request, tmp_path, data_dir):
+    """minizero resumes either library's 8-rank ZeRO-3 checkpoint on 2 ranks and on 1: the
+    history is carried over and the run goes on to step 5 at the new world size."""
+    saved = request.getfixturevalue(f"{library}_run")
+    resumed = str(tmp_path / "resumed")
+    p = run_command("minizero.train", [*SMALL, "--max-steps", str(STEPS + 2), "--data-dir", data_dir,
+                                       "--resume", saved, "--save-dir", resumed], nproc=nproc)
+    assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    s = summary(resumed)
+    assert (s["status"], s["world_size"], s["steps"]) == ("completed", nproc, STEPS + 2)
+    assert s["losses"][:STEPS] == summary(saved)["losses"]
+
+
+def test_deepspeed_runs_the_same_command_with_the_same_losses(minizero_run, deepspeed_run):
+    """Real DeepSpeed under the same two torchruns: one world of 8, and, in fp32, minizero's
+    losses bit for bit (the same sums in the same order, as the agreement tests pin at 2 ranks;
+    gloo's reduce over 8 ranks adds in the same order for both libraries' buffers)."""
+    ds, mz = summary(deepspeed_run), summary(minizero_run)
+    assert (ds["library"], ds["status"], ds["world_size"], ds["steps"]) == ("deepspeed", "completed", WORLD, STEPS)
+    assert ds["losses"] == mz["losses"]
+
+
+def test_deepspeed_refuses_another_world_size_in_one_line(deepspeed_run, tmp_path, data_dir):
+    p = run_command("reference/train.py", [*SMALL, "--max-steps", str(STEPS + 2), "--data-dir", data_dir,
+                                           "--resume", deepspeed_run, "--save-dir", str(tmp_path / "ds2")], nproc=2)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert errors and "world size of 8" in errors[0] and "minizero" in errors[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
