@@ -33,6 +33,7 @@ subscribed a collective costs one empty-list check.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import defaultdict
@@ -100,8 +101,13 @@ def _label(op: str, label: str | None):
 # the events it cares about, each optional:
 #   engine_starts(engine)           the engine has its config, before its first collective
 #   engine_ready(engine)            the engine is built
-#   phase_begins(name, engine)      "forward", "backward", "step" (the accumulation boundary's)
+#   phase_begins(name, engine)      "forward", "backward", "step" (the accumulation boundary's),
+#                                   and the step's parts: "reduce_gradients", "grad_norm",
+#                                   "optimizer", "after_step"
 #   phase_ends(name, engine)
+#   unit_begins(engine, unit, kind) a unit (unit.find_units: a block, or the root) starts its
+#   unit_ends(engine, unit, kind)   "forward", "recompute" or "backward" / has finished it; announced
+#                                   only while some observer has these methods (unit.UnitMarks)
 #   begin(op, label, tensor, nbytes, group) -> token   a collective or copy is about to be issued
 #   blocking(token)                 an asynchronous one's wait() is about to block on it
 #   end(token, op, label, nbytes, wire_bytes, msg_bytes)   it is done
@@ -135,6 +141,24 @@ def observed(phase: str):
                 return out
         return run
     return decorate
+
+
+@contextlib.contextmanager
+def phase(name: str, engine):
+    """A part of an engine method: a profiler range `minizero::<name>`, and phase_begins/ends
+    for the observers (the end only when the part returns, as in `observed`)."""
+    with record_function(f"minizero::{name}"):
+        if not observers:
+            yield
+            return
+        announce("phase_begins", name, engine)
+        yield
+        announce("phase_ends", name, engine)
+
+
+def listening(event: str) -> bool:
+    """Does some observer implement `event`? (An announcement nobody hears can be skipped.)"""
+    return any(hasattr(o, event) for o in observers)
 
 
 def _failure(e: RuntimeError, op: str, label: str | None, tensor: torch.Tensor, nbytes: int) -> Exception | None:

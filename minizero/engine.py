@@ -37,6 +37,7 @@ from .memory import CATEGORIES, placed
 from .adam import build_optimizer
 from .offload import Offload
 from .sharded_optimizer import ShardedOptimizer
+from .unit import UnitMarks, find_units
 from .zero0 import DataParallel
 from .zero1 import Zero1
 from .zero2 import Zero2
@@ -92,6 +93,7 @@ class Engine(torch.nn.Module):
         self.micro_steps = 0
         self.global_samples = 0
         self._global_grad_norm = None
+        self.unit_marks = UnitMarks(self, find_units(model))
         self._configure_activation_checkpointing()
         self._explain_ignored_performance_knobs()
         comm.announce("engine_ready", self)
@@ -127,6 +129,7 @@ class Engine(torch.nn.Module):
     # (comm.py's observer hook); none of them runs in these methods.
     @comm.observed("forward")
     def forward(self, *args, **kwargs):
+        self.unit_marks.follow_listeners()   # each unit's phases, announced while a tool listens
         cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
             else (t.to(self.device) if torch.is_tensor(t) else t)
         return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
@@ -157,25 +160,29 @@ class Engine(torch.nn.Module):
 
     @comm.observed("step")
     def _take_model_step(self) -> None:
-        opt = self.sharded_optimizer
-        self.stage.reduce_gradients()                                    # 1
+        opt, phase = self.sharded_optimizer, comm.phase
+        with phase("reduce_gradients", self):
+            self.stage.reduce_gradients()                                   # 1
         # The scale this step's backward used: unscale by it even after the scaler updates
         # below (DeepSpeed reads the updated one: docs/deepspeed.md, "The step on which the
         # loss scale grows").
         scale = self.loss_scale
-        norm_sq = opt.grad_norm_sq()                                    # 2
-        # fp16: every rank votes on overflow (a MAX all-reduce), on the device, before the sync
-        vote = overflow_vote(norm_sq) if self.loss_scaler is not None else None
-        # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed syncs
-        # here too). Everything below that needs the norm (or the vote) on the host uses this.
-        norm_sq_host, voted = read_on_host(norm_sq, vote)
-        if self._must_skip(norm_sq_host, voted):                        # 3
+        with phase("grad_norm", self):
+            norm_sq = opt.grad_norm_sq()                                    # 2
+            # fp16: every rank votes on overflow (a MAX all-reduce), on the device, before the sync
+            vote = overflow_vote(norm_sq) if self.loss_scaler is not None else None
+            # The one host sync of a step: skipping needs a yes/no on the host (DeepSpeed syncs
+            # here too). Everything below that needs the norm (or the vote) on the host uses this.
+            norm_sq_host, voted = read_on_host(norm_sq, vote)
+        if self._must_skip(norm_sq_host, voted):                            # 3
             opt.zero_grad()
             self.skipped_steps += 1
             self._global_grad_norm = float("inf")
         else:
-            opt.step(norm_sq, scale, self.config.gradient_clipping)     # 4
-            self.stage.after_step()                                      # 5
+            with phase("optimizer", self):
+                opt.step(norm_sq, scale, self.config.gradient_clipping)     # 4
+            with phase("after_step", self):
+                self.stage.after_step()                                     # 5
             opt.zero_grad()
             # == float(norm) / scale, bit for bit, without a second sync: sqrt is correctly
             # rounded in fp64 on every device, and the fp32 rounding is done on the host.
@@ -357,8 +364,7 @@ class Engine(torch.nn.Module):
 
 def read_on_host(norm_sq: torch.Tensor, vote: torch.Tensor | None) -> tuple[float, float | None]:
     """The step's one host sync: the squared gradient norm (and fp16's overflow vote) as
-    Python floats, in one device-to-host copy. A function of its own so that
-    launch/gpu_check.py's sync-debug check can allow exactly this sync and no other."""
+    Python floats, in one device-to-host copy."""
     if vote is None:
         return float(norm_sq), None
     norm_sq_host, voted = torch.cat([norm_sq.reshape(1), vote.double()]).tolist()

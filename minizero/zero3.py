@@ -55,7 +55,7 @@ from . import comm
 from .flat_param import build_flat
 from .partition import FlatPlan
 from .prefetch import Prefetcher
-from .unit import Unit
+from .unit import Unit, find_units
 from .zero2 import Zero2
 
 
@@ -130,16 +130,3 @@ def unit_plan(model: nn.Module, param_groups: list[dict],
                                           tuple(p.numel() for p in params), persistent))
         units.append((name, m, plans))
     return units
-
-
-def find_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every element of every outermost nn.ModuleList (the transformer blocks), then the
-    root for the parameters no block owns. A ModuleList inside a block stays part of that
-    block. Each parameter belongs to exactly one unit: tied weights shared by two units
-    are not supported."""
-    units = []
-    for name, m in model.named_modules():
-        inside = any(name.startswith(u + ".") for u, _ in units)
-        if isinstance(m, nn.ModuleList) and not inside:
-            units += [(f"{name}.{i}", child) for i, child in enumerate(m)]
-    return units + [("root", model)]

@@ -9,22 +9,21 @@ chrome://tracing): one file per rank, rank0.json, rank1.json, ..., and on rank 0
 trace.json (every rank on one timeline) and timeline.png (timeline.py draws it).
 
 Tracks, per rank:
-  step         the step, and the engine's phases: forward, backward, step (announced by the
-               engine through comm.py's observer hook), and inside the step
-               reduce_gradients, grad_norm, optimizer, after_step (the four parts of
-               `_take_model_step` the tracer times, PARTS)
+  step         the step, and the engine's phases: forward, backward, step, and inside the
+               step reduce_gradients, grad_norm, optimizer, after_step (the four parts of
+               `_take_model_step`), all announced by the engine through comm.py's observer hook
   units        each unit's forward, backward, and recompute (activation checkpointing
-               re-running a block's forward inside backward). Units are ZeRO-3's: every
-               block of the model's outermost ModuleList, and the root (zero3.find_units)
+               re-running a block's forward inside backward), announced by the engine while a
+               tracer listens (unit.UnitMarks). Units are ZeRO-3's: every block of the model's
+               outermost ModuleList, and the root (unit.find_units)
   collectives  one event per collective: op, label (FlatParam or bucket), payload bytes
                and wire bytes exactly as the ledger counts them, and wait_us, the part of
                it spent waiting for the last rank to arrive (drawn as a nested "wait")
   copies       ZeRO-Offload's device<->host copies (offload.py)
 
-How a unit's backward is found: in forward, the unit's outputs pass through an identity
-autograd function (zero3.on_backward, the one ZeRO-3's pre_backward uses) whose backward runs when the first gradient reaches them (the
-unit's backward starts), and so do its inputs (their gradient is the unit's last act). The
-root's inputs are token ids, which get no gradient: its backward ends with the engine's.
+A unit's backward starts when the first gradient reaches its outputs and ends when the
+gradients reach its inputs (unit.UnitMarks says how); the root's inputs are token ids, which
+get no gradient: its backward ends with the engine's.
 
 Times: microseconds since the trace started, on one axis for all ranks: every rank
 records its clock right after a barrier at the start of the first traced step (so ranks
@@ -47,9 +46,9 @@ Switch it on with `python -m minizero.train --trace DIR [--trace-steps 2 3]`, th
 section `"minizero_trace": {"enabled": true, "output_path": DIR, "steps": [2]}`, or around
 code: `with trace.start(engine, DIR): ...` (every step inside the block).
 
-The tracer is an observer of comm.py's hook (the engine imports nothing from here): it hears
-the engine's phases and each collective's begin, blocking wait and end, and it wraps the
-four PARTS of the step on this engine's objects while it is open.
+The tracer is an observer of comm.py's hook and nothing else (the engine imports nothing
+from here): it hears the engine's phases, each unit's phases, and each collective's begin,
+blocking wait and end.
 """
 from __future__ import annotations
 
@@ -61,14 +60,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .. import checkpointing, comm
-from ..unit import on_backward
+from .. import comm
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
-# The parts of Engine._take_model_step timed on the `step` track: (the engine's attribute, its
-# method, the phase's name).
-PARTS = (("zero", "reduce_gradients", "reduce_gradients"), ("sharded_optimizer", "grad_norm_sq", "grad_norm"),
-         ("sharded_optimizer", "step", "optimizer"), ("zero", "after_step", "after_step"))
+_open_tracers: dict = {}   # id(engine) -> its open Tracer (one at a time per engine)
 
 
 def start(engine, out_dir: str, steps=None) -> "Tracer":
@@ -114,8 +109,7 @@ class Tracer:
     """Records the chosen optimizer steps (1-based; None: every step until close) of one engine."""
 
     def __init__(self, engine, out_dir: str, steps=None):
-        from ..zero3 import find_units
-        if getattr(engine, "tracer", None) is not None and not engine.tracer.closed:
+        if id(engine) in _open_tracers:
             raise RuntimeError("minizero: this engine is already tracing; close that trace first")
         self.engine, self.out_dir = engine, out_dir
         self.steps = None if steps is None else sorted({int(s) for s in steps})
@@ -126,18 +120,8 @@ class Tracer:
         self.ledger: dict[int, dict] = {}  # step -> the ledger's counts over that step
         self.traced_steps: list[int] = []
         os.makedirs(out_dir, exist_ok=True)
-        self._hooks = []
-        for name, m in find_units(engine.module):
-            # prepend: the unit's span starts before ZeRO-3's pre_forward gathers its parameters
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward(name), prepend=True))
-            self._hooks.append(m.register_forward_hook(self._post_forward(name)))
         self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
-        self._patched = []                     # (object, attribute, what its __dict__ held)
-        for owner, method, phase in PARTS:
-            obj = getattr(engine, owner)
-            self._patched.append((obj, method, obj.__dict__.get(method)))
-            setattr(obj, method, self._timed(phase, getattr(obj, method)))
-        engine.tracer = self   # the trainer finds it there (and DeepSpeed's engine has none)
+        _open_tracers[id(engine)] = self
         comm.observers.append(self)
 
     # ---------------------------------------------------------------- steps
@@ -191,19 +175,6 @@ class Tracer:
         if name == "step":   # the accumulation boundary's step: the optimizer step is done
             self.step_ends(engine.global_steps)
 
-    def _timed(self, name: str, method):
-        """`method`, one of PARTS, with a profiler range and an event on the `step` track."""
-        def timed(*args, **kwargs):
-            with record_function(f"minizero::{name}"):
-                if not self.recording:
-                    return method(*args, **kwargs)
-                begin = self.clock.mark()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    self.add_phase(name, begin, self.clock.mark())
-        return timed
-
     # ---------------------------------------------------------------- what is recorded
     def add_phase(self, name: str, begin, end) -> None:
         self._marks.append(("step", name, begin, end, {}))
@@ -228,31 +199,22 @@ class Tracer:
             args["blocked_from"] = token[1]   # a mark until _settle makes it microseconds
         self._marks.append((track, f"{op} {label}" if label else op, token[0], self.clock.mark(), args))
 
-    def _pre_forward(self, unit: str):
-        def pre_forward(module, args):
-            if not self.recording:
-                return None
-            kind = "recompute" if checkpointing.in_recompute() else "forward"
+    def unit_begins(self, engine, unit: str, kind: str) -> None:
+        if engine is not self.engine or not self.recording:
+            return
+        if kind == "backward":
+            self._open.setdefault((unit, "backward"), ("backward", self.clock.mark()))
+        else:
             self._open[(unit, "forward")] = (kind, self.clock.mark())
-            if torch.is_grad_enabled():   # gradients reaching the inputs: the unit's backward is done
-                return on_backward(args, lambda: self._close_backward(unit))
-            return None
-        return pre_forward
 
-    def _post_forward(self, unit: str):
-        def post_forward(module, args, output):
-            if not self.recording or (unit, "forward") not in self._open:
-                return None
+    def unit_ends(self, engine, unit: str, kind: str) -> None:
+        if engine is not self.engine or not self.recording:
+            return
+        if kind == "backward":
+            self._close_backward(unit)
+        elif (unit, "forward") in self._open:
             kind, begin = self._open.pop((unit, "forward"))
             self._marks.append(("units", f"{unit}.{kind}", begin, self.clock.mark(), {"unit": unit, "phase": kind}))
-            if torch.is_grad_enabled():   # the first gradient reaching the outputs: the unit's backward starts
-                return on_backward(output, lambda: self._open_backward(unit))
-            return None
-        return post_forward
-
-    def _open_backward(self, unit: str) -> None:
-        if self.recording:
-            self._open.setdefault((unit, "backward"), ("backward", self.clock.mark()))
 
     def _close_backward(self, unit: str, end=None) -> None:
         if self.recording and (unit, "backward") in self._open:
@@ -330,13 +292,7 @@ class Tracer:
         self.closed = True
         self.recording = False   # a run that ended inside a traced step: keep what it recorded
         comm.observers.remove(self)
-        for obj, method, held in self._patched:
-            if held is None:
-                del obj.__dict__[method]
-            else:
-                setattr(obj, method, held)
-        for h in self._hooks:
-            h.remove()
+        _open_tracers.pop(id(self.engine), None)
         paths = [self._write(f"rank{self.rank}.json", self.document())]
         if failed:
             return paths
