@@ -81,7 +81,7 @@ def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim
 #
 # The update is element-wise, so each element sees the same operations on the same values
 # whatever the slicing: the result is bit-identical to one `step()` on the whole tensor
-# (tests/core/test_chunked_adam.py pins it). The state is torch's own, one entry per flat
+# (tests/core/test_adam.py pins it). The state is torch's own, one entry per flat
 # master, so checkpoints keep their layout and old ones load. `step` counts optimizer
 # steps, not slices: each slice steps a copy of the counter, the counter steps once.
 #
@@ -168,10 +168,10 @@ def _chunkable(group: dict) -> bool:
             and not group.get("differentiable") and "decoupled_weight_decay" in group
             # plain host tensors only, every parameter whether or not it has a .grad yet: the
             # engine asks before it sets any (a low-precision gradient is handed over instead,
-            # set_low_precision_grad), and a check that skipped grad-less parameters once sent
-            # GPU masters down the sliced path: 40 slices of 6 one-tensor foreach launches per
-            # bucket, 20 ms of host time per step on an H200. FSDP2's DTensor shards
-            # (reference/torch_engine.py) cannot be viewed flat, so they take torch's own step
+            # set_low_precision_grad), and a GPU master must never take the sliced path (a
+            # slice is a launch of its own: torch's foreach kernel over the whole master is the
+            # fast path there). FSDP2's DTensor shards (reference/torch_engine.py) cannot be
+            # viewed flat, so they take torch's own step
             and all(type(p.data) is torch.Tensor and p.device.type == "cpu" and not torch.is_complex(p)
                     and p.is_contiguous() for p in group["params"])
             and all(not p.grad.is_sparse and p.grad.is_contiguous() for p in group["params"] if p.grad is not None))

@@ -142,10 +142,10 @@ def timings() -> dict:
 # These run once per checkpointed block, forward and recompute, so they ask
 # torch.cuda.is_initialized() (a flag) and not torch.cuda.is_available(): on a CUDA build of
 # torch without a GPU, every is_available() call tries to dlopen NVML and query the driver
-# again (it caches nothing until CUDA initializes), about 0.1 ms each, 1,920 calls in the
-# step-5 agreement test's 10 steps. Until CUDA is initialized no tensor lives on a GPU, so
-# there is no stream to synchronize, no current device and no CUDA autocast region that
-# could change a recomputed op: the answers are the same.
+# again (it caches nothing until CUDA initializes), about 0.1 ms each. Until CUDA is
+# initialized no tensor lives on a GPU, so there is no stream to synchronize, no current
+# device and no CUDA autocast region that could change a recomputed op: the answers are the
+# same.
 
 def _synchronize(tensors) -> None:
     # DeepSpeed calls get_accelerator().synchronize(), a no-op on its CPU accelerator.

@@ -3,10 +3,11 @@
 Every collective minizero issues goes through a wrapper in this file, for two reasons:
 
 1. *A ledger.* Each wrapper records how many calls were made and how many bytes were
-   handed to the collective, so `engine.comm_stats()` can show a student that ZeRO-3
-   really moves 1.5x the data of plain data parallelism (ZeRO paper, Rajbhandari et al.,
-   SC'20, section 7: all-reduce = reduce-scatter + all-gather = 2Ψ; ZeRO-3 adds one more
-   all-gather of the parameters, 3Ψ).
+   handed to the collective and sent on the wire, so `engine.comm_stats()` can show a
+   student that ZeRO-3 sends 1.5x the wire bytes of plain data parallelism (ZeRO paper,
+   Rajbhandari et al., SC'20, section 7: all-reduce = reduce-scatter + all-gather = 2Ψ;
+   ZeRO-3 adds one more all-gather of the parameters, 3Ψ). By payload (the first count
+   below) it is 3x: an all-reduce's buffer is counted once, though it crosses the wire twice.
 2. *Profiler labels.* Each call runs inside `torch.profiler.record_function("minizero::<op>")`
    so a trace names every collective.
 
@@ -42,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-# The setup lives in process_group.py; its names are re-exported so every caller (and a
-# test's monkeypatch) says comm.get_rank(), comm.init_distributed(), ...
+# The setup lives in process_group.py; its names are re-exported so that code which moves
+# data says comm.get_rank(), comm.barrier(), ... from one module.
 from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
                     get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
 
@@ -232,7 +233,7 @@ class Pending:
     or writing them. `keep` holds every such tensor, so no Python reference going away can
     free one early; wait() (work.wait(): on CUDA the *current stream* waits for NCCL's,
     the host does not block) releases them. Callers still must not resize_(0) a kept
-    buffer's storage before wait: see each call site (flat_param.py, zero2.py, zero3.py).
+    buffer's storage before wait (unit.Unit.reshard waits for its gathers first).
     """
 
     def __init__(self, op: str, label: str | None, work, finish, nbytes: int, tensor: torch.Tensor, keep: tuple,

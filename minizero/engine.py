@@ -357,7 +357,7 @@ class Engine(torch.nn.Module):
             self.module.checkpoint_fn = checkpointing.checkpoint
 
     def _explain_ignored_performance_knobs(self) -> None:
-        note = ignored_knobs_note(self.config)   # overlap/prefetch knobs: accepted, not acted on
+        note = ignored_knobs_note(self.config)   # DeepSpeed's buffer, copy and libaio knobs: accepted, no effect
         if note and self.global_rank == 0:
             logger.info(note)
 

@@ -1,7 +1,8 @@
 """FlatParam: a group of parameters living in one padded 1-D buffer, cut into N shards.
 
-Every ZeRO stage in minizero stores parameters the same way (the layout of the ZeRO
-paper's Figure 1, and of PyTorch FSDP1's `FlatParameter`):
+Every ZeRO stage in minizero stores parameters the same way, one FlatParam per gradient
+bucket (stages 0-2) or per ZeRO-3 unit, each padded and cut on its own (PyTorch FSDP1's
+`FlatParameter`; the ZeRO paper draws one such buffer for the whole model):
 
     full    [ p0 ........ | p1 ..... | p2 ... | pad ]   padded_numel = ceil(Ψ/N) * N
     shards  [ rank 0      | rank 1            | ... ]   shard_numel  = padded_numel / N

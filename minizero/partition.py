@@ -3,13 +3,15 @@
 ZeRO (Rajbhandari et al., SC'20, section 5) splits a flat buffer of Ψ elements into N
 equal, contiguous pieces, one per data-parallel rank. Which buffer: the paper draws one
 buffer of all Ψ parameters, so rank r would own [r·Ψ/N, (r+1)·Ψ/N) of the model. minizero
-(like PyTorch FSDP and DeepSpeed) cuts each bucket or unit on its own: rank r owns slice r
-of *every* bucket (stages 1-2) or unit (stage 3), so each collective moves one bucket or
-unit and every rank takes part in each. Same bytes per rank, up to padding. Collectives such as
-`all_gather_into_tensor` and `reduce_scatter_tensor` need every rank's piece to have the
-same size, so the buffer is first padded with zeros up to a multiple of N. Everything
-about "who owns which elements" follows from the three numbers (numel, N, rank); these
-helpers compute it so it can be unit-tested without starting a single process.
+cuts each gradient bucket (stages 1-2) or ZeRO-3 unit on its own: rank r owns slice r of
+*every* one, so each collective moves one bucket or unit and every rank takes part in each.
+Same bytes per rank, up to padding. The libraries differ here: PyTorch FSDP1 cuts each flat
+unit as minizero does; DeepSpeed's ZeRO-1/2 cut each param group's flat buffer; DeepSpeed's
+ZeRO-3 and FSDP2 cut each parameter on its own (ceil(n/N) elements per rank). Collectives
+such as `all_gather_into_tensor` and `reduce_scatter_tensor` need every rank's piece to
+have the same size, so the buffer is first padded with zeros up to a multiple of N.
+Everything about "who owns which elements" follows from the three numbers (numel, N,
+rank); these helpers compute it so it can be checked without starting a single process.
 """
 from __future__ import annotations
 

@@ -124,8 +124,8 @@ def get_local_rank() -> int:
 def get_device() -> torch.device:
     """Where this rank's tensors live, and every tensor handed to a collective with them.
 
-    It follows the backend actually in use: a gloo group (the CPU test suite, even on a
-    machine with GPUs) keeps everything on the CPU; NCCL, or one process on a GPU
+    It follows the backend actually in use: a gloo group (a CPU run, even on a machine with
+    GPUs) keeps everything on the CPU; NCCL, or one process on a GPU
     machine, uses this rank's GPU among the visible ones."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -177,6 +177,6 @@ def destroy() -> None:
 
 def single_host_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The variables torchrun would export to rank `rank` of a one-host job, for processes
-    a script spawns itself (benchmarks, the memory table, the tests' launcher)."""
+    a script spawns itself (runtime/spawn.py)."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

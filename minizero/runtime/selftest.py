@@ -31,7 +31,6 @@ WORLD = 2
 MICRO_BATCH = 4
 LR = 1e-2            # large enough that every weight moves: a stage that drops an update shows
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which DeepSpeed's torch_adam uses too
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def config(stage: int) -> dict:
@@ -105,14 +104,12 @@ def deepspeed_rank(stages) -> dict:
     """The same runs under DeepSpeed (reference/ds_run.py's run_deepspeed), stage after stage
     in the same ranks. ZeRO-3 patches torch process-wide, so it runs last; with
     memory_efficient_linear off (run_deepspeed's default) it leaves F.linear alone anyway."""
-    sys.path.insert(0, REPO)
     from reference.ds_run import run_deepspeed, skip_inference_shm_op
     skip_inference_shm_op()     # an op for inference only, compiled on first use: a minute
     out = {}
     for stage in stages:
         r = run_deepspeed(model_fn, config(stage), Batches(), STEPS, weight_decay=WEIGHT_DECAY)
-        # a plain dict: final_state is reference.ds_run's PortableTensorDict, which the parent,
-        # started from any folder, could not unpickle (reference/ is not an installed package)
+        # a plain dict: final_state is reference.ds_run's PortableTensorDict
         out[stage] = {"losses": r["losses"], "state": dict(r["final_state"]) if r["rank"] == 0 else None}
     return out
 
@@ -170,8 +167,7 @@ def difference(a: dict, b: dict) -> str | None:
 
 
 def deepspeed_available() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None and os.path.isfile(
-        os.path.join(REPO, "reference", "ds_run.py"))
+    return importlib.util.find_spec("deepspeed") is not None and importlib.util.find_spec("reference") is not None
 
 
 def main(argv=None) -> int:

@@ -20,12 +20,12 @@ def _rows(out: str) -> dict:
 
 
 @pytest.mark.skipif(not HAS_DS, reason="DeepSpeed not installed")
-def test_selftest_passes_against_pytorch_and_deepspeed(capsys, monkeypatch):
-    """Run as from any folder: this process cannot import reference/ (not an installed
-    package), which only the DeepSpeed ranks add to their path. Their results used to hold
-    reference.ds_run's PortableTensorDict, and `python -m minizero.selftest` outside the
-    checkout ended in a traceback (No module named 'reference') while unpickling them."""
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != selftest.REPO])
+def test_selftest_passes_against_pytorch_and_deepspeed(capsys, monkeypatch, tmp_path):
+    """Run from another folder, with the checkout off sys.path: reference/ comes from the
+    install (pyproject installs it beside minizero), not from the current folder."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != repo])
     for name in [m for m in sys.modules if m == "reference" or m.startswith("reference.")]:
         monkeypatch.delitem(sys.modules, name)
     assert selftest.main([]) == 0
