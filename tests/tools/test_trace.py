@@ -15,6 +15,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from minizero.observe import trace
 from tests.support.harness import NO_DROPOUT, PatternBatches, make_config, make_model, micro_engine, train_step
@@ -233,3 +234,36 @@ def test_without_matplotlib_the_trace_is_written_and_the_picture_is_skipped(tmp_
     assert sorted(os.listdir(out)) == ["rank0.json", "trace.json"]
     assert "no timeline.png (needs matplotlib" in capsys.readouterr().out
     assert timeline.main([out]) == 2
+
+
+def test_the_trace_only_listens_it_patches_nothing(tmp_path):
+    """One process: while a trace is open the engine's objects keep their own methods, and
+    the unit hooks the engine put on for it are gone at the first forward after it closes."""
+    import minizero
+    from minizero.observe import trace
+    from tests.support.harness import make_model
+    torch.manual_seed(0)
+    model = make_model("micro", "gpt", embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3}}
+    engine = minizero.initialize(model=model, config=cfg)[0]
+    x = torch.randint(0, model.tok_emb.num_embeddings, (2, 8))
+
+    def step():
+        _, loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+    owned = {id(o): dict(vars(o)) for o in (engine.stage, engine.sharded_optimizer)}
+    with trace.start(engine, str(tmp_path)):
+        step()
+        assert engine.unit_marks.handles                         # on while the trace listens
+        for o in (engine.stage, engine.sharded_optimizer):
+            assert set(vars(o)) == set(owned[id(o)]), "an attribute appeared on a core object"
+            assert not any(callable(v) and k in type(o).__dict__ for k, v in vars(o).items())
+        assert not hasattr(engine, "tracer")
+    step()
+    assert engine.unit_marks.handles == []
+    events = json.load(open(tmp_path / "rank0.json"))["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "step"}
+    assert {"forward", "backward", "reduce_gradients", "grad_norm", "optimizer", "after_step"} <= names
+    assert any(e.get("cat") == "units" and e["name"] == "blocks.0.backward" for e in events)

@@ -1,0 +1,107 @@
+"""unit.py as a unit: a ZeRO-3 Unit's state and gathers, the units of a model, the backward
+signal, and the announcements of each unit's phases, at world size 1 (no process group)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minizero import comm
+from minizero.flat_param import FlatParam
+from minizero.unit import ShardState, Unit, UnitMarks, find_units, on_backward
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+def _unit():
+    torch.manual_seed(0)
+    b = Block()
+    flat = FlatParam(list(b.parameters()), ["fc.weight", "fc.bias"], "u.g0", group=0, num_shards=1, shard_index=0,
+                     persistent=False)
+    return Unit("u", b, [flat]), b
+
+
+def test_find_units_is_each_block_then_the_root():
+    net = Net()
+    assert [n for n, _ in find_units(net)] == ["blocks.0", "blocks.1", "root"]
+    assert find_units(net)[-1][1] is net
+
+
+def test_a_unit_is_sharded_gathered_and_freed_and_its_state_follows():
+    u, b = _unit()
+    assert u.state is ShardState.SHARDED and u.partitioned_numel == 12
+    u.unshard("fwd")
+    assert u.state is ShardState.UNSHARDED and b.fc.weight.shape == (3, 3)
+    u.reshard()
+    assert u.state is ShardState.SHARDED and b.fc.weight.numel() == 0
+
+
+def test_an_asynchronous_unshard_is_in_flight_until_waited_and_reshard_waits_first():
+    u, b = _unit()
+    u.unshard("fwd.prefetch", async_op=True)
+    assert u.state is ShardState.UNSHARDING and len(u.gathers) == 1
+    u.wait_unshard()
+    assert u.state is ShardState.UNSHARDED and u.gathers == []
+    u.unshard("fwd.prefetch", async_op=True)
+    u.reshard()                                 # waits for the gather, then frees
+    assert u.state is ShardState.SHARDED and u.gathers == [] and not u.in_use
+
+
+def test_on_backward_calls_back_once_when_the_gradient_arrives_and_passes_it_on():
+    calls = []
+    x = torch.ones(3, requires_grad=True)
+    a, b = on_backward((x * 2, x * 3), lambda: calls.append(1))
+    assert calls == []
+    (a.sum() + b.sum()).backward()
+    assert calls == [1] and torch.equal(x.grad, torch.full((3,), 5.0))
+
+
+class Listener:
+    def __init__(self):
+        self.events = []
+
+    def unit_begins(self, engine, unit, kind):
+        self.events.append(("begin", unit, kind))
+
+    def unit_ends(self, engine, unit, kind):
+        self.events.append(("end", unit, kind))
+
+
+def test_unit_marks_announce_each_units_phases_only_while_someone_listens():
+    net = Net()
+    marks = UnitMarks("engine", find_units(net))
+    marks.follow_listeners()
+    assert marks.handles == []                 # nobody listens: no hooks at all
+    listener = Listener()
+    comm.observers.append(listener)
+    try:
+        marks.follow_listeners()
+        net(torch.randn(2, 3)).backward()
+    finally:
+        comm.observers.remove(listener)
+    marks.follow_listeners()
+    assert marks.handles == []
+    forward = [e for e in listener.events if e[2] == "forward"]
+    assert forward[:2] == [("begin", "root", "forward"), ("begin", "blocks.0", "forward")]
+    # backward: each unit begins when its output's gradient arrives and ends when its input's
+    # does; the first block's input (the data) and the root's need no gradient: no end
+    backward = [e[:2] for e in listener.events if e[2] == "backward"]
+    assert backward == [("begin", "root"), ("begin", "blocks.1"), ("end", "blocks.1"), ("begin", "blocks.0")]
