@@ -21,6 +21,14 @@ accumulate in p.grad and reduce once, in the backward of the last micro-step of 
 shard. Without overlap, stage 0 and ZeRO-1 reduce at the step instead, after backward (as
 the ZeRO paper describes them): the hooks are off.
 
+With overlap, at most one reduction is in flight (`MAX_IN_FLIGHT`): before the next bucket's
+flat gradient is laid out, the previous reduction is waited for. Its buffer is the only full-
+size gradient alive besides the one being laid out, so a rank holds two buckets of gradient at
+most during backward, as DeepSpeed's double-buffered ZeRO-2 does (two reduce_bucket_size
+buffers), instead of every bucket's until backward ends (2Ψ bytes). On NCCL that wait makes
+the compute stream wait for NCCL's (the host does not block), so backward keeps queueing
+work; on gloo the host waits for a reduction issued one bucket ago.
+
 A bucket some of whose parameters got no gradient this backward (an unused branch) is
 reduced after backward, zeros for the missing ones, in bucket order so every rank issues the
 same collectives. Every rank must use the same parameters in a step (a parameter unused on
@@ -33,6 +41,9 @@ import torch
 from . import comm
 from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan, bucketize
+
+
+MAX_IN_FLIGHT = 1   # reductions in flight with overlap_comm (module docstring)
 
 
 class Bucket:
@@ -82,7 +93,10 @@ class GradBuckets:
             self.issue(b)
 
     def issue(self, bucket: Bucket, async_op: bool | None = None) -> None:
+        bounded = async_op is None and self.overlap   # from backward's hooks: bound what is in flight
         for f in bucket.flats:
+            while bounded and len(self.in_flight) >= MAX_IN_FLIGHT:
+                self.in_flight.pop(0).wait()     # its buffer goes before the next one is laid out
             in_flight = self.reduce(f, async_op=self.overlap if async_op is None else async_op)
             if in_flight is not None:
                 self.in_flight.append(in_flight)
