@@ -33,7 +33,7 @@ would compile first) and the ZeRO-3 settings minizero.compare uses (persistence 
 prefetch, memory_efficient_linear off) so they run the same algorithm; `--tutorial-zero`
 uses the step-5 config's zero_optimization values instead. `--libs minizero-fused` adds
 minizero without torch_adam: with offload it then runs torch's fused CPU AdamW
-(sharded_optimizer.build_optimizer).
+(adam.build_optimizer).
 
 To change the number of processes: --world-size (on a GPU machine at most one rank per
 visible GPU). Runs are short: on a machine shared with other jobs whole-step times swing by

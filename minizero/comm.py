@@ -21,6 +21,12 @@ Two byte counts are kept per op:
   all_reduce (= reduce-scatter + all-gather) sends 2(N-1)/N, broadcast sends the tensor
   once (counted on every rank: a pipelined ring broadcast forwards it once per rank).
   This is the number the paper's communication-volume analysis is about.
+- ``inter_node_bytes``: the part of ``wire_bytes`` that crosses from one node to another.
+  On a ring every rank sends all its bytes to the next rank of the collective's group, so
+  a rank's wire bytes are inter-node exactly when that next rank is on another node
+  (process_group.node_of); with nodes of consecutive ranks, one rank per node sends across
+  (the node's last rank of the ring), each link between nodes carrying (N-1)/N of an
+  all-gather's buffer. The rest, wire_bytes - inter_node_bytes, stays on the node.
 
 Offload (offload.py) adds a second kind of traffic, between the rank's device and its host
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
 from collections import defaultdict
 
@@ -46,7 +53,8 @@ from torch.profiler import record_function
 # The setup lives in process_group.py; its names are re-exported so that code which moves
 # data says comm.get_rank(), comm.barrier(), ... from one module.
 from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
-                    get_rank, get_world_size, init_distributed, is_distributed, single_host_env)
+                    get_rank, get_world_size, init_distributed, is_distributed, new_groups, node_of,
+                    ranks_per_node, single_host_env)
 
 # torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
 # every call. We keep the names the ZeRO literature (and DeepSpeed) use.
@@ -65,16 +73,18 @@ class CommLedger:
         self.reset()
 
     def reset(self) -> None:
-        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0} for op in OPS + COPIES}
+        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0, "inter_node_bytes": 0} for op in OPS + COPIES}
         self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
 
-    def record(self, op: str, nbytes: int, wire_bytes: int, label: str | None) -> None:
+    def record(self, op: str, nbytes: int, wire_bytes: int, label: str | None, inter_node: bool = False) -> None:
         if op not in self.stats:   # NVMe swaps (nvme.py): listed from their first, so runs without show none
-            self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0}
+            self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0, "inter_node_bytes": 0}
         s = self.stats[op]
         s["calls"] += 1
         s["bytes"] += int(nbytes)
         s["wire_bytes"] += int(wire_bytes)
+        if inter_node:
+            s["inter_node_bytes"] += int(wire_bytes)
         if label:
             b = self.by_label[f"{op}:{label}"]
             b["calls"] += 1
@@ -207,7 +217,7 @@ def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_b
             if named is None:
                 raise
             raise named from e
-    ledger.record(op, nbytes, wire_bytes, label)
+    ledger.record(op, nbytes, wire_bytes, label, wire_bytes > 0 and sends_across_nodes(group))
 
     def finish() -> None:
         for w, token in zip(watching, tokens):
@@ -264,6 +274,31 @@ class Pending:
 # name and the ledger's per-label breakdown, and async_op: False (the default) returns when
 # the collective is done; True returns a Pending to wait() on before touching the tensors.
 
+_crosses: dict = {}   # (group, world size, rank) -> does this rank's ring successor sit on another node?
+
+
+def sends_across_nodes(group=None) -> bool:
+    """On the ring of `group` (default: all ranks), in its rank order, is the rank this rank
+    sends to on another node? Asked once per group."""
+    key = (group, get_world_size(), get_rank())
+    if key not in _crosses:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(get_world_size()))
+        me = ranks.index(get_rank())
+        _crosses[key] = node_of(ranks[(me + 1) % len(ranks)]) != node_of(get_rank())
+    return _crosses[key]
+
+
+ONE_RANK_ENV = "MINIZERO_ONE_RANK_COLLECTIVES"
+
+
+def local_at_one_rank(n: int) -> bool:
+    """A group of one rank: each collective is a local copy, unless MINIZERO_ONE_RANK_COLLECTIVES
+    is "backend" and a process group is up (torchrun --nproc-per-node 1): then it goes through
+    the backend like any other, which is how one GPU exercises NCCL's path (streams, waits,
+    buffers) at all. The numbers are the same either way: a sum over one rank is its tensor."""
+    return n == 1 and not (os.environ.get(ONE_RANK_ENV) == "backend" and is_distributed())
+
+
 def _done(_) -> None:
     """One rank: the collective was a local copy, done already; no work handle."""
     return None
@@ -274,7 +309,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str
     """output (N*n elements) <- concatenation of every rank's `shard` (n elements), rank order."""
     n = get_world_size(group)
     assert output.numel() == shard.numel() * n, (output.numel(), shard.numel(), n)
-    if n == 1:
+    if local_at_one_rank(n):
         call = lambda: _done(output.copy_(shard.view_as(output)))
     else:
         call = lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
@@ -288,7 +323,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str |
     """output (n elements) <- SUM over ranks of chunk `rank` of `full` (N*n elements)."""
     n = get_world_size(group)
     assert full.numel() == output.numel() * n, (full.numel(), output.numel(), n)
-    if n == 1:
+    if local_at_one_rank(n):
         call = lambda: _done(output.copy_(full.view_as(output)))
     else:
         call = lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -302,7 +337,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", label: str | None = None,
     """In place. `op` is "sum" or "max" (the fp16 overflow vote uses max)."""
     n = get_world_size(group)
     call = lambda: None
-    if n > 1:
+    if not local_at_one_rank(n):
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         call = lambda: dist.all_reduce(tensor, op=red, group=group, async_op=async_op)
     pending = _issue("all_reduce", label, call, _nbytes(tensor), 2 * _nbytes(tensor) * (n - 1) // n,
@@ -314,7 +349,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
     """In place: every rank's `tensor` becomes rank `src`'s."""
     n = get_world_size(group)
     call = lambda: None
-    if n > 1:
+    if not local_at_one_rank(n):
         call = lambda: dist.broadcast(tensor, src=src, group=group)
     _issue("broadcast", label, call, _nbytes(tensor), _nbytes(tensor) if n > 1 else 0, check=(tensor, ()), group=group)
     return tensor

@@ -32,10 +32,10 @@ import torch
 
 from . import lr_schedules
 from .config_schema import (Section, anything, boolean, integer, key, list_of, number, only, optional, real,
-                                    string)
+                            string)
 from .errors import ConfigError
-from .zero_config import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,
-                                          _zero, ignored_knobs, ignored_knobs_note)
+from .zero_config import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,  # noqa: F401
+                          _zero, check_world_size, ignored_knobs, ignored_knobs_note, renamed_keys_note)
 
 __all__ = ["ConfigError", "Config", "AioConfig", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
            "ActivationCheckpointingConfig", "CollectivesConfig", "CommsLoggerConfig", "TraceConfig", "OptimizerConfig", "SchedulerConfig", "load_config", "read_json",
@@ -57,7 +57,7 @@ class AdamParams(Section):
     betas: Optional[tuple] = key(None, _betas)
     eps: Optional[float] = key(None, number(lo=0, lo_open=True))
     weight_decay: Optional[float] = key(None, number(lo=0))
-    torch_adam: bool = key(False, boolean)       # see sharded_optimizer.build_optimizer
+    torch_adam: bool = key(False, boolean)       # see adam.build_optimizer
     adam_w_mode: bool = key(True, boolean)
 
 
@@ -346,5 +346,6 @@ def load_config(config: dict | str | Path, world_size: int | None = None) -> Con
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = \
         resolve_batch_size(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                            cfg.gradient_accumulation_steps, world_size)
+    check_world_size(cfg.zero, world_size)
     cfg.raw = raw
     return cfg

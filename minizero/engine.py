@@ -268,6 +268,13 @@ class Engine(torch.nn.Module):
                  "padded_numel": f.padded_numel, "persistent": f.persistent, "group": f.group}
                 for f in self.stage.flat_params]
 
+    @property
+    def partition(self) -> tuple[int, int]:
+        """(shards each parameter is cut into, this rank's shard): (1, 0) at stage 0, (N, rank)
+        at ZeRO-1/2/3, (S, rank mod S) with HSDP's shard groups of S (hierarchy.py)."""
+        s = self.stage.flat_params[0].sharding
+        return s.num_shards, s.shard_index
+
     def state_dict(self) -> dict:
         """This rank's share of everything a resume needs, as host tensors: no collective, so
         each rank saves its own (DeepSpeed's and FSDP's sharded state dict). Take it at a
@@ -275,6 +282,8 @@ class Engine(torch.nn.Module):
         part of it.
 
             stage, world_size, rank, dtype, config   what wrote it
+            partition_count, shard_index             engine.partition: ranks holding the same
+                                                     shard (stage 0, HSDP's replicas) hold the same state
             layout, param_names                      the FlatParams; the parameters in model order
             masters, shards                          this rank's fp32 masters and low-precision shards
             optimizer                                torch's Adam state over the masters
@@ -286,6 +295,7 @@ class Engine(torch.nn.Module):
         with self._states_in_memory():
             return {
                 "stage": self.zero_optimization_stage(), "world_size": self.world_size, "rank": self.global_rank,
+                "partition_count": self.partition[0], "shard_index": self.partition[1],
                 "dtype": str(self.dtype), "config": self.config.raw,
                 "layout": self.layout(), "param_names": [n for n, _ in self.module.named_parameters() if n in trained],
                 "masters": [m.detach().cpu().clone() for m in opt.masters],
@@ -311,6 +321,7 @@ class Engine(torch.nn.Module):
                 for f, m, saved_m, saved_s in zip(opt.flat_params, opt.masters, state["masters"], shards):
                     m.copy_(saved_m)
                     f.shard.copy_(saved_s if saved_s is not None else m)
+                    f.drop_secondary()                      # hpZ: cut from the old parameters
                     if f.persistent and f.num_shards > 1:   # ZeRO-1/2 and persistent ZeRO-3: the full buffer
                         f.all_gather(label="load")
             if load_optimizer_states and state.get("optimizer") is not None:

@@ -29,7 +29,7 @@ whose chunk r is exactly rank r's shard, ready for `reduce_scatter_tensor`.
 Every collective that moves a FlatParam is a method here, so they read together:
 
     all_gather()           full <- every rank's shard        (ZeRO-1/2 after the step, ZeRO-3 before use)
-    free_full()            drop the full buffer's storage    (ZeRO-3 after use)
+    release_full()         drop the full buffer's storage    (ZeRO-3 after use; hpZ: keep a secondary shard)
     reduce_scatter_grad()  grad_shard += my chunk of the rank-averaged gradient  (ZeRO-1/2/3)
     all_reduce_grad()      grad_shard  = the whole rank-averaged gradient        (stage 0)
 
@@ -42,18 +42,23 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, hierarchy
+from .hierarchy import Sharding
 from .partition import FlatPlan, padded_numel, shard_range, unflatten
 
 
 class FlatParam:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], label: str, *, group: int,
-                 num_shards: int, shard_index: int, persistent: bool = True):
+                 num_shards: int, shard_index: int, persistent: bool = True, sharding: Sharding | None = None):
+        """sharding: which ranks this FlatParam is cut over and gathered among (hierarchy.py);
+        default: num_shards ranks, all of them."""
         assert params, "a FlatParam needs at least one parameter"
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"{label}: parameters of one FlatParam must share a dtype, got {dtypes}"
         self.params, self.names, self.label = params, names, label
         self.group = group                                    # index of the optimizer param group
+        self.sharding = sharding or hierarchy.plain(num_shards, shard_index)
+        num_shards, shard_index = self.sharding.num_shards, self.sharding.shard_index
         self.num_shards, self.shard_index = num_shards, shard_index   # 1 and 0 at stage 0
         self.dtype, self.device = params[0].dtype, params[0].device
         self.shapes = [p.shape for p in params]
@@ -77,12 +82,15 @@ class FlatParam:
         self.persistent = persistent
         # Where this rank's shard lives between uses: a policy the FlatParam owns. Device memory
         # here; offload_param moves a partitioned shard to host memory or NVMe files
-        # (move_shard; offload.HostShard, nvme.NvmeShard), which change how it reaches a gather.
+        # (move_shard; offload.HostShard, with an nvme.ShardFile), which change how it reaches a gather.
+        # hpZ (hierarchy.py): a second shard among the ranks of this rank's node, cut from the
+        # full buffer at each release until the step changes the parameters.
+        self.secondary: torch.Tensor | None = None
         if persistent:
             self.storage = DeviceShard(self.full[self.shard_start:self.shard_end])   # a view: in-place all-gather
         else:
             self.storage = DeviceShard(self.full[self.shard_start:self.shard_end].clone())
-            self.free_full()
+            self.release_full()
         # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
         # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
@@ -105,6 +113,20 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self._placeholder
+
+    def release_full(self) -> None:
+        """A partitioned FlatParam is done with its full buffer (a unit's release): with hpZ keep
+        this rank's secondary shard of it first, then free it."""
+        k = self.sharding.secondary_size
+        if k > 1 and self.secondary is None:
+            part = self.padded_numel // k
+            i = self.sharding.secondary_index
+            self.secondary = self.full[i * part:(i + 1) * part].clone()
+        self.free_full()
+
+    def drop_secondary(self) -> None:
+        """The step changed the shards: a secondary shard holds last step's values."""
+        self.secondary = None
 
     def alloc_full(self) -> None:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
@@ -141,8 +163,10 @@ class FlatParam:
         self.storage.write(values, from_host, pin, f"{self.label}.params")
 
     def param_bytes(self) -> int:
-        """Bytes of low-precision parameters this rank keeps between uses (wherever the shard lives)."""
-        return (self.padded_numel if self.persistent else self.shard_numel) * self.full.element_size()
+        """Bytes of low-precision parameters this rank keeps between uses (wherever the shard
+        lives), an hpZ secondary shard included: it lives from forward to the step."""
+        secondary = self.padded_numel // self.sharding.secondary_size if self.sharding.secondary_size > 1 else 0
+        return ((self.padded_numel if self.persistent else self.shard_numel) + secondary) * self.full.element_size()
 
     # -- gradients: reduce ----------------------------------------------------------------
     def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
@@ -177,9 +201,10 @@ class FlatParam:
         grad_shard accumulates the micro-steps. async_op (overlap_comm): returns the
         reduction in flight; its wait() does the add. The p.grads are dropped at once either
         way: their values are in the flat buffer, which the Pending keeps until the wait."""
-        full = self.flat_grad(divide_by=self.num_shards)   # N: this FlatParam is cut in one shard per rank
+        full = self.flat_grad(divide_by=self.sharding.ranks)   # N: every rank's gradient is averaged
         out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
-        pending = comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads", async_op=async_op)
+        pending = comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads", group=self.sharding.group,
+                                             async_op=async_op)
         del full
         self.clear_param_grads()
         reduction = GradReduction(self, out, pending if async_op else None, accumulate=True)
@@ -225,6 +250,8 @@ class GradReduction:
         if self.pending is not None:
             self.pending.wait()
         f = self.flat
+        if f.sharding.replicas is not None:   # HSDP: the same shard of the other groups, summed in
+            comm.all_reduce(self.result, label=f"{f.label}.grads.replicas", group=f.sharding.replicas)
         if self.accumulate and f.grad_shard is not None:
             f.grad_shard.add_(self.result)
         else:
@@ -243,10 +270,11 @@ def all_gather_params(flats: list[FlatParam]) -> None:
 
 # ----------------------------------------------------------------------------- layout plans -> FlatParams
 
-def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int) -> FlatParam:
+def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int,
+               sharding: Sharding | None = None) -> FlatParam:
     """The FlatParam a plan describes, over the module's parameters of those names."""
     return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
-                     num_shards=num_shards, shard_index=shard_index, persistent=plan.persistent)
+                     num_shards=num_shards, shard_index=shard_index, persistent=plan.persistent, sharding=sharding)
 
 
 class DeviceShard:
@@ -265,7 +293,12 @@ class DeviceShard:
         self.tensor = tensor
 
     def all_gather(self, f: FlatParam, label: str, async_op: bool):
-        pending = comm.all_gather_into_tensor(f.full, self.tensor, label=label, async_op=async_op)
+        if f.secondary is not None:   # hpZ: among the ranks of this node, from the secondary shard
+            pending = comm.all_gather_into_tensor(f.full, f.secondary, label=label, group=f.sharding.secondary_group,
+                                                  async_op=async_op)
+        else:
+            pending = comm.all_gather_into_tensor(f.full, self.tensor, label=label, group=f.sharding.group,
+                                                  async_op=async_op)
         return pending if async_op else None
 
     def write(self, values: torch.Tensor, from_host: bool, pin: bool, label: str) -> None:

@@ -121,6 +121,42 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+RANKS_PER_NODE_ENV = "MINIZERO_RANKS_PER_NODE"   # pretend a topology: k consecutive ranks per "node"
+
+
+def ranks_per_node() -> int:
+    """How many consecutive ranks share a node. MINIZERO_RANKS_PER_NODE says so explicitly
+    (to rehearse a multi-node layout on one machine, as DeepSpeed's tests do); else the
+    launcher's count of ranks on this node: torchrun's LOCAL_WORLD_SIZE, srun's
+    SLURM_NTASKS_PER_NODE; else all ranks are on one node. torchrun and srun number ranks
+    node by node, so node n holds ranks [n*k, (n+1)*k)."""
+    world = get_world_size()
+    for var in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var)
+        if value:
+            try:
+                k = int(value.split("(")[0])   # SLURM may write "4(x2)"
+            except ValueError:
+                raise LaunchError(f"{var}={value!r}: expected a whole number of ranks per node") from None
+            if k < 1 or world % k:
+                raise LaunchError(f"{var}={value}: {world} ranks do not split into nodes of {k}; give a "
+                                  f"divisor of the world size")
+            return k
+    return world
+
+
+def new_groups(ranks_per_group: list[list[int]]):
+    """Process groups of the given ranks, made on every rank in the same order (a collective),
+    this rank's returned. Collectives on it run among its ranks only, in their order."""
+    mine, _ = dist.new_subgroups_by_enumeration(ranks_per_group)
+    return mine
+
+
+def node_of(rank: int) -> int:
+    """The node a global rank runs on (ranks_per_node: consecutive ranks per node)."""
+    return rank // ranks_per_node()
+
+
 def get_device() -> torch.device:
     """Where this rank's tensors live, and every tensor handed to a collective with them.
 

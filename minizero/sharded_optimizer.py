@@ -78,8 +78,8 @@ class ShardedOptimizer:
             if g is not None:
                 for i in range(0, g.numel(), GRAD_SQ_CHUNK):
                     total += g[i:i + GRAD_SQ_CHUNK].double().pow_(2).sum()   # in place on the fp64 copy: one temporary, not two
-        if self.grads_sharded():
-            comm.all_reduce(total, label="grad_norm")
+        if self.grads_sharded():   # over the ranks of one shard group (HSDP: its replicas hold the same)
+            comm.all_reduce(total, label="grad_norm", group=self.flat_params[0].sharding.group)
         return total
 
     def combined_scale(self, norm_sq: torch.Tensor, loss_scale: float, clip_value: float) -> torch.Tensor:
@@ -197,7 +197,7 @@ class ShardedOptimizer:
             full = torch.empty(f.padded_numel, dtype=torch.float32, device=f.device)
             if f.num_shards > 1:
                 comm.all_gather_into_tensor(full, m.detach().to(device=f.device, dtype=torch.float32).contiguous(),
-                                            label="consolidate")
+                                            label="consolidate", group=f.sharding.group)
             else:
                 full.copy_(m.detach())
             out.update({name: t.cpu().clone() for name, t in unflatten(full, f.names, f.shapes).items()})

@@ -76,7 +76,7 @@ class Unit(Bucket):
         writes from its own stream, and the allocator would hand the memory on under it."""
         self.wait_unshard()
         for f in self.partitioned:
-            f.free_full()
+            f.release_full()
         self.in_use = False
 
     # ------------------------------------------------------------------ the four hooks

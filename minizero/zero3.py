@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import comm
+from . import comm, hierarchy
 from .flat_param import build_flat
 from .partition import FlatPlan
 from .prefetch import Prefetcher
@@ -63,6 +63,9 @@ class Zero3(Zero2):
     stage = 3
 
     def __init__(self, module: nn.Module, param_groups: list[dict], zero_cfg):
+        # which ranks each parameter is cut over and gathered among: all of them, or the node
+        # (hpZ's secondary shard, HSDP's shard groups: hierarchy.py)
+        self.sharding = hierarchy.for_config(zero_cfg)
         super().__init__(module, param_groups, zero_cfg)
         units = self.buckets
         # 2. forward and backward: each unit's hooks; when it is gathered and freed is the
@@ -77,7 +80,7 @@ class Zero3(Zero2):
     def make_buckets(self, module: nn.Module, param_groups: list[dict], zero_cfg) -> list[Unit]:
         """One Unit per module instead of ZeRO-2's size buckets; its gradients still take
         ZeRO-2's path (GradBuckets: hooks, reduce-scatter when complete)."""
-        return module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold))
+        return module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold), self.sharding)
 
     # ------------------------------------------------------------------ 3. end of backward
     def finish_backward(self) -> None:
@@ -93,14 +96,18 @@ class Zero3(Zero2):
         for u in self.prefetcher.reset():
             u.reshard()
         for f in self.flat_params:
+            f.drop_secondary()   # hpZ: the next release cuts it from the new parameters
             if f.persistent:
                 f.all_gather()
 
 
-def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int) -> list[Unit]:
-    """One Unit per entry of unit_plan, its FlatParams built from the plan."""
+def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int,
+                 sharding: hierarchy.Sharding | None = None) -> list[Unit]:
+    """One Unit per entry of unit_plan, its FlatParams built from the plan (cut over all ranks,
+    or as `sharding` says)."""
     by_name = dict(model.named_parameters())
-    return [Unit(name, m, [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank()) for plan in plans])
+    s = sharding or hierarchy.plain(comm.get_world_size(), comm.get_rank())
+    return [Unit(name, m, [build_flat(plan, by_name, s.num_shards, s.shard_index, s) for plan in plans])
             for name, m, plans in unit_plan(model, param_groups, persistence_threshold)]
 
 

@@ -121,6 +121,15 @@ class ZeroConfig(Section):
     stage3_prefetch_bucket_size: int = key(50_000_000, integer(lo=0), alias="prefetch_bucket_size")
     stage3_max_live_parameters: int = key(1_000_000_000, integer(lo=0), alias="max_live_parameters")
     stage3_max_reuse_distance: int = key(1_000_000_000, integer(lo=0), alias="max_reuse_distance")
+    # ZeRO-3 that knows where the nodes are (hierarchy.py). hpZ, ZeRO++'s hierarchical
+    # partitioning (DeepSpeed's key): a second shard of the parameters over k consecutive ranks,
+    # which backward gathers from. HSDP (minizero's own key; PyTorch's HSDP, MiCS in DeepSpeed
+    # before 0.19.8): shard over S consecutive ranks, replicate across the N/S such groups.
+    zero_hpz_partition_size: int = key(1, integer(lo=1))
+    hsdp_shard_size: int = key(0, integer(lo=0))             # 0: one shard group of all ranks
+    # MiCS's keys: removed in DeepSpeed 0.19.8 (they raise there); read as hsdp_shard_size, with a line
+    mics_shard_size: int = key(-1, integer(lo=-1))
+    mics_hierarchical_params_gather: bool = key(False, boolean, acts=False)
     # accepted, minizero does nothing with them
     contiguous_gradients: bool = key(True, boolean, acts=False)
     reduce_scatter: bool = key(True, boolean, acts=False)
@@ -152,6 +161,22 @@ class ZeroConfig(Section):
         if self.offload_optimizer_enabled and self.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it moves this rank's "
                               "optimizer shard to the CPU): set \"stage\" or remove offload_optimizer")
+        if self.mics_shard_size > 0:
+            if "hsdp_shard_size" in self.given:
+                raise ConfigError("zero_optimization.mics_shard_size and hsdp_shard_size are two spellings of one "
+                                  "setting; keep only hsdp_shard_size")
+            self.hsdp_shard_size = self.mics_shard_size
+        for k, v in (("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
+                     ("hsdp_shard_size", self.hsdp_shard_size > 0)):
+            if v and self.stage != 3:
+                raise ConfigError(f"zero_optimization.{k} needs stage 3 (it partitions the parameters over part of "
+                                  f"the ranks): set \"stage\": 3 or remove {k}")
+        if self.zero_hpz_partition_size > 1 and self.hsdp_shard_size > 0:
+            raise ConfigError("zero_optimization: zero_hpz_partition_size and hsdp_shard_size are two answers to one "
+                              "question (keep parameter gathers inside a node); set one of them")
+        if self.zero_hpz_partition_size > 1 and self.offload_param_enabled:
+            raise ConfigError("zero_optimization.zero_hpz_partition_size with offload_param is not implemented in "
+                              "minizero (the secondary shard lives on the device); remove one of them")
         if self.offload_optimizer is not None and self.offload_optimizer.ratio != 1.0 and self.stage != 3:
             raise ConfigError(f"zero_optimization.offload_optimizer.ratio = {self.offload_optimizer.ratio}: "
                               f"partial offload is a stage-3 option (as in DeepSpeed); remove it")
@@ -213,6 +238,23 @@ def ignored_knobs(cfg) -> list[str]:
     if aio is not None:
         out += [f"aio.{k}" for k in aio.given if not AioConfig.rows()[k].metadata["acts"]]
     return out
+
+
+def renamed_keys_note(cfg) -> str | None:
+    """The line the engine logs when the config spells a setting by a removed DeepSpeed name."""
+    if "mics_shard_size" not in cfg.zero.given or cfg.zero.mics_shard_size <= 0:
+        return None
+    return (f"zero_optimization.mics_shard_size = {cfg.zero.mics_shard_size}: MiCS is removed from DeepSpeed "
+            f"0.19.8 (the key raises there); minizero reads it as hsdp_shard_size, its key for the same "
+            f"sharding: write that")
+
+
+def check_world_size(zero: ZeroConfig, world_size: int) -> None:
+    """What the zero section asks of the world size: its shard groups must divide it."""
+    for k, size in (("zero_hpz_partition_size", zero.zero_hpz_partition_size), ("hsdp_shard_size", zero.hsdp_shard_size)):
+        if size > 1 and world_size % size:
+            raise ConfigError(f"zero_optimization.{k} = {size} does not divide the {world_size} ranks into groups: "
+                              f"use a divisor of the world size (the ranks of one node, usually)")
 
 
 def ignored_knobs_note(cfg) -> str | None:

@@ -103,7 +103,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     _refuse_non_finite(engine, state, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    rank, stage = engine.global_rank, state["stage"]
+    rank, stage, shard = engine.global_rank, state["stage"], state["shard_index"]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -112,15 +112,16 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if rank == 0:
         torch.save({
             "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
+            "partition_count": state["partition_count"],
             "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
             **state["counters"], "lr_scheduler": state["lr_scheduler"], "loss_scaler": state["loss_scaler"],
             "client_state": client_state or {}, "config": state["config"],
         }, os.path.join(tmp, MODEL_FILE))
-    if stage > 0 or rank == 0:   # stage 0: every rank holds the same optimizer state
+    if rank == shard:   # the first rank of each shard writes it (stage 0 and HSDP: copies elsewhere)
         torch.save({
-            "rank": rank, "masters": state["masters"], "shards": state["shards"], "optimizer": state["optimizer"],
-            "partition_count": state["world_size"] if stage > 0 else 1,
-        }, os.path.join(tmp, optim_file(rank)))
+            "rank": shard, "masters": state["masters"], "shards": state["shards"], "optimizer": state["optimizer"],
+            "partition_count": state["partition_count"],
+        }, os.path.join(tmp, optim_file(shard)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
     torch.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
     comm.barrier()
@@ -189,8 +190,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
             raise CheckpointError(f"{path}: no such checkpoint{named}; {describe_tags(load_dir)}")
         meta = _minizero_meta(load_dir, tag)
         if meta is not None and _same_layout(meta, engine):
-            src = rank if stage > 0 else 0
-            shard_state = load_file(load_dir, tag, optim_file(src))
+            shard_state = load_file(load_dir, tag, optim_file(engine.partition[1]))
             # A stage-0 checkpoint may be resumed on more ranks than saved it: those start their own RNG.
             if rank < meta["world_size"]:
                 rng = load_file(load_dir, tag, rng_file(rank))
@@ -239,6 +239,12 @@ def _minizero_meta(load_dir: str, tag: str) -> dict | None:
     return meta if isinstance(meta, dict) and "layout" in meta else None
 
 
+def saved_partition_count(meta: dict) -> int:
+    """How many shards a minizero checkpoint's states are cut into (before HSDP, the world size
+    at ZeRO-1/2/3 and 1 at stage 0, as its files say)."""
+    return meta.get("partition_count", meta["world_size"] if meta["stage"] > 0 else 1)
+
+
 def tag_library(load_dir: str, tag: str) -> str:
     """Which library wrote a tag: "minizero" or "deepspeed" (a folder both have written
     holds tags of each; a trainer resuming it must know which one it loads)."""
@@ -283,9 +289,9 @@ def _deepspeed_source(path: str):
 
 def _same_layout(meta: dict, engine) -> bool:
     """Does the checkpoint hold exactly the shards this engine has (same FlatParams, same
-    parameters in each, same number of shards)? Stage 0 is not sharded: any world size."""
-    stage = engine.zero_optimization_stage()
-    if meta["stage"] != stage or (meta["world_size"] != engine.world_size and stage > 0):
+    parameters in each, cut into as many shards)? The world size may differ where a shard is
+    held by several ranks (stage 0; HSDP's replicas)."""
+    if meta["stage"] != engine.zero_optimization_stage() or saved_partition_count(meta) != engine.partition[0]:
         return False
     saved = [(list(f["names"]), [tuple(s) for s in f["shapes"]]) for f in meta["layout"]]
     return saved == [(list(f["names"]), f["shapes"]) for f in engine.layout()]
@@ -299,9 +305,7 @@ def _reshard_state(engine, source, path: str, load_optimizer_states: bool) -> di
     for f in layout:
         groups[f["group"]].update(f["names"])
     check_same_groups(source, groups, path)
-    sharded = engine.zero_optimization_stage() > 0
-    state = rank_state(source, layout, engine.world_size if sharded else 1, engine.global_rank if sharded else 0,
-                       optimizer=load_optimizer_states)
+    state = rank_state(source, layout, *engine.partition, optimizer=load_optimizer_states)
     if state["optimizer"] is not None:
         fill_missing_hparams(state["optimizer"], engine.optimizer.param_groups)
     return state

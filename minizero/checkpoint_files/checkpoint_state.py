@@ -116,7 +116,8 @@ class MinizeroSource(CheckpointSource):
         self.meta, self.layout = meta, meta["layout"]
         self.world_size, self.zero_stage = meta["world_size"], meta["stage"]
         self.dtype = DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
-        self.files = self.world_size if self.zero_stage > 0 else 1   # stage 0: one optimizer file
+        # one optimizer file per shard: the world size at ZeRO-1/2/3, one at stage 0, S under HSDP
+        self.files = meta.get("partition_count", self.world_size if self.zero_stage > 0 else 1)
         self._where, self.shapes = {}, {}
         for i, f in enumerate(self.layout):
             numels = [math.prod(s) for s in f["shapes"]]

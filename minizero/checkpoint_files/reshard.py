@@ -127,10 +127,10 @@ def _write(source, layout: list[dict], tmp: str, world_size: int, stage: int, sh
 
 
 def _adam_defaults(config: dict | None, world_size: int) -> dict:
-    """The param-group keys of the Adam the saved config builds (sharded_optimizer.build_optimizer),
+    """The param-group keys of the Adam the saved config builds (adam.build_optimizer),
     for a source that does not carry them all; AdamW's when the config cannot say."""
     from ..config import load_config
-    from ..sharded_optimizer import build_optimizer
+    from ..adam import build_optimizer
     dummy = [{"params": [nn.Parameter(torch.zeros(1))]}]
     try:
         opt_cfg = load_config(dict(config or {}), world_size=world_size).optimizer

@@ -190,7 +190,8 @@ class PatternBatches:
 
 def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
                  capture_memory: bool = False, seed: int = 0, weight_decay: Optional[float] = None,
-                 return_final_state: bool = True, variant: str = "minizero") -> Dict[str, Any]:
+                 return_final_state: bool = True, variant: str = "minizero",
+                 drive: Optional[Callable] = None) -> Dict[str, Any]:
     """Train `steps` optimizer steps with minizero on this rank; the same keys as run_deepspeed
     (losses, local_losses, loss_scales, grad_norms, lrs, skipped_steps, global_steps,
     final_state, memory, init_seconds, step_seconds, rank, world_size, zero_stage, config)
@@ -203,7 +204,8 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     factor moved by a random whole number of fp32 ulps in [-3, 3] on every step that clips
     (seed k); "ds_stage0", stage 0 with DeepSpeed's stage-0 bf16/fp16 arithmetic, quirks
     included (`ds_stage0_arithmetic`); "ds_grown_scale", fp16 gradients unscaled by the
-    loss scale as updated by this step (`unscale_by_updated_scale`)."""
+    loss scale as updated by this step (`unscale_by_updated_scale`). `drive`: as run_deepspeed's
+    (engine -> the object the loop calls; its `result()` joins the returned dict)."""
     import minizero
     from minizero import comm
 
@@ -220,8 +222,12 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     memory = None
     if capture_memory:
         memory = {"after_init": engine.memory_breakdown(), "after_backward": [], "after_step": []}
-    out = train_steps(engine, batches, steps, lambda e: float(e.loss_scale),
+    driven = drive(engine) if drive is not None else engine
+    out = train_steps(driven, batches, steps, lambda e: float(e.loss_scale),
                       lambda e: e.memory_breakdown(), memory)
+    if driven is not engine:
+        out.update(driven.result())
+    out["ledger"] = engine.comm_stats()
     out.update({
         "skipped_steps": int(engine.skipped_steps), "global_steps": int(engine.global_steps),
         "init_seconds": init_seconds, "rank": rank, "world_size": world,

@@ -5,6 +5,7 @@ config and batches as the other agreement tests (tests/support/agreement.py).
     from tests.support import two_nodes as T
     ds = T.deepspeed_runs(T.HPZ, "bf16")      # per rank: losses, final_state, memory, phases, ...
     pt = T.fsdp2_runs(T.HSDP, "fp32")
+    mz = T.minizero_runs(T.HPZ, "bf16")
 
 Each is one launch of 4 fresh rank processes (reference/ds_run.py's run_deepspeed,
 reference/torch_engine.py's run_torch), cached for the test session per (library, keys,
@@ -72,10 +73,15 @@ class PhaseRecorder:
 
     def _run(self, phase, fn, *a, **k):
         before = COUNTER.group_snapshot()
+        ledger = getattr(self.engine, "comm_stats", None)   # minizero's own ledger, intra/inter split
+        ledger_before = ledger() if ledger else None
         out = fn(*a, **k)
-        self.phases.append({"phase": phase, "step": self.step_index,
-                            "groups": group_delta(COUNTER.group_snapshot(), before),
-                            "secondary_bytes": secondary_bytes(self.engine)})
+        record = {"phase": phase, "step": self.step_index, "groups": group_delta(COUNTER.group_snapshot(), before),
+                  "secondary_bytes": secondary_bytes(self.engine)}
+        if ledger:
+            after = ledger()
+            record["ledger"] = {op: {key: v[key] - ledger_before[op][key] for key in v} for op, v in after.items()}
+        self.phases.append(record)
         return out
 
     def __call__(self, *a, **k):
@@ -101,6 +107,11 @@ def _deepspeed_rank(zero, dtype, steps):
     return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
 
 
+def _minizero_rank(zero, dtype, steps):
+    from tests.support.harness import run_minizero
+    return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
+
+
 def _torch_rank(zero, dtype, steps):
     from reference.torch_engine import run_torch
     return run_torch(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
@@ -108,13 +119,20 @@ def _torch_rank(zero, dtype, steps):
 
 @functools.lru_cache(maxsize=None)
 def _run(lib: str, zero: tuple, dtype: str, steps: int) -> tuple:
-    fn = _deepspeed_rank if lib == "deepspeed" else _torch_rank
-    return tuple(run_ranks(fn, world_size=N, args=(dict(zero), dtype, steps), env=A.ENV))
+    fn = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _minizero_rank}[lib]
+    env = dict(A.ENV, MINIZERO_RANKS_PER_NODE=str(PER_NODE))   # minizero's ledger: 2 "nodes" of 2
+    return tuple(run_ranks(fn, world_size=N, args=(dict(zero), dtype, steps), env=env))
 
 
 def deepspeed_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
     """Per rank, DeepSpeed's ZeRO-3 with `zero` added (HPZ, or ZERO3 for plain) on 2 x 2 ranks."""
     return _run("deepspeed", tuple(sorted(zero.items())), dtype, steps)
+
+
+def minizero_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
+    """Per rank, minizero's ZeRO-3 with `zero` added (HPZ, HSDP, or ZERO3) on 2 x 2 ranks; its
+    phases counted by the same counter as DeepSpeed's and FSDP2's, and `ledger`: comm_stats()."""
+    return _run("minizero", tuple(sorted(zero.items())), dtype, steps)
 
 
 def fsdp2_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
