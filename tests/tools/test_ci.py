@@ -1,50 +1,100 @@
 """.ci/run prints where its time went (issue 22): the slowest tests and the total, so a slow
-test is seen the day it lands; and it runs the README's test command, nothing less."""
+test is seen the day it lands; and it runs the README's test command, ./test.sh, nothing less
+(issue 41: two commands, the first installs and passes the tests). ./test.sh installs once,
+builds DeepSpeed's ops once before pytest starts, and hands its arguments to pytest."""
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CI = ROOT / ".ci" / "run"
+TEST_SH = ROOT / "test.sh"
 
 
-def test_ci_prints_the_slowest_tests_and_the_total():
-    text = CI.read_text()
-    pytest_lines = [x for x in text.splitlines() if "-m pytest" in x and not x.lstrip().startswith("#")]
-    assert len(pytest_lines) == 1, pytest_lines
-    m = re.search(r"--durations[= ](\d+)", pytest_lines[0])
-    assert m and int(m.group(1)) >= 25, pytest_lines[0]
-    assert " -k " not in pytest_lines[0] and " -m " not in pytest_lines[0].split("-m pytest", 1)[1]   # nothing deselected
-    assert re.search(r'echo "ci: .*tests \$\(\(.*\)\) s, total \$\(\(.*\)\) s', text), "no total printed"
-    assert subprocess.run(["bash", "-n", str(CI)], capture_output=True).returncode == 0
+def code_lines(path: Path) -> list[str]:
+    return [x for x in path.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
 
 
-def test_ci_runs_the_readmes_test_command():
-    """The README's one full-suite command (its install block) and .ci/run's pytest line run
-    the same pytest arguments; CI adds only --durations."""
-    readme = [x.split("#")[0].split() for x in (ROOT / "README.md").read_text().splitlines()
-              if x.startswith("python -m pytest") and "tests/" not in x]
-    assert len(readme) == 1, readme
-    ci = next(x for x in CI.read_text().splitlines() if "-m pytest" in x and not x.lstrip().startswith("#"))
-    ci_args = ci.split("-m pytest", 1)[1].split("||")[0].split()
-    assert [a for a in ci_args if not a.startswith("--durations")] == readme[0][3:], (ci_args, readme[0])
+def test_ci_runs_the_readmes_test_command_and_prints_the_slowest_tests_and_the_total():
+    """The README's first command is `./test.sh`; .ci/run runs exactly that, adding only
+    pytest's --durations (at least 25), and prints its total."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Two commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.splitlines()[0].split("#")[0].split() == ["./test.sh"], block
+    runs = [x for x in code_lines(CI) if "test.sh" in x]
+    assert len(runs) == 1, runs
+    args = runs[0].split("||")[0].split()
+    assert args[0] == "./test.sh", runs[0]
+    assert all(a.startswith("--durations") for a in args[1:]), f"CI adds only --durations: {args}"
+    m = re.search(r"--durations[= ](\d+)", runs[0])
+    assert m and int(m.group(1)) >= 25, runs[0]
+    assert not [x for x in code_lines(CI) if "-m pytest" in x], "CI runs pytest only through ./test.sh"
+    assert re.search(r'echo "ci: total \$\(\(.*\)\) s', CI.read_text()), "no total printed"
+    for script in (CI, TEST_SH):
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
+        assert os.access(script, os.X_OK), f"{script.name} is not executable"
 
 
+def test_test_sh_builds_deepspeeds_ops_before_the_tests_and_runs_them_on_two_workers():
+    """test.sh's lines: reference/build_ops.py before pytest (skipped, a fresh clone's first run
+    compiled the ops inside the suite: 484 s against 220-250 s), pytest on 2 workers with the
+    caller's arguments. build_ops builds into reference.build_ops.EXTENSIONS_DIR, the folder
+    tests/conftest.py gives the tests, which is test.sh's default too."""
+    lines = code_lines(TEST_SH)
+    build = next(i for i, x in enumerate(lines) if "reference/build_ops.py" in x)
+    test = next(i for i, x in enumerate(lines) if "-m pytest" in x)
+    assert build < test
+    assert lines[test].split("-m pytest", 1)[1].split() == ["-q", "-n", "2", '"$@"'], lines[test]
+    from reference.build_ops import EXTENSIONS_DIR
+    assert Path(EXTENSIONS_DIR) == ROOT / ".torch_extensions"
+    assert "${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}" in TEST_SH.read_text()
 
-def test_the_readme_and_ci_build_deepspeeds_ops_before_the_tests():
-    """reference/build_ops.py runs before the test command in the README's quick start and in
-    .ci/run: skipped, a fresh clone's first run compiled the ops inside the suite (484 s).
-    It builds into reference.build_ops.EXTENSIONS_DIR, the folder tests/conftest.py gives
-    the tests."""
-    lines = (ROOT / "README.md").read_text().splitlines()
-    build = next(i for i, x in enumerate(lines) if x.startswith("python reference/build_ops.py"))
-    assert build < next(i for i, x in enumerate(lines) if x.startswith("python -m pytest -q -n 2"))
-    ci = [x for x in CI.read_text().splitlines() if not x.lstrip().startswith("#")]
-    build = next(i for i, x in enumerate(ci) if "reference/build_ops.py" in x)
-    assert build < next(i for i, x in enumerate(ci) if "-m pytest" in x)
+
+FAKE = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$LOG"
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
+    mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && cp "$0" "$3/bin/pip"
+fi
+"""
+
+
+def test_test_sh_installs_once_builds_the_ops_once_and_hands_its_arguments_to_pytest(tmp_path):
+    """test.sh run on a copy of the checkout whose python3, pip and python only log their
+    arguments: the first run makes the venv, installs and builds the ops; the next one only
+    tests; a changed pyproject.toml installs again; --selftest installs and self-checks."""
+    shutil.copy(TEST_SH, tmp_path / "test.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    fake = tmp_path / "fake-python3"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    log, ops = tmp_path / "log", tmp_path / "ops"
+    env = {**os.environ, "LOG": str(log), "PYTHON": str(fake), "TORCH_EXTENSIONS_DIR": str(ops)}
+
+    def run(*args):
+        log.write_text("")
+        r = subprocess.run(["bash", str(tmp_path / "test.sh"), *args], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return log.read_text().splitlines()
+
+    assert run("-k", "agreement") == [
+        "fake-python3 -m venv .venv", "pip install -q -e .[dev]",
+        "python reference/build_ops.py", "python -m pytest -q -n 2 -k agreement"]
+    assert run() == ["python reference/build_ops.py", "python -m pytest -q -n 2"]   # ops still missing
+    for op in ("deepspeed_shm_comm", "async_io"):
+        (ops / op).mkdir(parents=True)
+        (ops / op / f"{op}.so").write_text("")
+    assert run("-x") == ["python -m pytest -q -n 2 -x"]
+    stamp = tmp_path / ".venv" / ".minizero-dev-installed"
+    older = (tmp_path / "pyproject.toml").stat().st_mtime - 10
+    os.utime(stamp, (older, older))                 # pyproject.toml changed since the install
+    assert run() == ["pip install -q -e .[dev]", "python -m pytest -q -n 2"]
+    assert run("--selftest") == ["python -m minizero.selftest"]
 
 
 class _Builder:
