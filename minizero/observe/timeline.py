@@ -103,20 +103,25 @@ def plot(doc: dict, path: str) -> str:
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.1 / len(ranks)),
               ncol=min(len(handles), 5), fontsize=AXIS_PT, frameon=False)
     fig.tight_layout()
-    drop_labels_wider_than_their_bars(fig, ax, labels)
+    drop_labels_that_do_not_fit(fig, ax, labels)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
 
-def drop_labels_wider_than_their_bars(fig, ax, labels) -> None:
+def drop_labels_that_do_not_fit(fig, ax, labels) -> None:
     """Remove each label whose drawn width exceeds its bar's (a short all-reduce's
-    "grad_norm" would spill over its neighbours): measured after layout, in pixels."""
+    "grad_norm" would spill over its neighbours), or that would overprint a label already
+    kept (asynchronous collectives overlap in time): measured after layout, in pixels."""
     renderer = fig.canvas.get_renderer()
+    kept = []
     for text, start, end in labels:
         (left, _), (right, _) = ax.transData.transform([(start, 0), (end, 0)])
-        if text.get_window_extent(renderer).width > (right - left) - 2:
+        box = text.get_window_extent(renderer)
+        if box.width > (right - left) - 2 or any(box.overlaps(other) for other in kept):
             text.remove()
+        else:
+            kept.append(box)
 
 
 def merge(folder: str) -> dict:
