@@ -124,21 +124,24 @@ def plot_figure1(path: str) -> None:
     parts = [("parameters (2 bytes)", [r["params"] for r in rows], "#4c72b0"),
              ("gradients (2 bytes)", [r["grads"] for r in rows], "#dd8452"),
              ("optimizer states (K = 12 bytes)", [r["master_params"] + r["optimizer_states"] for r in rows], "#55a868")]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    # a slide: 1600 px wide at 120 dpi, no text under 11 px (as observe/timeline.py's pictures)
+    from minizero.observe.timeline import DPI, WIDTH_PX
+    fig, ax = plt.subplots(figsize=(WIDTH_PX / DPI, 6.4))
     bottom = [0.0] * 4
     for label, values, colour in parts:
         gb = [v / 1e9 for v in values]
         ax.bar(names, gb, bottom=bottom, label=label, color=colour)
         bottom = [b + v for b, v in zip(bottom, gb)]
     for i, t in enumerate(bottom):
-        ax.text(i, t + 1.5, f"{t:.1f} GB", ha="center")
-    ax.set_ylabel("model states per device (GB = 1e9 bytes)")
+        ax.text(i, t + 1.5, f"{t:.1f} GB", ha="center", fontsize=14)
+    ax.set_ylabel("model states per device (GB = 1e9 bytes)", fontsize=13)
+    ax.tick_params(labelsize=13)
     ax.set_ylim(0, max(bottom) * 1.12)
-    ax.set_title(f"ZeRO paper, Figure 1: Ψ = 7.5B, N = {FIGURE1['world']}, K = {FIGURE1['k']}")
-    ax.legend()
+    ax.set_title(f"ZeRO paper, Figure 1: Ψ = 7.5B, N = {FIGURE1['world']}, K = {FIGURE1['k']}", fontsize=15)
+    ax.legend(fontsize=13)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     print(f"wrote {path}")
 

@@ -62,6 +62,7 @@ def plot(doc: dict, path: str) -> str:
     ms = lambda us: (us - t0) / 1e3
     span_ms = ms(max(e["ts"] + e["dur"] for e in events))
     fig, ax = plt.subplots(figsize=(WIDTH_PX / DPI, 2.2 + 1.5 * len(ranks)))
+    labels = []   # (text, start, end of its bar in ms): kept only where the text fits inside its bar
     for row, r in enumerate(ranks):
         y = len(ranks) - 1 - row          # rank 0 on top
         mine = [e for e in events if e["pid"] == r]
@@ -74,13 +75,13 @@ def plot(doc: dict, path: str) -> str:
                 ax.broken_barh([(x, w)], (y + 0.5, 0.4), facecolor=UNIT_COLOURS[e["args"]["phase"]],
                                alpha=0.35 if root else 1.0, edgecolor="white", linewidth=0.6, zorder=1 if root else 2)
                 if not root and w > span_ms / 60:
-                    ax.text(x + w / 2, y + 0.7, e["args"]["unit"], ha="center", va="center",
-                            fontsize=TEXT_PT, zorder=5)
+                    labels.append((ax.text(x + w / 2, y + 0.7, e["args"]["unit"], ha="center", va="center",
+                                           fontsize=TEXT_PT, zorder=5), x, x + w))
             elif e["cat"] in ("collectives", "copies"):
                 ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor=OP_COLOURS[e["args"]["op"]], zorder=3)
                 if e["cat"] == "collectives" and e["args"].get("label") and w > span_ms / 25:
-                    ax.text(x + w / 2, y + 0.26, short_label(e["args"]["label"]), ha="center", va="center",
-                            fontsize=TEXT_PT, color="white", zorder=6)
+                    labels.append((ax.text(x + w / 2, y + 0.26, short_label(e["args"]["label"]), ha="center",
+                                           va="center", fontsize=TEXT_PT, color="white", zorder=6), x, x + w))
             elif e["cat"] == "wait":
                 ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor="white", alpha=0.55, hatch="////",
                                edgecolor=OP_COLOURS[e["args"]["op"]], linewidth=0, zorder=4)
@@ -102,9 +103,25 @@ def plot(doc: dict, path: str) -> str:
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.1 / len(ranks)),
               ncol=min(len(handles), 5), fontsize=AXIS_PT, frameon=False)
     fig.tight_layout()
+    drop_labels_that_do_not_fit(fig, ax, labels)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
+
+
+def drop_labels_that_do_not_fit(fig, ax, labels) -> None:
+    """Remove each label whose drawn width exceeds its bar's (a short all-reduce's
+    "grad_norm" would spill over its neighbours), or that would overprint a label already
+    kept (asynchronous collectives overlap in time): measured after layout, in pixels."""
+    renderer = fig.canvas.get_renderer()
+    kept = []
+    for text, start, end in labels:
+        (left, _), (right, _) = ax.transData.transform([(start, 0), (end, 0)])
+        box = text.get_window_extent(renderer)
+        if box.width > (right - left) - 2 or any(box.overlaps(other) for other in kept):
+            text.remove()
+        else:
+            kept.append(box)
 
 
 def merge(folder: str) -> dict:

@@ -12,7 +12,9 @@ kernel drops it when the process dies, even by kill -9, so a crashed run never l
 stale lock) and then refuses a folder that already holds a run, unless this run resumes
 from that very folder. We refuse rather than pick a new folder name: a user who typed
 --save-dir should find the results where they asked, and every refusal says what to do.
-(`rm -r` the folder to start over; minizero never deletes a run for you.)
+minizero deletes a run only when told to: `--overwrite` replaces a folder that holds one
+finished run and nothing else (a lesson's command, run again in class), and refuses any
+other folder in one line (replace_finished_run); otherwise `rm -r` it yourself.
 
 A run that ends, however it ends, removes its lock file (a lock file left with a pid in it
 reads as a stale lock), and a folder this run created and left empty (a run refused before
@@ -157,8 +159,10 @@ def release_all() -> None:
         lock.release()
 
 
-def claim(save_dir: str, resume_dir: str | None) -> RunDirLock:
-    """Rank 0: lock save_dir, then refuse it if it holds a run this one does not continue.
+def claim(save_dir: str, resume_dir: str | None, overwrite: bool = False) -> RunDirLock:
+    """Rank 0: lock save_dir, then refuse it if it holds a run this one does not continue
+    (with `overwrite`: replace it, if it is a finished run's folder and nothing else:
+    replace_finished_run).
 
     Lock first, check second: two runs started at once both see an empty folder, but only
     one gets the lock."""
@@ -166,17 +170,25 @@ def claim(save_dir: str, resume_dir: str | None) -> RunDirLock:
     try:
         found = previous_run(save_dir)
         continuing = resume_dir is not None and os.path.realpath(resume_dir) == os.path.realpath(save_dir)
+        if overwrite and continuing:
+            raise RunDirError(f"--overwrite would delete the checkpoint that --resume {resume_dir} continues; "
+                              f"drop --overwrite, or resume into a new --save-dir")
+        if found and overwrite:
+            replace_finished_run(save_dir)
+            found = []
         if found and not continuing:
             shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
             raise RunDirError(f"{save_dir} already holds a run ({shown}); continue it with --resume {save_dir}, "
-                              f"or pass a new --save-dir (minizero never overwrites a run's results)")
+                              f"replace it with --overwrite, or pass a new --save-dir (minizero never "
+                              f"overwrites a run's results unless told to)")
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str | None) -> RunDirLock | None:
+def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str | None,
+                        overwrite: bool = False) -> RunDirLock | None:
     """Rank 0 claims the folder (claim) and also refuses to resume an older checkpoint into
     the folder that holds later ones; every rank gets the verdict, so all of them stop with
     the same one line. Then every rank checks that it sees the folder rank 0 claimed
@@ -184,7 +196,7 @@ def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str |
     lock, err, probe = None, None, None
     if comm.get_rank() == 0:
         try:
-            lock = claim(save_dir, resume_dir)
+            lock = claim(save_dir, resume_dir, overwrite)
             if resume_tag is not None and lock is not None:
                 later = later_tags(save_dir, resume_tag) if os.path.realpath(save_dir) == \
                     os.path.realpath(resume_dir) else []
@@ -212,6 +224,55 @@ def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str |
                 lock.release()
             raise
     return lock
+
+
+# ----------------------------------------------------------------------------- --overwrite
+# What one run of the training script writes into its save folder (runlog.py, checkpoint_io.py,
+# DeepSpeed's save_checkpoint), as glob patterns. --overwrite replaces a folder that holds
+# these and nothing else.
+RUN_WRITES = ("metrics.csv", "summary.json", "samples.png", "samples-step*.png", "latest", "global_step*",
+              "comms_summary.json", "comms_summary.txt", "zero_to_fp32.py", LOCK_FILE, ".minizero.probe-*")
+# summary.json's status when the run is over (runlog.finish writes it however a run ends)
+FINISHED = ("completed", "diverged", "failed", "interrupted")
+
+
+def not_replaceable(save_dir: str) -> str | None:
+    """Why --overwrite must not replace save_dir (None: it holds one finished run and nothing
+    else). A run still going holds the lock, which claim() took before asking; a run killed
+    before its end has no summary.json, and a folder with other files in it is not only a run."""
+    import fnmatch
+    import json
+    others = sorted(e for e in os.listdir(save_dir) if not any(fnmatch.fnmatch(e, p) for p in RUN_WRITES))
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        return f"it also holds files no training run writes ({shown})"
+    try:
+        with open(os.path.join(save_dir, "summary.json")) as f:
+            status = json.load(f).get("status")
+    except (OSError, ValueError, AttributeError):
+        status = None
+    if status not in FINISHED:
+        return "its run did not finish (no summary.json with a status: a run killed before its end)"
+    return None
+
+
+def replace_finished_run(save_dir: str) -> None:
+    """--overwrite: remove the files of the finished run in save_dir (rank 0, holding its lock),
+    or refuse in one line. summary.json goes last: a removal stopped half-way leaves a folder
+    that still reads as a finished run, so the next --overwrite finishes the job."""
+    import shutil
+    why = not_replaceable(save_dir)
+    if why is not None:
+        raise RunDirError(f"--overwrite replaces only the folder of a finished run, and {save_dir} is not one: "
+                          f"{why}; remove what you no longer need yourself, or pass a new --save-dir")
+    for entry in sorted(os.listdir(save_dir), key=lambda e: e == "summary.json"):
+        path = os.path.join(save_dir, entry)
+        if entry == LOCK_FILE:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 # A file of a name no earlier run left behind: a node-local folder of the same path on

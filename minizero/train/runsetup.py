@@ -75,7 +75,8 @@ def setup(args, lib) -> Run:
     save_dir = args.save_dir or args.resume or os.path.join("runs", f"{lib.name}-{stage}-{dtype}")
     if args.resume:
         save_dir = foreign_resume(args, lib.name, resume_tag, save_dir)
-    lock = rundir.claim_for_all_ranks(save_dir, args.resume, resume_tag)   # rank 0 holds the lock
+    lock = rundir.claim_for_all_ranks(save_dir, args.resume, resume_tag,   # rank 0 holds the lock
+                                      overwrite=getattr(args, "overwrite", False))
     log(f"{lib.name}: world size {world} on {device}; config {args.config or '(built-in default)'} "
         f"-> stage {stage}, {dtype}; writing to {save_dir}")
     if args.chosen:

@@ -115,13 +115,26 @@ def aim_trace(run: Run) -> None:
 
 def finish_observers(run: Run, status: str) -> None:
     """However the run ended: close the trace (a run that stopped before its traced steps
-    writes what it has and says so). (The comms logger's table: Library.comms_summary.)"""
+    writes what it has and says so); a completed traced run prints its collectives table.
+    (The comms logger's table: Library.comms_summary.)"""
     tracer = getattr(run.engine, "tracer", None)
     if tracer is not None and not tracer.closed:
         missed = [s for s in tracer.steps if s not in tracer.traced_steps]
         tracer.close(failed=status != "completed")
         if missed:
             runlog.log0(f"minizero: trace: step{'s' * (len(missed) > 1)} {' '.join(map(str, missed))} never ran")
+    if tracer is not None and run.args.trace is not None and comm.get_rank() == 0 and status == "completed":
+        print_ledger_table(run.args.trace)
+
+
+def print_ledger_table(folder: str) -> None:
+    """Rank 0, once the trace is written: each traced step's collectives, by op and label,
+    with payload and wire bytes (observe/ledger_table.py), where the lesson's numbers come from."""
+    from minizero.observe import ledger_table
+    try:
+        ledger_table.print_table(folder)
+    except (OSError, ValueError, KeyError) as e:   # the trace's files are its own; a table is only a view of them
+        runlog.log0(f"minizero: trace: no collectives table ({e})")
 
 
 def train_loop(run: Run, guard: NonFiniteGuard) -> None:

@@ -84,6 +84,10 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
     g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps in total")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-dir", help="default: runs/<library>-<stage>-<dtype>")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace --save-dir if it holds a finished run of this script and nothing else (a folder "
+                        "with other files, or a run still going or killed, is refused); without it such a folder "
+                        "is refused")
     g.add_argument("--save-every", type=int, default=0, metavar="STEPS", help="checkpoint every N steps; 0 = only at the end")
     g.add_argument("--resume", metavar="DIR", help="a checkpoint dir (a previous --save-dir): continue from it "
                                                   "(and save into it, unless --save-dir is given)")
