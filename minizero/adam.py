@@ -91,23 +91,32 @@ def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim
 # gradient and the divisor instead, and each slice is converted as it is stepped (the same
 # `.float()` then `.mul_(1 / divisor)`, element by element, so the same fp32 gradient).
 #
+# The slices go to torch's Adam a few at a time (BATCH_NUMEL elements: a small model's masters
+# in one call), through its foreach kernels where those give the for-loop's bits (AdamW, or
+# Adam without weight decay), so the per-slice work is torch's C++ loop, not Python's.
+#
 # Only where it helps: on a GPU (torch's foreach/fused kernels, a caching allocator), with a
-# fused Adam, a closure, or a parameter of at most one slice, it is torch's `step()` as is
-# (`steps_in_slices` says which; a low-precision gradient needs it).
+# fused Adam or a closure, it is torch's `step()` as is (`steps_in_slices` says which; a
+# low-precision gradient needs it).
 
 CHUNK_NUMEL = 1 << 18   # 1 MB of fp32 per temporary: below the mmap threshold, inside L2
+BATCH_NUMEL = 1 << 20   # elements of slices stepped by one call: four slices' temporaries alive at once
 
 
 class _StepsInChunks:
     chunk_numel = CHUNK_NUMEL
+    batch_numel = BATCH_NUMEL
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.low_precision_grads: dict = {}   # master -> (its low-precision gradient, 1 / divisor), for one step
+        self._slices_ok: bool | None = None   # steps_in_slices(), asked once: the masters never move
 
     def steps_in_slices(self) -> bool:
         """Will step() go slice by slice (every group on torch's for-loop path, on the host)?"""
-        return all(_chunkable(g) for g in self.param_groups)
+        if self._slices_ok is None:
+            self._slices_ok = all(_chunkable(g) for g in self.param_groups)
+        return self._slices_ok
 
     def set_low_precision_grad(self, p: torch.Tensor, grad: torch.Tensor, inv_scale: torch.Tensor) -> None:
         """The next step() reads p's gradient as grad.float() * inv_scale, a slice at a time
@@ -116,50 +125,61 @@ class _StepsInChunks:
         self.low_precision_grads[p] = (grad.view(-1), inv_scale)
 
     def step(self, closure=None):
-        groups = self.param_groups
         low, self.low_precision_grads = self.low_precision_grads, {}
-        if closure is not None or not all(_chunkable(g) for g in groups):
+        if closure is not None or not self.steps_in_slices():
             assert not low, "a low-precision gradient needs the sliced step"
             return super().step(closure)
         with torch.no_grad():
-            for group in groups:
-                for p in group["params"]:
-                    if p.grad is not None or p in low:
-                        self._step_one(group, p, low.get(p))
+            for group in self.param_groups:
+                stepped = [p for p in group["params"] if p.grad is not None or p in low]
+                if stepped:
+                    self._step_group(group, stepped, low)
         return None
 
-    def _step_one(self, group: dict, p: torch.Tensor, low=None) -> None:
-        state = self.state[p]
-        if len(state) == 0:   # as torch's _init_group (ShardedOptimizer makes the state at init anyway)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _step_group(self, group: dict, params: list, low: dict) -> None:
+        """Every slice of every stepped master, BATCH_NUMEL elements of slices per call of
+        torch's Adam: its foreach kernels where they give the for-loop's bits (AdamW, or Adam
+        without weight decay: the same operations, element by element), else its for-loop."""
         beta1, beta2 = group["betas"]
+        foreach = not group["amsgrad"] and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
         hyper = dict(amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                     foreach=group["foreach"], capturable=group["capturable"],
-                     differentiable=group["differentiable"], fused=group["fused"], has_complex=False,
+                     foreach=foreach, capturable=False, differentiable=False, fused=None, has_complex=False,
                      decoupled_weight_decay=group["decoupled_weight_decay"])
-        grad = p.grad.view(-1) if low is None else low[0]
-        flat = [p.view(-1), grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
-        if group["amsgrad"]:
-            flat.append(state["max_exp_avg_sq"].view(-1))
-        n, step = p.numel(), state["step"]
-        if n <= self.chunk_numel:
-            slices, one_slice = [slice(0, n)], True
-        else:
-            slices, one_slice = [slice(a, a + self.chunk_numel) for a in range(0, n, self.chunk_numel)], False
-        for s in slices:
-            param, grad, exp_avg, exp_avg_sq, *max_sq = (t[s] for t in flat)
-            if low is not None:
-                grad = grad.float().mul_(low[1])   # what the whole gradient's .float().mul_ gives here
-            # each slice increments its own copy of the counter, which then holds the step's t
-            adam_update([param], [grad], [exp_avg], [exp_avg_sq], max_sq, [step if one_slice else step.clone()],
-                        **hyper)
-        if not one_slice:
+        batch, numel, counters = [], 0, []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:   # as torch's _init_group (ShardedOptimizer makes the state at init anyway)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            lp = low.get(p)
+            flat = [p.view(-1), p.grad.view(-1) if lp is None else lp[0], state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1)] + ([state["max_exp_avg_sq"].view(-1)] if group["amsgrad"] else [])
+            n, step = p.numel(), state["step"]
+            counters.append(step)
+            for a in range(0, n, self.chunk_numel):
+                piece = [t[a:a + self.chunk_numel] for t in flat]
+                if lp is not None:   # what the whole gradient's .float().mul_ gives here
+                    piece[1] = piece[1].float().mul_(lp[1])
+                # each slice increments its own copy of the counter; the counter steps once below
+                batch.append((piece, step.clone()))
+                numel += piece[0].numel()
+                if numel >= self.batch_numel:
+                    self._adam(batch, hyper)
+                    batch, numel = [], 0
+        if batch:
+            self._adam(batch, hyper)
+        for step in counters:
             step.add_(1)
+
+    @staticmethod
+    def _adam(batch: list, hyper: dict) -> None:
+        cols = list(zip(*(piece for piece, _ in batch)))
+        adam_update(list(cols[0]), list(cols[1]), list(cols[2]), list(cols[3]), list(cols[4]) if len(cols) > 4 else [],
+                    [step for _, step in batch], **hyper)
 
 
 def _chunkable(group: dict) -> bool:

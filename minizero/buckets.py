@@ -73,9 +73,10 @@ class GradBuckets:
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
         self.in_flight: list = []
         self.active = False     # reducing from hooks in this backward
-        for b in buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self.grad_ready)
+        if every_micro_step or overlap:   # else no backward ever reduces: no hook to call at all
+            for b in buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def prepare_backward(self, boundary: bool) -> None:
         """Before a micro-step's backward: reduce in it? (every micro-step, or the last with overlap)"""

@@ -42,17 +42,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as _profiler
 from torch.profiler import record_function
 
 # The setup lives in process_group.py; its names are re-exported so that code which moves
 # data says comm.get_rank(), comm.barrier(), ... from one module.
-from .process_group import (LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
+from . import process_group as _pg
+from .process_group import (ONE_RANK_ENV, LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
                     get_rank, get_world_size, init_distributed, is_distributed, new_groups, node_of,
                     ranks_per_node, single_host_env)
 
@@ -101,9 +102,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled(name: str):
+    """A profiler range `name` while a torch profiler is recording, else nothing: a range
+    costs microseconds of Python each time, and a step opens dozens."""
+    return record_function(name) if _profiler._is_profiler_enabled else _NO_RANGE
+
+
 def _label(op: str, label: str | None):
-    name = f"minizero::{op}" + (f"::{label}" if label else "")
-    return record_function(name)
+    return profiled(f"minizero::{op}" + (f"::{label}" if label else "")) if _profiler._is_profiler_enabled \
+        else _NO_RANGE
 
 
 # ----------------------------------------------------------------------------- the observer hook
@@ -143,7 +153,7 @@ def observed(phase: str):
     def decorate(method):
         @functools.wraps(method)
         def run(engine, *args, **kwargs):
-            with record_function(f"minizero::{phase}"):
+            with profiled(f"minizero::{phase}"):
                 if not observers:
                     return method(engine, *args, **kwargs)
                 announce("phase_begins", phase, engine)
@@ -154,17 +164,24 @@ def observed(phase: str):
     return decorate
 
 
-@contextlib.contextmanager
-def phase(name: str, engine):
-    """A part of an engine method: a profiler range `minizero::<name>`, and phase_begins/ends
-    for the observers (the end only when the part returns, as in `observed`)."""
-    with record_function(f"minizero::{name}"):
-        if not observers:
-            yield
-            return
-        announce("phase_begins", name, engine)
-        yield
-        announce("phase_ends", name, engine)
+class phase:
+    """A part of an engine method, `with comm.phase(name, engine): ...`: a profiler range
+    `minizero::<name>`, and phase_begins/ends for the observers (the end only when the part
+    returns, as in `observed`). A class, not a generator: it runs every step."""
+
+    def __init__(self, name: str, engine):
+        self.name, self.engine = name, engine
+        self.range = profiled(f"minizero::{name}") if _profiler._is_profiler_enabled else _NO_RANGE
+
+    def __enter__(self):
+        self.range.__enter__()
+        if observers:
+            announce("phase_begins", self.name, self.engine)
+
+    def __exit__(self, kind, value, tb):
+        if kind is None and observers:
+            announce("phase_ends", self.name, self.engine)
+        return self.range.__exit__(kind, value, tb)
 
 
 def listening(event: str) -> bool:
@@ -255,7 +272,7 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
-        with record_function(f"minizero::wait::{self.op}" + (f"::{self.label}" if self.label else "")):
+        with _label(f"wait::{self.op}", self.label):
             self._blocking()   # the observers note when this rank starts to wait on it
             if self.work is not None:
                 try:
@@ -288,15 +305,13 @@ def sends_across_nodes(group=None) -> bool:
     return _crosses[key]
 
 
-ONE_RANK_ENV = "MINIZERO_ONE_RANK_COLLECTIVES"
-
-
 def local_at_one_rank(n: int) -> bool:
     """A group of one rank: each collective is a local copy, unless MINIZERO_ONE_RANK_COLLECTIVES
-    is "backend" and a process group is up (torchrun --nproc-per-node 1): then it goes through
-    the backend like any other, which is how one GPU exercises NCCL's path (streams, waits,
-    buffers) at all. The numbers are the same either way: a sum over one rank is its tensor."""
-    return n == 1 and not (os.environ.get(ONE_RANK_ENV) == "backend" and is_distributed())
+    was "backend" when the process group started (torchrun --nproc-per-node 1): then it goes
+    through the backend like any other, which is how one GPU exercises NCCL's path (streams,
+    waits, buffers) at all. The numbers are the same either way: a sum over one rank is its
+    tensor."""
+    return n == 1 and not (_pg.one_rank_through_backend and is_distributed())
 
 
 def _done(_) -> None:

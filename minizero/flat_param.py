@@ -184,11 +184,15 @@ class FlatParam:
             buf = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
             if self.keep_grad_buffer:
                 self._grad_buffer = buf
-        for piece, p in zip(buf[:self.numel].split(self.numels), self.params):   # views, no copy
-            if p.grad is not None:
-                piece.copy_(p.grad.reshape(-1))
-            else:
-                piece.zero_()
+        grads = [p.grad for p in self.params]
+        try:                                     # every gradient, laid end to end by one kernel
+            torch.cat([g.reshape(-1) for g in grads], out=buf[:self.numel])
+        except AttributeError:                   # a parameter got none: zeros in its place
+            for piece, g in zip(buf[:self.numel].split(self.numels), grads):   # views, no copy
+                if g is not None:
+                    piece.copy_(g.reshape(-1))
+                else:
+                    piece.zero_()
         buf[self.numel:].zero_()   # the padding; written once, not the whole buffer twice
         if divide_by != 1:
             buf.div_(divide_by)

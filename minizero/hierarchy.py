@@ -39,6 +39,7 @@ from . import comm
 class Sharding:
     num_shards: int            # ranks one parameter is cut over (N; S with HSDP)
     shard_index: int           # this rank's shard among them
+    ranks: int                 # ranks that average the gradient: every shard of every replica (N)
     group: object = None       # the process group of those ranks (None: all ranks)
     replicas: object = None    # HSDP: the ranks holding the same shard, one per group (None: no replicas)
     num_replicas: int = 1
@@ -46,15 +47,10 @@ class Sharding:
     secondary_index: int = 0   # this rank's secondary among them
     secondary_group: object = None
 
-    @property
-    def ranks(self) -> int:
-        """Ranks that average the gradient: every shard of every replica."""
-        return self.num_shards * self.num_replicas
-
 
 def plain(world_size: int, rank: int) -> Sharding:
     """ZeRO as the paper draws it: one shard per rank, over all ranks."""
-    return Sharding(world_size, rank)
+    return Sharding(world_size, rank, world_size)
 
 
 def for_config(zero_cfg) -> Sharding:
@@ -65,10 +61,10 @@ def for_config(zero_cfg) -> Sharding:
     if hsdp and hsdp < world:
         shards = consecutive_groups(world, hsdp)                     # [0..S-1], [S..2S-1], ...
         replicas = [list(range(j, world, hsdp)) for j in range(hsdp)]   # {j, j+S, j+2S, ...}
-        return Sharding(hsdp, rank % hsdp, group=comm.new_groups(shards), replicas=comm.new_groups(replicas),
+        return Sharding(hsdp, rank % hsdp, world, group=comm.new_groups(shards), replicas=comm.new_groups(replicas),
                         num_replicas=world // hsdp)
     if hpz > 1 and hpz < world:
-        return Sharding(world, rank, secondary_size=hpz, secondary_index=rank % hpz,
+        return Sharding(world, rank, world, secondary_size=hpz, secondary_index=rank % hpz,
                         secondary_group=comm.new_groups(consecutive_groups(world, hpz)))
     return plain(world, rank)
 

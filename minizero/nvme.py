@@ -53,7 +53,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
-from torch.profiler import record_function
 
 from . import comm
 from .errors import ConfigError
@@ -160,7 +159,7 @@ class Swapper:
     def wait(self, key: str) -> None:
         fut = self.in_flight.pop(key, None)
         if fut is not None:
-            with record_function(f"minizero::nvme_wait::{key}"):
+            with comm.profiled(f"minizero::nvme_wait::{key}"):
                 fut.result()                     # an OSError (a full disk) surfaces here
 
     def wait_all(self) -> None:

@@ -45,8 +45,8 @@ it is sharded, being gathered or gathered, whether it is being computed, and its
 flight). At each of its hooks the unit asks: `before_fetch` (units to free first: the trace
 was left), `make_room` (kept units to free so that this one fits under the live limit),
 `ahead` (units to prefetch now), `keep` (stay gathered after use?). The Prefetcher reads
-units' `state`, `in_use` and `partitioned_numel`; what it holds is the trace and where
-the step is in it.
+units' `state`, `in_use`, `partitioned_numel` and their shared count of elements gathered
+(unit.LiveNumel); what it holds is the trace and where the step is in it.
 """
 from __future__ import annotations
 
@@ -178,5 +178,5 @@ class Prefetcher:
         return [u for u in self.units if u.state is not ShardState.SHARDED]
 
     def live_numel(self) -> int:
-        """Gathered elements of partitioned units (being gathered included)."""
-        return sum(u.partitioned_numel for u in self.units if u.state is not ShardState.SHARDED)
+        """Gathered elements of partitioned units (being gathered included), as the units count them."""
+        return self.units[0].live.numel if self.units else 0

@@ -22,6 +22,10 @@ import torch.distributed as dist
 from .launcher_env import launcher_rank
 
 
+ONE_RANK_ENV = "MINIZERO_ONE_RANK_COLLECTIVES"   # "backend": at world size 1, still through the backend (comm.py)
+one_rank_through_backend = False                # read from ONE_RANK_ENV when the group starts
+
+
 class LaunchError(RuntimeError):
     """The launcher's environment cannot start a correct job; the message says what to do."""
 
@@ -42,6 +46,8 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
     barriers and the CUDA RNG state follow the *current* device, which is GPU 0 unless
     set, so every local rank would otherwise use GPU 0 (NCCL's duplicate-GPU error or a hang).
     """
+    global one_rank_through_backend
+    one_rank_through_backend = os.environ.get(ONE_RANK_ENV) == "backend"
     if dist.is_available() and dist.is_initialized():
         if get_device().type == "cuda":
             torch.cuda.set_device(get_device())

@@ -28,11 +28,18 @@ from .flat_param import FlatParam
 
 
 class ShardState(Enum):
-    """Where a unit's parameters are. Read from its FlatParams' storage and its gathers in
-    flight, never stored beside them, so it cannot go stale."""
+    """Where a unit's parameters are. Only the unit's own unshard, wait_unshard and reshard
+    change it (nothing else gathers or frees a partitioned FlatParam)."""
     SHARDED = auto()      # only this rank's shards exist; parameters are empty placeholders
     UNSHARDING = auto()   # asynchronous all-gathers are writing the full buffers (a prefetch)
     UNSHARDED = auto()    # the full buffers hold every rank's shard; parameters are views into them
+
+
+class LiveNumel:
+    """Elements of partitioned parameters gathered right now, over the units of one stage (the
+    number stage3_max_live_parameters bounds): each unit adds its own as it unshards and takes
+    them off as it reshards."""
+    numel = 0
 
 
 class Unit(Bucket):
@@ -40,9 +47,11 @@ class Unit(Bucket):
     docstring); also ZeRO-2's gradient bucket. The unit owns its state and its gathers in
     flight; the Prefetcher only answers which units to free, prefetch or keep."""
 
-    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam]):
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], live: "LiveNumel | None" = None):
         super().__init__(name, flats)
         self.module = module
+        self.state = ShardState.SHARDED
+        self.live = live if live is not None else LiveNumel()   # shared by the units of one stage
         self.partitioned = [f for f in flats if not f.persistent]   # the persistent ones stay gathered
         self.partitioned_numel = sum(f.padded_numel for f in self.partitioned)   # elements while gathered
         self.ends_forward = False   # the root: its post_forward ends the model's forward
@@ -50,34 +59,39 @@ class Unit(Bucket):
         self.gathers: list = []     # the comm.Pendings of an unshard still in flight
         self.prefetcher = None      # the Prefetcher (prefetch.py) it asks; given by attach
 
-    @property
-    def state(self) -> ShardState:
-        if self.gathers:
-            return ShardState.UNSHARDING
-        return ShardState.UNSHARDED if any(f.full_is_allocated() for f in self.partitioned) else ShardState.SHARDED
-
     # ------------------------------------------------------------------ the two moves
     def unshard(self, why: str, async_op: bool = False) -> None:
         """All-gather the partitioned FlatParams (`why`: fwd, bwd, recompute; .prefetch).
         async_op: the gathers run while the caller goes on (a prefetch); wait_unshard()
         before the unit runs."""
-        with torch.profiler.record_function(f"minizero::unshard::{self.name}"):
+        if not self.partitioned:   # persistent parameters only: always gathered, never moved
+            return
+        with comm.profiled(f"minizero::unshard::{self.name}"):
             pendings = [f.all_gather(label=why, async_op=async_op) for f in self.partitioned]
+        self.live.numel += self.partitioned_numel
         if async_op:
-            self.gathers = pendings
+            self.gathers, self.state = pendings, ShardState.UNSHARDING
+        else:
+            self.state = ShardState.UNSHARDED
 
     def wait_unshard(self) -> None:
         for pending in self.gathers:
             pending.wait()
         self.gathers = []
+        if self.state is ShardState.UNSHARDING:
+            self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the full buffers. A gather still in flight is waited for first: on NCCL it
         writes from its own stream, and the allocator would hand the memory on under it."""
+        self.in_use = False
+        if self.state is ShardState.SHARDED:
+            return
         self.wait_unshard()
         for f in self.partitioned:
             f.release_full()
-        self.in_use = False
+        self.live.numel -= self.partitioned_numel
+        self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------------ the four hooks
     def attach(self, prefetcher) -> None:
@@ -139,6 +153,7 @@ class _OnBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, callback, *tensors):
         ctx.callback = callback
+        ctx.set_materialize_grads(False)   # an output no loss used gets None, not a tensor of zeros
         return tuple(t.detach() for t in tensors)
 
     @staticmethod

@@ -55,7 +55,7 @@ from . import comm, hierarchy
 from .flat_param import build_flat
 from .partition import FlatPlan
 from .prefetch import Prefetcher
-from .unit import Unit, find_units
+from .unit import LiveNumel, Unit, find_units
 from .zero2 import Zero2
 
 
@@ -107,7 +107,8 @@ def module_units(model: nn.Module, param_groups: list[dict], persistence_thresho
     or as `sharding` says)."""
     by_name = dict(model.named_parameters())
     s = sharding or hierarchy.plain(comm.get_world_size(), comm.get_rank())
-    return [Unit(name, m, [build_flat(plan, by_name, s.num_shards, s.shard_index, s) for plan in plans])
+    live = LiveNumel()
+    return [Unit(name, m, [build_flat(plan, by_name, s.num_shards, s.shard_index, s) for plan in plans], live)
             for name, m, plans in unit_plan(model, param_groups, persistence_threshold)]
 
 

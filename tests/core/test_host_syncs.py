@@ -9,7 +9,8 @@ overflow vote) read on the host to decide whether to skip the step (engine._take
 On a CPU nothing syncs, but the calls that would are the same calls: a TorchFunctionMode
 counts them during engine.step() and during evaluation. Tensors that live on the host on a
 GPU too are not counted: ones made here from Python numbers without a device, and Adam's
-`step` counters (a CPU scalar for torch's non-fused Adam, read by its own code).
+`step` counters (a CPU scalar for torch's non-fused Adam, read by its own code) and their
+copies (adam.py steps each slice with a copy of its master's counter).
 On a GPU, launch/gpu_check.py's `sync-debug` check runs a step under
 torch.cuda.set_sync_debug_mode("error") to confirm.
 """
@@ -26,6 +27,19 @@ READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.T
 UPLOADS = {torch.tensor, torch.as_tensor}
 
 
+def _in_torch_optim() -> bool:
+    """Called from torch's own Adam? Its foreach path on host tensors makes a host scalar
+    (`torch.tensor(1.0, device="cpu")`) to step its counters: no sync on any machine, and on a
+    GPU, where the masters live on the device, that path is not taken."""
+    import sys
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "torch/optim/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class HostSyncs(TorchFunctionMode):
     """Counts reads of device values and uploads from Python numbers (see the module docstring)."""
 
@@ -38,12 +52,14 @@ class HostSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in UPLOADS:
-            if kwargs.get("device") is not None:
+            if kwargs.get("device") is not None and not _in_torch_optim():
                 self.uploads.append(func.__name__)
             elif torch.is_tensor(out):
                 self.host[id(out)] = out
         elif func in READS and self.host.get(id(args[0])) is not args[0]:
             self.reads.append(func.__name__)
+        elif func is torch.Tensor.clone and self.host.get(id(args[0])) is args[0]:
+            self.host[id(out)] = out   # a copy of a host counter (Adam's step, per slice) is one too
         return out
 
 

@@ -1,19 +1,24 @@
 """prefetch.py as a unit: the Prefetcher's decisions on fake units, no process, no tensor.
 
-A fake unit has what the Prefetcher reads (state, in_use, partitioned_numel) and acts on the
-answers as zero3's Unit does (unit.py, `_fetch` / `_release`), so a whole forward + backward
-can be replayed and the gathers counted.
+A fake unit has what the Prefetcher reads (state, in_use, partitioned_numel, the shared count
+of gathered elements) and acts on the answers as the real Unit does (unit.py, `_fetch` /
+`_release`), so a whole forward + backward can be replayed and the gathers counted.
 """
 from __future__ import annotations
 
 from minizero.prefetch import Prefetcher, TraceMode
-from minizero.unit import ShardState
-
+from minizero.unit import LiveNumel, ShardState
 
 class FakeUnit:
-    def __init__(self, name: str, numel: int):
+    def __init__(self, name: str, numel: int, live: LiveNumel | None = None):
         self.name, self.partitioned_numel = name, numel
-        self.state, self.in_use = ShardState.SHARDED, False
+        self.state, self.in_use, self.live = ShardState.SHARDED, False, live or LiveNumel()
+
+    def set(self, state: ShardState) -> None:
+        """As Unit.unshard / wait_unshard / reshard change it, the shared count with it."""
+        gathered = lambda st: st is not ShardState.SHARDED
+        self.live.numel += self.partitioned_numel * (gathered(state) - gathered(self.state))
+        self.state = state
 
     def __repr__(self):
         return self.name
@@ -29,15 +34,15 @@ class Run:
         for v in self.p.before_fetch(u):
             self.reshard(v)
         if u.state is ShardState.UNSHARDING:
-            u.state = ShardState.UNSHARDED
+            u.set(ShardState.UNSHARDED)
         elif u.state is ShardState.SHARDED:
             for v in self.p.make_room(u.partitioned_numel):
                 self.reshard(v)
-            u.state = ShardState.UNSHARDED
+            u.set(ShardState.UNSHARDED)
             self.gathers.append(u.name)
         u.in_use = True
         for v in self.p.ahead():
-            v.state = ShardState.UNSHARDING
+            v.set(ShardState.UNSHARDING)
             self.gathers.append(v.name + ".prefetch")
         self.max_live = max(self.max_live, self.p.live_numel())
 
@@ -48,7 +53,8 @@ class Run:
 
     @staticmethod
     def reshard(u: FakeUnit) -> None:
-        u.state, u.in_use = ShardState.SHARDED, False
+        u.set(ShardState.SHARDED)
+        u.in_use = False
 
     def micro_step(self, blocks, root) -> None:
         """The root's forward wraps the blocks'; backward runs them in reverse."""
@@ -67,7 +73,8 @@ class Run:
 
 
 def units(n_blocks=3, numel=10):
-    return [FakeUnit(f"b{i}", numel) for i in range(n_blocks)], FakeUnit("root", numel)
+    live = LiveNumel()
+    return [FakeUnit(f"b{i}", numel, live) for i in range(n_blocks)], FakeUnit("root", numel, live)
 
 
 def test_on_demand_gathers_every_unit_twice_per_micro_step():
@@ -139,10 +146,13 @@ def test_end_of_backward_and_reset_free_every_gathered_unit():
 
 
 def test_make_room_frees_only_idle_gathered_units():
-    a, b, c = FakeUnit("a", 10), FakeUnit("b", 10), FakeUnit("c", 10)
+    live = LiveNumel()
+    a, b, c = FakeUnit("a", 10, live), FakeUnit("b", 10, live), FakeUnit("c", 10, live)
     p = Prefetcher([a, b, c], prefetch_numel=0, max_live_numel=20, reuse_numel=10**9)
-    a.state, b.state, b.in_use = ShardState.UNSHARDED, ShardState.UNSHARDED, True
+    a.set(ShardState.UNSHARDED)
+    b.set(ShardState.UNSHARDED)
+    b.in_use = True
     assert p.make_room(10) == [a]                 # b is being computed
-    c.state = ShardState.UNSHARDING
-    a.state = ShardState.SHARDED
+    c.set(ShardState.UNSHARDING)
+    a.set(ShardState.SHARDED)
     assert p.make_room(10) == []                  # c's gather is in flight: waited for first elsewhere
