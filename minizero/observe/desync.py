@@ -84,9 +84,23 @@ def configure(check: bool = False, timeout_s: float | None = None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if guard.check and dist.get_backend() == "nccl":
-        dist.set_timeout(datetime.timedelta(seconds=guard.timeout_s + WATCHDOG_MARGIN_S))
+        set_group_timeout(guard.timeout_s + WATCHDOG_MARGIN_S)
     elif timeout_s is not None:
-        dist.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
+        set_group_timeout(float(timeout_s))
+
+
+def set_group_timeout(seconds: float) -> None:
+    """The default group's timeout for every collective from now on (gloo raises after it;
+    NCCL's watchdog aborts after it). torch.distributed.set_timeout is the public call from
+    torch 2.14 on; before it (2.4-2.13, the versions scripts/torch_versions.sh runs the
+    tests under) the same thing is distributed_c10d._set_pg_timeout, which sets each of the
+    group's backends' default timeout and which 2.14 keeps as a deprecated alias."""
+    timeout = datetime.timedelta(seconds=seconds)
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout)
+        return
+    from torch.distributed import distributed_c10d
+    distributed_c10d._set_pg_timeout(timeout, distributed_c10d._get_default_group())
 
 
 def set_phase(phase: str, global_step: int, micro_step: int) -> None:
