@@ -92,9 +92,11 @@ def configure(check: bool = False, timeout_s: float | None = None) -> None:
 def set_group_timeout(seconds: float) -> None:
     """The default group's timeout for every collective from now on (gloo raises after it;
     NCCL's watchdog aborts after it). torch.distributed.set_timeout is the public call from
-    torch 2.14 on; before it (2.4-2.13: tests/support/other_torch.sh runs the tests under
-    another torch) the same thing is distributed_c10d._set_pg_timeout, which sets each of the
-    group's backends' default timeout and which 2.14 keeps as a deprecated alias."""
+    torch 2.14 on; before it the same thing is distributed_c10d._set_pg_timeout, which sets
+    each of the group's backends' default timeout (2.14 keeps it as a deprecated alias).
+    Under gloo the new timeout reaches the collectives from torch 2.10 on; 2.6 and 2.8 kept
+    the one the group was created with, one reason pyproject.toml asks for 2.10
+    (tests/support/other_torch.sh runs the tests under another torch)."""
     timeout = datetime.timedelta(seconds=seconds)
     if hasattr(dist, "set_timeout"):
         dist.set_timeout(timeout)

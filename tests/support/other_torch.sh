@@ -12,8 +12,10 @@
 # <version>, its torchvision (0.(minor+15)), DeepSpeed within pyproject's dev range, pytest.
 # pip's own variables say where torch comes from: PyPI's Linux torch is a CUDA build (about
 # 3 GB with its CUDA libraries, fine on a CPU); PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
-# gets the CPU build (about 200 MB) where that index is reachable. An existing environment
-# is reused as it is: give its folder as MINIZERO_TORCH_VENV to use one you made yourself.
+# gets the CPU build (about 200 MB) where that index is reachable; torchvision must come
+# from the same place (a CPU torch beside PyPI's torchvision fails as the ranks start:
+# "operator torchvision::nms does not exist"). An existing environment is reused as it is:
+# give its folder as MINIZERO_TORCH_VENV to use one you made yourself.
 # DeepSpeed's C++ ops are built per torch (an op built against another torch does not
 # load): into the environment's own torch_extensions/ folder, on first use.
 #
