@@ -33,7 +33,18 @@ import torch.distributed as dist
 
 from minizero import comm
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+def cpu_accelerator_without_a_gpu() -> None:
+    """DeepSpeed picks its accelerator once, when first asked: on a machine without a GPU it
+    must be told `cpu` before then. Where a GPU is present DeepSpeed's own choice (cuda) is
+    the right one, and a `cpu` set here would win whenever this module is imported before
+    deepspeed, sending a GPU run through DeepSpeed's CPU accelerator. A DS_ACCELERATOR the
+    user (or tests/conftest.py) set is kept either way."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+cpu_accelerator_without_a_gpu()
 
 
 # ----------------------------------------------------------------------------- data

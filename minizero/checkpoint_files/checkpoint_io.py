@@ -13,8 +13,10 @@ Every rank writes into the same `<tag>.tmp` folder, so the save folder must be o
 all ranks see: a shared filesystem on a multi-node job (NFS, Lustre, ...). A node-local
 folder (each node's own /tmp or local disk) is refused with one line before any file is
 written: after rank 0 creates `<tag>.tmp`, every rank looks for it, and one MAX all-reduce
-tells all ranks which hosts cannot see it. (Supporting node-local saving would mean one
-rank per node publishing and `latest` per node; not worth it for a teaching tool.)
+tells all ranks which hosts cannot see it (a rank that does not see it at once first
+re-reads the folders for up to a minute: a shared file system's cache, shared_folder.py).
+(Supporting node-local saving would mean one rank per node publishing and `latest` per
+node; not worth it for a teaching tool.)
 
 Two more things are refused with one line instead of written or loaded half-way:
 
@@ -60,6 +62,7 @@ import socket
 import torch
 
 from .. import comm
+from . import shared_folder
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
                                 optim_file, publish, read_latest, resolve_tag, rng_file)
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
@@ -147,12 +150,11 @@ def _refuse_non_finite(engine, state: dict, save_dir: str, tag: str) -> None:
 
 
 def _refuse_unshared(engine, save_dir: str, tmp: str) -> None:
-    """Collective: does every rank see the `<tag>.tmp` folder rank 0 just made? If not, the
-    save folder is node-local: every rank raises, and rank 0 removes its folder."""
-    flags = torch.zeros(engine.world_size, device=engine.device)
-    flags[engine.global_rank] = float(not os.path.isdir(tmp))
-    comm.all_reduce(flags, op="max", label="checkpoint_shared")
-    blind = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    """Collective: does every rank see the `<tag>.tmp` folder rank 0 just made (after a while
+    of re-reading, for a shared file system's cache: shared_folder.py)? If not, the save
+    folder is node-local: every rank raises, and rank 0 removes its folder."""
+    blind = shared_folder.ranks_blind_to(
+        tmp, os.path.isdir, lambda f: comm.all_reduce(f, op="max", label="checkpoint_shared"), engine.device)
     if not blind:
         return
     hosts = comm.all_gather_object(socket.gethostname())
@@ -160,8 +162,9 @@ def _refuse_unshared(engine, save_dir: str, tmp: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
     raise CheckpointError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the folder rank 0 "
-                          f"(on {hosts[0]}) created in it. Every rank writes its shard into one folder: put "
-                          f"--save-dir on a filesystem all nodes mount (NFS, Lustre, ...)")
+                          f"(on {hosts[0]}) created in it, after {shared_folder.VISIBLE_WAIT_S:g} s of looking. Every "
+                          f"rank writes its shard into one folder: put --save-dir on a filesystem all nodes mount "
+                          f"(NFS, Lustre, ...)")
 
 
 # ----------------------------------------------------------------------------- load

@@ -84,9 +84,25 @@ def configure(check: bool = False, timeout_s: float | None = None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if guard.check and dist.get_backend() == "nccl":
-        dist.set_timeout(datetime.timedelta(seconds=guard.timeout_s + WATCHDOG_MARGIN_S))
+        set_group_timeout(guard.timeout_s + WATCHDOG_MARGIN_S)
     elif timeout_s is not None:
-        dist.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
+        set_group_timeout(float(timeout_s))
+
+
+def set_group_timeout(seconds: float) -> None:
+    """The default group's timeout for every collective from now on (gloo raises after it;
+    NCCL's watchdog aborts after it). torch.distributed.set_timeout is the public call from
+    torch 2.14 on; before it the same thing is distributed_c10d._set_pg_timeout, which sets
+    each of the group's backends' default timeout (2.14 keeps it as a deprecated alias).
+    Under gloo the new timeout reaches the collectives from torch 2.10 on; 2.6 and 2.8 kept
+    the one the group was created with, one reason pyproject.toml asks for 2.10
+    (tests/support/other_torch.sh runs the tests under another torch)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout)
+        return
+    from torch.distributed import distributed_c10d
+    distributed_c10d._set_pg_timeout(timeout, distributed_c10d._get_default_group())
 
 
 def set_phase(phase: str, global_step: int, micro_step: int) -> None:

@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 
 from minizero import comm
+from minizero.checkpoint_files import shared_folder
 from minizero.checkpoint_files.checkpoint_folder import later_tags
+from minizero.train import output_dir
 from minizero.train.output_dir import missing_parts
 
 LOCK_FILE = ".minizero.lock"
@@ -187,6 +189,14 @@ def claim(save_dir: str, resume_dir: str | None, overwrite: bool = False) -> Run
     return lock
 
 
+def refuse_unusable(save_dir: str) -> None:
+    """Rank 0, before it creates anything: the save folder's one-line refusal (a file, under
+    a file, not writable). Looked up by rank 0 alone, after the group is up: a multi-rank
+    command line leaves it unchecked (train_args.launched_ranks says why)."""
+    if why := output_dir.problem(save_dir, "--save-dir"):
+        raise RunDirError(why)
+
+
 def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str | None,
                         overwrite: bool = False) -> RunDirLock | None:
     """Rank 0 claims the folder (claim) and also refuses to resume an older checkpoint into
@@ -196,6 +206,7 @@ def claim_for_all_ranks(save_dir: str, resume_dir: str | None, resume_tag: str |
     lock, err, probe = None, None, None
     if comm.get_rank() == 0:
         try:
+            refuse_unusable(save_dir)
             lock = claim(save_dir, resume_dir, overwrite)
             if resume_tag is not None and lock is not None:
                 later = later_tags(save_dir, resume_tag) if os.path.realpath(save_dir) == \
@@ -283,18 +294,18 @@ PROBE_FILE = ".minizero.probe-{}"
 def refuse_unshared(save_dir: str, path: str, what: str) -> None:
     """Collective: does every rank see `path`, which rank 0 just created in save_dir? If not,
     save_dir is node-local (each node its own disk at that path): every rank raises the same
-    one line, and rank 0 removes `path` either way. One MAX all-reduce of one flag per rank.
+    one line, and rank 0 removes `path` either way. One MAX all-reduce of one flag per rank;
+    a rank that does not see `path` at once re-reads its folders for a while first (a shared
+    file system's cache: checkpoint_files/shared_folder.py).
 
     The trainer runs it at start (claim_for_all_ranks), so a run on node-local disks is
     refused before it trains, not at its first save after hours; checkpoint_io.save checks
     each checkpoint folder the same way (for the engine's own save_checkpoint)."""
-    rank, world = comm.get_rank(), comm.get_world_size()
-    flags = torch.zeros(world, device=comm.get_device())
-    flags[rank] = float(not os.path.exists(path))
+    rank = comm.get_rank()
     # torch.distributed, not comm.all_reduce: the run's bookkeeping stays out of the engine's
     # comm ledger and profiler labels (runlog.py says why)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    blind = [r for r, v in enumerate(flags.tolist()) if v > 0]
+    blind = shared_folder.ranks_blind_to(path, os.path.exists, lambda f: dist.all_reduce(f, op=dist.ReduceOp.MAX),
+                                         comm.get_device())
     if rank == 0:
         os.remove(path)
     if not blind:
@@ -302,5 +313,6 @@ def refuse_unshared(save_dir: str, path: str, what: str) -> None:
     hosts = comm.all_gather_object(socket.gethostname())
     where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
     raise RunDirError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the {what} rank 0 "
-                      f"(on {hosts[0]}) created in it. Every rank writes its shard into one folder: put "
-                      f"--save-dir on a filesystem all nodes mount (NFS, Lustre, ...)")
+                      f"(on {hosts[0]}) created in it, after {shared_folder.VISIBLE_WAIT_S:g} s of looking. Every "
+                      f"rank writes its shard into one folder: put --save-dir on a filesystem all nodes mount "
+                      f"(NFS, Lustre, ...)")

@@ -140,6 +140,25 @@ def precheck(parser: argparse.ArgumentParser, argv=None) -> None:
         raise
 
 
+def launched_ranks() -> int:
+    """How many ranks the launcher started, read before torch exists: torchrun's (and
+    DeepSpeed's launcher's) WORLD_SIZE, a bare srun's tasks (process_group._from_slurm), 1
+    for a plain `python` run.
+
+    On more than one rank --save-dir is not looked up on the command line: a rank that looks
+    for a folder rank 0 has not created yet leaves its node's NFS client remembering "no
+    such folder" (nfs(5), lookupcache=all) for up to a minute, and then misses the probe
+    file rank 0 writes there (rundir.claim_for_all_ranks). Nor can rank 0 refuse it alone
+    here: the other ranks would go on to wait for it in the process group's rendezvous (a
+    bare srun stops no task for another's exit). So rank 0 checks it once the group is up
+    (rundir.refuse_unusable), and every rank stops with its line."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    return 1
+
+
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument values argparse cannot check by itself; fill in the device-dependent defaults."""
     check_values(parser, args)
@@ -162,6 +181,8 @@ def check_values(parser: argparse.ArgumentParser, args) -> None:
     if args.tag is not None and args.resume is None:
         parser.error("--tag needs --resume DIR (the folder holding that checkpoint)")
     for flag, path in (("--save-dir", args.save_dir), ("--trace", args.trace)):   # before anything is created
+        if flag == "--save-dir" and launched_ranks() > 1:
+            continue   # rank 0 alone looks, once the group is up (launched_ranks says why)
         if path is not None and (why := output_dir.problem(path, flag)):
             parser.error(why)
     args.trace_default = args.trace is not None and args.trace_steps is None

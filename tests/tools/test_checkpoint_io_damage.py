@@ -121,6 +121,8 @@ def _save_node_local(d):
     not see the `<tag>.tmp` folder rank 0 creates (os.path.isdir is what save asks)."""
     import torch.distributed as dist
     from minizero.checkpoint_files import checkpoint_io as checkpoint
+    from minizero.checkpoint_files import shared_folder
+    shared_folder.VISIBLE_WAIT_S = 1.0   # rank 1 looks again this long before the refusal
     engine = checkpoint_engine(1, "fp32")
     _one_step(engine, 0)
     if dist.get_rank() == 1:

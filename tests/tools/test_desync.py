@@ -208,6 +208,49 @@ def test_train_prints_a_timeout_on_the_rank_that_waited(monkeypatch, capsys):
                                                     "... did not complete")
 
 
+# ----------------------------------------------------------------------------- the timeout on torch < 2.14
+
+def _wait_alone_with_a_short_timeout(done_flag: str, hide_set_timeout: bool):
+    """configure(timeout_s=2) on a group started with init_distributed's 1800 s, then rank 1
+    all-reduces alone (rank 0 waits for `done_flag`). hide_set_timeout: play a torch before
+    2.14, which has no torch.distributed.set_timeout (the lent GPU machines have 2.11)."""
+    import torch.distributed as dist
+
+    from minizero.observe import desync
+    if hide_set_timeout and hasattr(dist, "set_timeout"):
+        delattr(dist, "set_timeout")
+    try:
+        desync.configure(timeout_s=2)
+    except Exception as e:   # before: AttributeError where set_timeout does not exist
+        open(done_flag, "w").close()
+        return f"{type(e).__name__}: {e}"
+    if dist.get_rank() == 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done_flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        desync.configure()
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        waited = None
+    except RuntimeError:
+        waited = time.monotonic() - t0
+    open(done_flag, "w").close()
+    desync.configure()
+    return waited
+
+
+@pytest.mark.parametrize("hide_set_timeout", [True, False], ids=["as-before-2.14", "this-torch"])
+def test_a_configured_timeout_reaches_the_group_on_every_torch(tmp_path, hide_set_timeout):
+    """The group's own timeout becomes the configured 2 s, with or without set_timeout: rank
+    1's lonely all-reduce raises after about 2 s, not after the group's 1800 s (nor does
+    configure raise AttributeError, as it did on torch < 2.14)."""
+    out = run_ranks(_wait_alone_with_a_short_timeout, 2, args=(str(tmp_path / "done"), hide_set_timeout), timeout=120)
+    assert out[0] is None, out
+    assert isinstance(out[1], float) and 2 <= out[1] < 20, out
+
+
 # ----------------------------------------------------------------------------- timeouts under NCCL, faked
 # NCCL cannot run here; what minizero does with it is decided by configure() and wait_named(),
 # checked with torch.distributed's queries and CUDA's event faked.
@@ -217,7 +260,7 @@ def _configured(monkeypatch, backend, **kwargs):
     set_to = []
     monkeypatch.setattr(desync.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(desync.dist, "get_backend", lambda *a: backend)
-    monkeypatch.setattr(desync.dist, "set_timeout", lambda td: set_to.append(td.total_seconds()))
+    monkeypatch.setattr(desync, "set_group_timeout", set_to.append)
     monkeypatch.delenv("MINIZERO_DEBUG_COLLECTIVES", raising=False)
     desync.configure(**kwargs)
     return set_to

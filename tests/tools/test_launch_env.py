@@ -167,7 +167,7 @@ def test_launcher_rank_is_one_torch_free_rule(monkeypatch):
     import subprocess
     import sys
 
-    from minizero.runtime import launcher_env, process_group
+    from minizero import launcher_env, process_group
     from minizero.train import train_args
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
