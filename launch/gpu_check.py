@@ -717,7 +717,7 @@ def show(argv: list, env: dict) -> str:
 
 def kill(proc: subprocess.Popen) -> None:
     """The command and everything it started (its own session), politely then not."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 2)):   # inside a lease part's kill grace
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -5,14 +5,14 @@
 # each part shows.
 # What it runs, part by part (budget in seconds):
 #   wheels   15  carried wheels (.whl/, or GPU_LEASE_WHEELS) installed: DeepSpeed on a box without network
-#   env      20  versions and API probes: torch / CUDA / NCCL, torch.distributed.set_timeout, DeepSpeed
+#   env      25  versions and API probes: torch / CUDA / NCCL, torch.distributed.set_timeout, DeepSpeed
 #   nccl     50  launch/nccl_ws1.py under torchrun --nproc-per-node 1: every collective through NCCL, late
 #   readme   60  the README's command under torchrun --nproc-per-node 1: ZeRO-3 bf16, save at 100, resume to 200
-#   regress  85  gpu_check's one-GPU regression checks (CUDA-only tests, host syncs, a resume)
+#   regress  80  gpu_check's one-GPU regression checks (CUDA-only tests, host syncs, a resume)
 #   memory   60  gpu_check's memory-overlap-z2/z3: peak with overlap_comm on against off (iGPT-S)
-#   fp16     90  launch/bench_overlap.py in fp16: step / floor per stage (DeepSpeed beside it where it imports)
+#   fp16     75  launch/bench_overlap.py in fp16: step / floor per stage (DeepSpeed beside it where it imports)
 #   ds       50  python -m minizero.compare in fp16, minizero against DeepSpeed (where its wheels are carried)
-#   full     45  gpu_check's resume-1gpu-z3-bf16 at full size: the tutorial GPT at 32x32, deterministic kernels
+#   full     60  gpu_check's resume-1gpu-z3-bf16 at full size: the tutorial GPT at 32x32, deterministic kernels
 # Node / GPU count: one node, one GPU (every part passes --gpus 1, --world-size 1, --nproc 1 or
 # --nproc-per-node 1); on a box of several GPUs run launch/gpu_check.sh instead.
 #
@@ -35,7 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ORDER=(wheels env nccl readme regress memory fp16 ds full)
-declare -A BUDGET=([wheels]=15 [env]=20 [nccl]=50 [readme]=60 [regress]=85 [memory]=60 [fp16]=90 [ds]=50 [full]=45)
+declare -A BUDGET=([wheels]=15 [env]=25 [nccl]=50 [readme]=60 [regress]=80 [memory]=60 [fp16]=75 [ds]=50 [full]=60)
 LIMIT=480   # the whole run: 8 minutes
 PY=${PYTHON:-python3}
 PLAN=0
@@ -53,8 +53,10 @@ WHEELS=${GPU_LEASE_WHEELS:-.whl}
 
 log() { [ "$PLAN" = 1 ] || echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
 
-# run LOG CMD...: one command under what is left of its part's budget (timeout sends SIGTERM,
-# SIGKILL 5 s later); its output in $WORK/LOG. With --plan: print the command only.
+# run LOG CMD...: one command under what is left of its part's budget: SIGTERM GRACE s before
+# the part's end (gpu_check then stops its own commands and writes its table), SIGKILL at the
+# end, so no part outlives its budget; its output in $WORK/LOG. With --plan: print the command.
+GRACE=6
 run() {
   local name=$1; shift
   if [ "$PLAN" = 1 ]; then
@@ -62,9 +64,9 @@ run() {
     [ "$cmd" = "${cmd%%$'\n'*}" ] || cmd="${cmd%%$'\n'*} ..."   # a Python script: its first line
     echo "       \$ $cmd"; return 0
   fi
-  local left=$((DEADLINE - SECONDS))
+  local left=$((DEADLINE - SECONDS - GRACE))
   if [ "$left" -le 0 ]; then echo "no time left for: $*" >> "$WORK/$name"; return 124; fi
-  timeout -k 5 "$left" "$@" >> "$WORK/$name" 2>&1
+  timeout -k "$GRACE" "$left" "$@" >> "$WORK/$name" 2>&1
 }
 
 has_deepspeed() { [ "$PLAN" = 1 ] || "$PY" -c "import deepspeed" > /dev/null 2>&1; }
@@ -129,7 +131,7 @@ part_regress() {   # the one-GPU checks that have caught or could catch a regres
     resume-1gpu-z2-fp16
 }
 
-part_memory() { check memory --only 'memory-overlap-*'; }
+part_memory() { check memory --quick --only 'memory-overlap-*'; }   # --quick: 2 steps, iGPT-S still
 
 part_fp16() {   # step / floor per stage in fp16, the tutorial GPT at 1023 tokens x 16
   local libs=minizero
