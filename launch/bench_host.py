@@ -172,12 +172,18 @@ class CollectiveClock:
     def __init__(self):
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
-        self.phase, self.seconds, self.depth = "else", {}, 0
+        self.phase, self.seconds, self.depth, self.originals = "else", {}, 0, []
         for mod in (dist, c10d):
             for name in COLLECTIVES:
                 fn = getattr(mod, name, None)
                 if fn is not None and not getattr(fn, "_host_clock", False):
+                    self.originals.append((mod, name, fn))
                     setattr(mod, name, self.wrap(fn))
+
+    def uninstall(self) -> None:
+        """The functions back, for the counted steps (a library that cached a wrapper keeps it)."""
+        for mod, name, fn in self.originals:
+            setattr(mod, name, fn)
 
     def wrap(self, fn):
         def timed(*a, **k):
@@ -287,6 +293,7 @@ def host_run(run: dict, args_d: dict) -> dict:
         # changes between steps, and a part is a difference of two times taken together
         for k, v in zip(plain_s, plain_step(plain, x, y)):
             plain_s[k].append(v)
+    clock.uninstall()
     first = n_warm + n_time
     py_calls = count_python_calls(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
     first += n_count

@@ -364,10 +364,12 @@ def quiet_rank(verbose: bool) -> None:
 def preload(libs) -> None:
     """On a CPU the ranks fork from a forkserver that imports torch (and DeepSpeed) once;
     "__main__": the ranks run the script's functions, so the server imports it too. (On a
-    GPU machine they are spawned: a forked CUDA runtime is not safe.)"""
+    GPU machine they are spawned: a forked CUDA runtime is not safe.) Not reference.torch_engine:
+    importing it wraps torch.distributed's collectives to count them (reference/comm_counter.py),
+    and every rank forked after that would run its collectives through the wrappers, the other
+    libraries' too."""
     from minizero.runtime import spawn
-    spawn.preload("__main__", "kit", "reference.ds_run", *(["deepspeed"] if "deepspeed" in libs else []),
-                  *(["reference.torch_engine"] if "torch" in libs else []))
+    spawn.preload("__main__", "kit", "reference.ds_run", *(["deepspeed"] if "deepspeed" in libs else []))
 
 
 def run_on_ranks(fn, world_size: int, args: tuple, what: str, cuda: bool, threads: int = 1,
