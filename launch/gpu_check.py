@@ -971,21 +971,21 @@ def sync_debug_rank(stage: int, dtype: str, knobs: str) -> dict:
 
     from minizero import comm
     engine, batches = small_engine(stage, dtype, Z3_OFF if stage == 3 and knobs == "off" else {})
-    for step, (x, y) in enumerate(batches[:2]):
-        if step == 1:
-            torch.cuda.synchronize()
-            caught = warnings.catch_warnings(record=True)
-            seen = caught.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+    x, y = batches[0]
+    engine.backward(engine(x, y)[1])   # the warm-up step: first allocations, ZeRO-3's recorded order
+    engine.step()
+    torch.cuda.synchronize()
+    x, y = batches[1]
+    # (a sync in autograd's device thread is replayed as a warning here when backward returns)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
             loss = engine(x, y)[1]
             engine.backward(loss)
             engine.step()
         finally:
-            if step == 1:
-                torch.cuda.set_sync_debug_mode(0)
-                caught.__exit__(None, None, None)
+            torch.cuda.set_sync_debug_mode(0)
     syncs = [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in seen if SYNC_WARNING in str(w.message)]
     return {"rank": comm.get_rank(), "syncs": syncs, "loss": float(loss)}
 
