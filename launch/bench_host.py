@@ -34,7 +34,8 @@ run: `--warmup` untimed steps, then
 
 and the split of a step's host time (medians over steps, the mean over ranks):
 
-  compute              the plain model's forward + backward
+  compute              the plain model's forward + backward, in the run's dtype (DDP's bf16 is
+                       autocast on fp32 weights: its casts land in its forward and backward hooks)
   forward hooks        forward - plain forward - collectives in it (ZeRO-3's gathers' bookkeeping)
   backward hooks       backward - plain backward - collectives in it (hooks, bucketing, copies)
   collectives          time inside torch.distributed's collective calls, where each library's
