@@ -1,7 +1,7 @@
 """How long do ZeRO's collectives take, issued one at a time and issued back to back?
 
-    python launch/bench_collectives.py                          # 2 ranks, the tutorial GPT's Ψ, fp32
-    python launch/bench_collectives.py --buckets 500000,0 --dtype bf16
+    python3 launch/bench_collectives.py                          # 2 ranks, the tutorial GPT's Ψ, fp32
+    python3 launch/bench_collectives.py --buckets 500000,0 --dtype bf16
 
 A step's gradient (Ψ elements) is cut into buckets of `reduce_bucket_size` elements and each
 bucket goes through one collective: all-reduce (stage 0), reduce-scatter (ZeRO-1/2) and,
@@ -26,33 +26,28 @@ On a CPU the backend's own threads need the cores the ranks compute on, so littl
 communication can hide; on a GPU the copies and reductions run on the device beside the
 kernels.
 
-    python launch/bench_collectives.py --compute-ms 200 --buckets 500000
+    python3 launch/bench_collectives.py --compute-ms 200 --buckets 500000
 """
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # `python3 launch/bench_collectives.py` from anywhere
+import kit  # noqa: E402
+from kit import BenchError  # noqa: E402
+
+kit.bootstrap()
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TUTORIAL_PSI = 9_755_904   # the tutorial GPT at 8x8 images (launch/bench_overlap.py's model)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"bench_collectives: error: {message}\n")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineParser(prog="python launch/bench_collectives.py", description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    p = kit.OneLineParser(prog="python3 launch/bench_collectives.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--numel", type=int, default=TUTORIAL_PSI, help=f"elements in all (default {TUTORIAL_PSI:,})")
     p.add_argument("--buckets", default="500000,2000000,0",
@@ -65,18 +60,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.buckets = [int(b) for b in args.buckets.split(",")]
     except ValueError:
-        p.error(f"--buckets {args.buckets!r}: comma-separated integers, e.g. 500000,0")
-    for name in ("world_size", "numel", "reps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        raise BenchError(f"--buckets {args.buckets!r}: comma-separated integers, e.g. 500000,0") from None
+    kit.at_least(args, 1, ("world_size", "numel", "reps"))
     if args.compute_ms < 0:
-        p.error(f"--compute-ms must be >= 0, got {args.compute_ms}")
+        raise BenchError(f"--compute-ms must be >= 0, got {args.compute_ms}")
     if any(b < 0 for b in args.buckets):
-        p.error(f"--buckets {args.buckets}: sizes must be >= 0")
+        raise BenchError(f"--buckets {args.buckets}: sizes must be >= 0")
     args.buckets = [b or args.numel for b in args.buckets]
     if any(b % args.world_size for b in args.buckets):
-        p.error(f"--buckets {args.buckets}: every size must be a multiple of --world-size {args.world_size} "
-                f"(a bucket is cut into one slice per rank)")
+        raise BenchError(f"--buckets {args.buckets}: every size must be a multiple of --world-size "
+                         f"{args.world_size} (a bucket is cut into one slice per rank)")
     return args
 
 
@@ -182,30 +175,30 @@ def table(rows: list[dict]) -> str:
     if beside:
         head += ["compute alone, ms", "beside compute, one at a time: ms over compute",
                  "beside compute, back to back: ms over compute"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = []
     for r in rows:
         cells = [r["op"], f"{r['bucket']:,}", str(r["buckets"]), f"{r['one_at_a_time_ms']:.1f}",
                  f"{r['back_to_back_ms']:.1f}", f"{r['one_at_a_time_ms'] / r['back_to_back_ms']:.2f}x"]
         if beside:
             cells += [f"{r['compute_ms']:.1f}", f"{r['one_at_a_time_over_compute_ms']:.1f}",
                       f"{r['back_to_back_over_compute_ms']:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        out.append(cells)
+    return kit.md_table(head, out)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    from minizero.runtime.spawn import RankError, run_ranks
-    if torch.cuda.is_available() and torch.cuda.device_count() < args.world_size:
-        print(f"bench_collectives: error: --world-size {args.world_size} but {torch.cuda.device_count()} GPU(s): "
-              f"one rank per GPU", file=sys.stderr)
-        return 2
-    cuda = torch.cuda.is_available()
     try:
-        rows = run_ranks(rank_main, args.world_size, (args,), cuda=cuda, timeout=600)[0]
-    except RankError as e:   # a rank failed: its one line, not the whole traceback
+        args = parse_args(argv)
+        import torch
+        cuda = torch.cuda.is_available()
+        if cuda and torch.cuda.device_count() < args.world_size:
+            raise BenchError(f"--world-size {args.world_size} but {torch.cuda.device_count()} GPU(s): one rank per GPU")
+    except BenchError as e:
+        print(f"bench_collectives: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        rows = kit.run_on_ranks(rank_main, args.world_size, (args,), "a rank", cuda, timeout=600)[0]
+    except BenchError as e:   # a rank failed: its one line, not the whole traceback
         print(f"bench_collectives: error: {e}", file=sys.stderr)
         return 1
     backend = "NCCL" if cuda else "gloo"

@@ -1,9 +1,9 @@
 """What ZeRO-Offload costs: step time with and without offload, what the offload step spends
 its time on, and which Adam torch runs fastest on a CPU.
 
-    python launch/bench_offload.py                                  # defaults: a few minutes on 2 CPU cores
-    python launch/bench_offload.py --libs minizero --steps 2 --warmup 1 --n-embd 32 --seq 16
-    python launch/bench_offload.py --world-size 4 --out bench.md --json bench.json
+    python3 launch/bench_offload.py                                  # defaults: a few minutes on 2 CPU cores
+    python3 launch/bench_offload.py --libs minizero --steps 2 --warmup 1 --n-embd 32 --seq 16
+    python3 launch/bench_offload.py --world-size 4 --out bench.md --json bench.json
 
 What it runs: for ZeRO stages 1, 2, 3 (stage 3: no offload / offload_optimizer /
 offload_optimizer + offload_param), minizero and DeepSpeed train the same GPT (a preset,
@@ -42,22 +42,21 @@ direct measure of what offload adds.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import functools
 import json
-import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:      # `python launch/bench_offload.py` from anywhere: minizero, reference
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # `python3 launch/bench_offload.py` from anywhere
+import kit  # noqa: E402
+from kit import BenchError, OneLineParser, fmt, md_table, mib  # noqa: E402
 
-from minizero.compare.compare import COMPARE_DEFAULTS, machine  # noqa: E402  (standard library only)
+kit.bootstrap()
+from minizero.compare.compare import COMPARE_DEFAULTS  # noqa: E402  (standard library only)
+
+ROOT = kit.ROOT
 
 LIBS = ("minizero", "minizero-fused", "deepspeed")
 DEFAULT_LIBS = "minizero,deepspeed"
@@ -94,19 +93,10 @@ PART_TITLES = {"fwd_bwd": "fwd+bwd compute", "collectives": "collectives (incl. 
                "loop": "loop/other"}
 
 
-class BenchError(Exception):
-    """Reported as one line, no traceback."""
-
-
 # ----------------------------------------------------------------------------- flags
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise BenchError(f"{message} (see --help)")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineParser(prog="python launch/bench_offload.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python3 launch/bench_offload.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--libs", default=DEFAULT_LIBS, help=f"comma-separated, of {', '.join(LIBS)} (default {DEFAULT_LIBS})")
     p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages of 1, 2, 3")
     p.add_argument("--world-size", type=int, default=None,
@@ -153,52 +143,11 @@ def check_args(args, cuda: bool | None = None, gpus: int | None = None) -> None:
         raise BenchError(f"--stages {args.stages}: choose from 1, 2, 3 (offload needs ZeRO)")
     if args.block_size is not None and args.block_size < args.seq:
         raise BenchError(f"--block-size {args.block_size} < --seq {args.seq}: the model has no position for the later tokens")
-    check_launch(args, cuda, gpus, at_least_one=("world_size", "seq", "micro_batch", "gas", "steps", "threads",
-                                                 "adam_steps", "n_embd"), at_least_zero=("warmup", "profile_steps"))
+    kit.check_launch(args, [lib.split("-")[0] for lib in args.libs], cuda, gpus)
+    kit.at_least(args, 1, ("world_size", "seq", "micro_batch", "gas", "steps", "threads", "adam_steps", "n_embd"))
+    kit.at_least(args, 0, ("warmup", "profile_steps"))
     if args.tutorial_zero and not STEP5_CONFIG.is_file():
         raise BenchError(f"--tutorial-zero: {STEP5_CONFIG.relative_to(ROOT)} is missing")
-
-
-def check_launch(args, cuda: bool | None, gpus: int | None, at_least_one, at_least_zero) -> None:
-    """What every benchmark here checks before launching ranks (bench_overlap.py too): sets
-    args.cuda, args.world_size (default: 2, or min(2, GPUs)) and args.model_kw; BenchError
-    with one line for a missing DeepSpeed, a count below its minimum, more ranks than GPUs,
-    or a model the size flags cannot build."""
-    import importlib.util
-
-    from minizero.gpt.model import ModelConfigError, UnknownPresetError, get_preset
-    if cuda is None:
-        import torch
-        cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
-    args.cuda = cuda
-    if "deepspeed" in args.libs and importlib.util.find_spec("deepspeed") is None:
-        raise BenchError("--libs deepspeed: deepspeed is not installed (pip install -e .[dev]), or pass --libs minizero")
-    if args.world_size is None:
-        args.world_size = min(2, gpus) if cuda else 2
-    for least, names in ((1, at_least_one), (0, at_least_zero)):
-        for name in names:
-            if getattr(args, name) < least:
-                raise BenchError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
-    if cuda and args.world_size > gpus:
-        raise BenchError(f"--world-size {args.world_size} but {gpus} GPU(s) visible: one rank per GPU")
-    try:
-        args.model_kw = model_overrides(args, get_preset(args.model))
-        get_preset(args.model, **args.model_kw)
-    except (UnknownPresetError, ModelConfigError) as e:
-        raise BenchError(str(e)) from None
-
-
-def model_overrides(args, preset) -> dict:
-    """The size flags as GPTConfig overrides; dropout off (timing, not regularisation), as
-    the tutorial's GPTConfig has it."""
-    kw = {"n_embd": args.n_embd, "block_size": args.block_size or args.seq, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
-    if args.n_layer is not None:
-        kw["n_layer"] = args.n_layer
-    if args.n_head is not None:
-        kw["n_head"] = args.n_head
-    elif args.n_embd % preset.n_head:
-        kw["n_head"] = 4 if args.n_embd % 4 == 0 else 1
-    return kw
 
 
 # ----------------------------------------------------------------------------- configs
@@ -248,142 +197,42 @@ def jobs_for(args) -> list[list[dict]]:
 
 # ----------------------------------------------------------------------------- one rank
 
-def build_gpt(preset: str, overrides: dict):
-    from minizero.gpt.model import GPT, get_preset
-    return GPT(get_preset(preset, **overrides))
-
-
-class RegionTimer:
-    """The time of a region: on a GPU by CUDA events on the current stream (read seconds()
-    after a device sync: the device's time from the region's first queued kernel to its last;
-    the engines end every step on the current stream, side-stream work waited for before the
-    optimizer reads it), on a CPU by the wall clock. bench_overlap.py's floor uses it too."""
-
-    def __init__(self, cuda: bool):
-        import torch
-        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        self.t = [0.0, 0.0]
-
-    def start(self) -> None:
-        self._mark(0)
-
-    def stop(self) -> None:
-        self._mark(1)
-
-    def _mark(self, i: int) -> None:
-        if self.events:
-            self.events[i].record()
-        else:
-            self.t[i] = time.perf_counter()
-
-    def seconds(self) -> float:
-        return self.events[0].elapsed_time(self.events[1]) / 1e3 if self.events else self.t[1] - self.t[0]
-
-
 def bench_job(job: dict, args_d: dict) -> dict:
     """Train one config on this rank (inside the process group): timed steps, then profiled."""
     import torch
 
     from minizero import comm
-    from reference.ds_run import build_model, prepare_ds_config
-
-    lib, device = job["lib"], comm.get_device()
-    cfg = prepare_ds_config(job["config"])
-    model_fn = functools.partial(build_gpt, args_d["model"], args_d["model_kw"])
-    model, params = build_model(model_fn, cfg, args_d["seed"])
-    cuda = device.type == "cuda"
-    if cuda:
-        # reset_peak_memory_stats does not start CUDA itself: in a rank with no process group
-        # yet (one rank, no NCCL) it failed "Invalid device argument" on an H200 until this init
-        torch.cuda.init()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    if lib == "deepspeed":
-        import deepspeed
-        from reference.ds_run import skip_inference_shm_op
-        skip_inference_shm_op()    # an inference-only op DeepSpeed compiles on first use (a minute)
-        if args_d["dtype"] == "fp16" and not cuda:
-            from reference.ds_run import patch_cpu_fp16
-            patch_cpu_fp16()
-        engine = deepspeed.initialize(model=model, model_parameters=params, config=cfg)[0]
-    else:
-        import minizero
-        engine = minizero.initialize(model=model, model_parameters=params, config=cfg)[0]
+    lib = job["lib"].split("-")[0]      # minizero-fused is minizero with another optimizer
+    engine = kit.make_engine(lib, job["config"], args_d)
+    cuda = torch.cuda.is_available()
     rank, world, gas = comm.get_rank(), comm.get_world_size(), engine.gradient_accumulation_steps()
     n_warm, n_time, n_prof = args_d["warmup"], args_d["steps"], args_d["profile_steps"]
-    batches = make_batches(args_d, n_warm + n_time + n_prof, gas, rank, engine.device)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    # per timed step, summed over micro-steps: host time (on a GPU, when Python got through each
-    # phase, not when the GPU ran it: a device sync here would change what the step overlaps)
-    phase_s = {"forward": [], "backward": [], "step": []}
-
-    def one_step(step):
-        took = dict.fromkeys(phase_s, 0.0)
-        for micro in range(gas):
-            x, y = batches[step * gas + micro]
-            t0 = time.perf_counter()
-            loss = engine(x, y)[1]
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            t2 = time.perf_counter()
-            engine.step()
-            for name, dt in zip(phase_s, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
-                took[name] += dt
-        return loss, took
-
-    # a step's time between device-wide syncs (RegionTimer: CUDA events on a GPU); the host's
-    # wall clock around the same syncs is kept beside it (step_wall_s)
-    timer = RegionTimer(cuda)
+    batches = kit.make_batches(args_d, n_warm + n_time + n_prof, gas, rank, kit.engine_device(engine))
     engine.train()
-    step_s, wall_s, comm0 = [], [], None
-    for step in range(n_warm + n_time):
-        if step == n_warm:
-            comm0 = copy_counts(engine, lib)
-        sync()
-        t0 = time.perf_counter()
-        timer.start()
-        loss, took = one_step(step)
-        timer.stop()
-        sync()
-        wall_s.append(time.perf_counter() - t0)
-        step_s.append(timer.seconds())
-        if step >= n_warm:
-            for name, dt in took.items():
-                phase_s[name].append(dt)
+    kit.timed_steps(engine, batches, 0, n_warm, gas, cuda)
+    comm0 = copy_counts(engine, lib)
+    timed = kit.timed_steps(engine, batches, n_warm, n_time, gas, cuda)
     comm1 = copy_counts(engine, lib)
-    out = {"rank": rank, "world_size": world, "step_s": step_s[n_warm:], "step_wall_s": wall_s[n_warm:],
-           "step_timer": "cuda events" if cuda else "perf_counter", "phase_s": phase_s,
-           "final_loss": float(loss.detach().float()),
+    out = {"rank": rank, "world_size": world, "step_s": timed["step_s"], "step_wall_s": timed["step_wall_s"],
+           "phase_s": timed["phase_s"], "final_loss": timed["final_loss"],
            "copies_per_step": {k: (comm1[k] - comm0[k]) / n_time for k in comm1} if comm1 else None}
     if n_prof:
         from torch.profiler import ProfilerActivity, profile
-        sync()
+        if cuda:
+            torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU]) as prof:   # host ranges only (see the docstring)
             t0 = time.perf_counter()
             for step in range(n_warm + n_time, n_warm + n_time + n_prof):
-                one_step(step)
-            sync()
+                kit.one_step(engine, batches, step, gas)
+            if cuda:
+                torch.cuda.synchronize()
             wall_us = (time.perf_counter() - t0) * 1e6
         out["breakdown"] = breakdown(ranges_of(prof), wall_us, n_prof)
     if lib != "deepspeed":
         out["memory"] = engine.memory_breakdown()
         engine.destroy()   # "nvme": its swap files and folder
-    out["peak_cuda_bytes"] = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    out["peak_cuda_bytes"] = kit.peak_cuda_bytes()
     return out
-
-
-def make_batches(args_d: dict, steps: int, gas: int, rank: int, device):
-    """Random tokens (reference.ds_run.SyntheticBatches), made before the clock starts."""
-    from minizero.gpt.model import get_preset
-    from reference.ds_run import SyntheticBatches
-    vocab = get_preset(args_d["model"], **args_d["model_kw"]).vocab_size
-    gen = SyntheticBatches(vocab, args_d["seq"], args_d["micro_batch"], seed=args_d["seed"] + 1)
-    world = args_d["world_size"]
-    return [tuple(t.to(device) for t in gen(s, m, rank, world)) for s in range(steps) for m in range(gas)]
 
 
 def copy_counts(engine, lib: str) -> dict | None:
@@ -469,68 +318,21 @@ def mean_breakdown(per_rank: list[dict]) -> dict:
     return {k: statistics.fmean(b[k] for b in per_rank) for k in per_rank[0]}
 
 
-def step_ms(per_rank_step_s: list[list[float]]) -> tuple[float, float]:
-    """Median and minimum over steps of the slowest rank's time (a step ends when its last
-    rank does), in ms. On a shared machine the minimum is the run least disturbed."""
-    slowest = [max(ts) for ts in zip(*per_rank_step_s)]
-    return statistics.median(slowest) * 1000.0, min(slowest) * 1000.0
-
-
-def samples_per_s(ms: float, global_batch: int) -> float:
-    return global_batch / (ms / 1000.0) if ms > 0 else float("nan")
-
-
-def fmt(x, spec: str = ".1f") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return format(x, spec)
-
-
-def md_table(head: list[str], rows: list[list[str]]) -> str:
-    """A markdown table; every row must have one cell per column."""
-    for r in rows:
-        if len(r) != len(head):
-            raise ValueError(f"row {r} has {len(r)} cells, the header {len(head)}")
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def mib(nbytes) -> str:
-    return fmt(None if nbytes is None else nbytes / 2 ** 20, ".2f")
-
-
 # ----------------------------------------------------------------------------- launching
 
 def _launch_jobs(launch, args_d):
-    """One rank of one launch (started by minizero.runtime.spawn, its process group up):
-    every job of the launch in turn; the per-job results."""
-    os.dup2(2, 1)     # library chatter to stderr: stdout carries the report only
-    import logging
-    if not args_d["verbose"]:
-        for name in ("DeepSpeed", "minizero"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    """One rank of one launch: every job of the launch in turn; the per-job results."""
+    kit.quiet_rank(args_d["verbose"])
     return [bench_job(job, args_d) for job in launch]
-
-
-def preload_ranks(args) -> None:
-    """On a CPU the ranks fork from a forkserver that imports torch (and deepspeed) once;
-    "__main__": the ranks run this script's functions, so the server imports it too. (On a
-    GPU machine they are spawned: a forked CUDA runtime is not safe.)"""
-    from minizero.runtime import spawn
-    spawn.preload("__main__", "reference.ds_run", *(["deepspeed"] if "deepspeed" in args.libs else []))
 
 
 def run_launch(launch: list[dict], args, timeout: float = 3600.0) -> list[list[dict]]:
     """Run one launch's jobs on world_size fresh ranks; per job, the list of rank results."""
-    from minizero.runtime.spawn import RankError, run_ranks
     args_d = {k: v for k, v in vars(args).items() if k not in ("libs",)}
-    try:
-        results = run_ranks(_launch_jobs, args.world_size, (launch, args_d), threads=args_d["threads"],
-                            cuda=args.cuda, timeout=timeout)
-    except RankError as e:
-        what = ", ".join(f"{j['lib']} stage {j['stage']} offload {j['offload']}" for j in launch[:1])
-        raise BenchError(f"{what}{' (and the rest of its launch)' if len(launch) > 1 else ''} failed: {e}") from None
+    what = ", ".join(f"{j['lib']} stage {j['stage']} offload {j['offload']}" for j in launch[:1])
+    what += " (and the rest of its launch)" if len(launch) > 1 else ""
+    results = kit.run_on_ranks(_launch_jobs, args.world_size, (launch, args_d), what, args.cuda, args.threads,
+                               timeout, group=args.world_size > 1)
     return [[results[r][i] for r in range(args.world_size)] for i in range(len(launch))]
 
 
@@ -574,14 +376,6 @@ def adam_table(numel: int, device: str, steps: int, warmup: int = 2, seed: int =
 
 
 # ----------------------------------------------------------------------------- report
-
-def model_numbers(args) -> dict:
-    from minizero.gpt.model import GPT, get_preset
-    cfg = get_preset(args.model, **args.model_kw)
-    psi = sum(p.numel() for p in GPT(cfg).parameters())
-    return {"psi": psi, "psi_per_rank": math.ceil(psi / args.world_size),
-            "config": {k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}}
-
 
 def step_rows(results: list[dict], args) -> tuple[list[str], list[list[str]]]:
     """Table 1: one row per (stage, offload)."""
@@ -734,8 +528,7 @@ def disk_of(path: str) -> str:
     return f"{best[0]} ({best[1]} mounted at {best[2]}{kind}); files through the page cache (no O_DIRECT)"
 
 
-def log(msg: str) -> None:
-    print(f"[bench_offload {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = kit.logger("bench_offload")
 
 
 def main(argv=None) -> int:
@@ -745,36 +538,32 @@ def main(argv=None) -> int:
     except BenchError as e:
         print(f"bench_offload: error: {e}", file=sys.stderr)
         return 2
-    import importlib.metadata
-
     import torch
     os.environ["DS_ACCELERATOR"] = "cuda" if args.cuda else "cpu"   # before any rank imports deepspeed
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     if not args.verbose:
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # the profiler's start/stop lines
     t_start = time.perf_counter()
-    info = {"command": "python launch/bench_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": "GPU (NCCL)" if args.cuda else "CPU (gloo)",
-            "versions": ", ".join(f"{p} {importlib.metadata.version(p)}" for p in ("torch", "deepspeed")
-                                  if p == "torch" or "deepspeed" in args.libs),
-            "model": model_numbers(args)}
+    info = {"command": "python3 launch/bench_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": kit.machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "device": "GPU (NCCL)" if args.cuda else "CPU (gloo)", "versions": kit.versions(),
+            "model": kit.model_numbers(args)}
     if args.nvme_path:
         info["nvme_disk"] = disk_of(args.nvme_path)
     log(f"model {args.model} {info['model']['config']}: Ψ = {info['model']['psi']:,}; {args.world_size} ranks on "
         f"{info['device']}")
     results = []
     try:
-        preload_ranks(args)
+        kit.preload(args.libs)
         for launch in jobs_for(args):
             t0 = time.perf_counter()
             what = ", ".join(f"{j['lib']} s{j['stage']}/{j['offload']}" for j in launch)
             log(f"running {what}")
             for job, per_rank in zip(launch, run_launch(launch, args)):
                 gb = args.micro_batch * args.gas * args.world_size
-                ms, ms_min = step_ms([r["step_s"] for r in per_rank])
+                ms, ms_min = kit.step_ms([r["step_s"] for r in per_rank])
                 res = {"lib": job["lib"], "stage": job["stage"], "offload": job["offload"], "ms": ms, "ms_min": ms_min,
-                       "samples_per_s": samples_per_s(ms, gb), "final_loss": per_rank[0]["final_loss"],
+                       "samples_per_s": kit.samples_per_s(ms, gb), "final_loss": per_rank[0]["final_loss"],
                        "copies_per_step": per_rank[0]["copies_per_step"], "memory": per_rank[0].get("memory"),
                        "peak_cuda_bytes": max((r["peak_cuda_bytes"] or 0) for r in per_rank) if args.cuda else None,
                        "step_ms_per_rank": [[s * 1000 for s in r["step_s"]] for r in per_rank]}
@@ -796,13 +585,8 @@ def main(argv=None) -> int:
             for n in sizes:
                 log(f"Adam on {dev}, {n:,} elements")
                 adam += adam_table(n, dev, args.adam_steps)
-    text = report(info, results, adam, args)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"info": info, "args": {k: v for k, v in vars(args).items()},
-                                               "results": results, "adam": adam}, indent=1, default=str) + "\n")
+    kit.write_outputs(report(info, results, adam, args), {"info": info, "args": vars(args), "results": results,
+                                                          "adam": adam}, args.out, args.json)
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0
 

@@ -1,135 +1,186 @@
 #!/usr/bin/env bash
-# gpu_lease.sh -- what to run on a briefly lent single-GPU box (a few minutes, nothing installed
-# but PyTorch, no network), most important first, each part under its own time limit,
-# everything small enough to copy back as a handful of files.
-# Node / GPU count: one node, one GPU (every part passes --gpus 1, --nproc 1 or --world-size 1);
-# on a box of several GPUs run launch/gpu_check.sh instead.
+# gpu_lease.sh -- one prepared run for a briefly lent single-GPU box (nothing installed but
+# PyTorch, no network): at most 8 minutes, most informative first, each part under its own
+# time limit, its results in a handful of files. docs/gpu.md ("A lease of one GPU") says what
+# each part shows.
+# What it runs, part by part (budget in seconds):
+#   wheels   15  carried wheels (.whl/, or GPU_LEASE_WHEELS) installed: DeepSpeed on a box without network
+#   env      25  versions and API probes: torch / CUDA / NCCL, torch.distributed.set_timeout, DeepSpeed
+#   nccl     50  launch/nccl_ws1.py under torchrun --nproc-per-node 1: every collective through NCCL, late
+#   readme   60  the README's command under torchrun --nproc-per-node 1: ZeRO-3 bf16, save at 100, resume to 200
+#   regress  80  gpu_check's one-GPU regression checks (CUDA-only tests, host syncs, a resume)
+#   memory   60  gpu_check's memory-overlap-z2/z3: peak with overlap_comm on against off (iGPT-S)
+#   fp16     75  launch/bench_overlap.py in fp16: step / floor per stage (DeepSpeed beside it where it imports)
+#   ds       50  python -m minizero.compare in fp16, minizero against DeepSpeed (where its wheels are carried)
+#   full     60  gpu_check's resume-1gpu-z3-bf16 at full size: the tutorial GPT at 32x32, deterministic kernels
+# Node / GPU count: one node, one GPU (every part passes --gpus 1, --world-size 1, --nproc 1 or
+# --nproc-per-node 1); on a box of several GPUs run launch/gpu_check.sh instead.
 #
+#   bash launch/gpu_lease.sh OUT [PART ...]      # default: every part, in the order above
+#   bash launch/gpu_lease.sh --plan              # the plan (--dry-run too): each part, its budget, its commands
+#
+# Python is python3 (or $PYTHON), never `python`: the lent image may have no `python`.
 # DeepSpeed on a box without a network: carry it as wheels in .whl/ (the repository root; or the
-# folder GPU_LEASE_WHEELS names) and this script installs them first (pip --no-index --target,
-# put on PYTHONPATH). For the box's
-# Python 3.12, on a machine with pip and a network:
+# folder GPU_LEASE_WHEELS names) and the wheels part installs them (pip --no-index --target, put
+# on PYTHONPATH). For the box's Python 3.12, on a machine with pip and a network:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl pydantic pydantic-core annotated-types \
 #       typing-inspection typing-extensions hjson     # the versions pydantic's metadata pins
 #   pip wheel --no-deps -w .whl deepspeed              # pure Python without its ops (DS_BUILD_OPS unset)
 # (einops, msgpack, ninja, psutil, py-cpuinfo, packaging and tqdm are on the box already.)
 #
-# What it runs, part by part:
-#
-#   1 env      nvidia-smi, Python / torch / CUDA / NCCL versions, whether DeepSpeed imports
-#   2 check    launch/gpu_check.py --gpus 1 --quick: the CUDA-only tests, resume == straight at
-#              ZeRO 0-3 x fp16/bf16, the tutorial's step 5, one step per stage under
-#              set_sync_debug_mode("error") (the checks one GPU allows)
-#   3 compare  python -m minizero.compare --libs minizero torch: samples/s and peak CUDA memory per
-#              stage, bf16, the tutorial GPT at 16x16, minizero vs PyTorch DDP / FSDP2
-#   4 bench    launch/bench_overlap.py --world-size 1, bf16 then fp32: step / floor per stage with
-#              CUDA events, tokens/s and peak CUDA memory, the tutorial GPT on 32x32 images
-#              (1023 tokens, micro-batch 16); minizero and DeepSpeed where DeepSpeed imports
-#   5 ds       python -m minizero.compare --libs minizero deepspeed, bf16, ZeRO 0-3, deterministic
-#              kernels: the two libraries' losses and model-state bytes side by side (the same
-#              command on a CPU shows the same bf16 op-order noise; docs/gpu.md "Results")
-#   6 user     the README's first command (gpu_check's user-command; its report goes in logs.tgz)
-#   7 fsdp     ZeRO-2 bf16 beside FSDP2 twice with deterministic kernels (MINIZERO_DETERMINISTIC=1):
-#              each library repeats itself bit for bit, and the two differ by the clipping noise
-#              docs/fsdp.md explains (5.8e-5 on the second H200 lease; the tiny CPU model never clips).
-#              Each library against itself says whether a gap is run-to-run noise
-#              (fsdp.txt: every run's losses, and which pairs are equal)
-#
-#   bash launch/gpu_lease.sh OUT [PART ...]      # default: every part, in the order above
-#
-# OUT receives env.txt, gpu_check.md, compare.md, bench.md, ds_compare.md, fsdp.txt, lease.log and
-# logs.tgz (every log and summary.json, no checkpoints): at most 8 files, so that a lease's
-# copy-back takes them all.
+# OUT receives lease.log (one line per part: exit status and seconds), env.txt, nccl_ws1.json,
+# readme.txt, regress.md, memory.md, fp16.md, ds.md, full.md and logs.tgz (every log and
+# summary.json, no checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: bash launch/gpu_lease.sh OUT [PART ...]}; shift
-PARTS=${*:-env check compare bench ds user fsdp}
+ORDER=(wheels env nccl readme regress memory fp16 ds full)
+declare -A BUDGET=([wheels]=15 [env]=25 [nccl]=50 [readme]=60 [regress]=80 [memory]=60 [fp16]=75 [ds]=50 [full]=60)
+LIMIT=480   # the whole run: 8 minutes
 PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHON=$PY
-WORK=$(mktemp -d -t gpu_lease.XXXX)   # in $TMPDIR, else /tmp
-trap 'rm -rf "$WORK"' EXIT     # what is worth keeping is in OUT (logs.tgz: every log and summary)
-mkdir -p "$OUT"
-log() { echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
-WHEELS=${GPU_LEASE_WHEELS:-.whl}   # carried wheels (DeepSpeed and what it needs), if any
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-       "$WHEELS"/*.whl > "$WORK/wheels.log" 2>&1; then
-    export PYTHONPATH=$WORK/site:$PYTHONPATH
-    log "wheels: installed $(find "$WHEELS" -name '*.whl' | wc -l) from $WHEELS/"
-  else
-    log "wheels: pip failed: $(tail -1 "$WORK/wheels.log")"
+PLAN=0
+case ${1:-} in
+  --plan|--dry-run) PLAN=1; OUT=OUT; shift ;;
+  ""|-*) echo "usage: bash launch/gpu_lease.sh OUT [PART ...]  |  bash launch/gpu_lease.sh --plan" >&2; exit 2 ;;
+  *) OUT=$1; shift ;;
+esac
+PARTS=("$@")
+[ ${#PARTS[@]} -gt 0 ] || PARTS=("${ORDER[@]}")
+[ "${PARTS[0]}" = wheels ] || PARTS=(wheels "${PARTS[@]}")   # every part may need what the wheels bring
+WORK=OUT/work
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1)
+WHEELS=${GPU_LEASE_WHEELS:-.whl}
+
+log() { [ "$PLAN" = 1 ] || echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
+
+# run LOG CMD...: one command under what is left of its part's budget: SIGTERM GRACE s before
+# the part's end (gpu_check then stops its own commands and writes its table), SIGKILL at the
+# end, so no part outlives its budget; its output in $WORK/LOG. With --plan: print the command.
+GRACE=6
+run() {
+  local name=$1; shift
+  if [ "$PLAN" = 1 ]; then
+    local cmd="$*"
+    [ "$cmd" = "${cmd%%$'\n'*}" ] || cmd="${cmd%%$'\n'*} ..."   # a Python script: its first line
+    echo "       \$ $cmd"; return 0
   fi
+  local left=$((DEADLINE - SECONDS - GRACE))
+  if [ "$left" -le 0 ]; then echo "no time left for: $*" >> "$WORK/$name"; return 124; fi
+  timeout -k "$GRACE" "$left" "$@" >> "$WORK/$name" 2>&1
+}
+
+has_deepspeed() { [ "$PLAN" = 1 ] || "$PY" -c "import deepspeed" > /dev/null 2>&1; }
+keep() { [ "$PLAN" = 1 ] || cp "$1" "$OUT/$2" 2>/dev/null; }
+
+part_wheels() {   # DeepSpeed and what it needs, from carried wheels
+  if [ "$PLAN" = 1 ] || compgen -G "$WHEELS/*.whl" > /dev/null; then
+    run wheels.log "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$WORK/site" "$WHEELS"/*.whl || return
+    [ "$PLAN" = 1 ] || log "wheels: installed $(find "$WHEELS" -name '*.whl' | wc -l) from $WHEELS/"
+  fi
+}
+
+part_env() {   # what this box has: the versions, and the APIs the code and the checks lean on
+  run env.txt nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  run env.txt "$PY" -c 'import sys, torch, torch.distributed as dist
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+for name in ("set_timeout", "get_default_backend_for_device"):
+    print(f"torch.distributed.{name}:", hasattr(dist, name))
+print("torch.cuda._sleep:", hasattr(torch.cuda, "_sleep"), "set_sync_debug_mode:", hasattr(torch.cuda, "set_sync_debug_mode"))
+try:
+    import deepspeed; print("deepspeed", deepspeed.__version__)
+except Exception as e:
+    print("deepspeed: not importable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")'
+  keep "$WORK/env.txt" env.txt
+}
+
+part_nccl() {   # every collective through NCCL at world size 1, issued late (launch/nccl_ws1.py)
+  run nccl.log "${TORCHRUN[@]}" launch/nccl_ws1.py --out "$WORK/nccl_ws1.json"
+  keep "$WORK/nccl_ws1.json" nccl_ws1.json
+}
+
+part_readme() {   # the README's command on one GPU: real NCCL init, barrier, destroy
+  local flags=(-m minizero.train --stage 3 --dtype bf16 --dataset synthetic --eval-every 0 --num-samples 0)
+  run readme.log "${TORCHRUN[@]}" "${flags[@]}" --max-steps 100 --save-every 100 --save-dir "$WORK/readme" &&
+    run readme.log "${TORCHRUN[@]}" "${flags[@]}" --max-steps 200 --resume "$WORK/readme" --tag global_step100 \
+      --save-dir "$WORK/readme-resumed"
+  local rc=$?
+  run readme.txt "$PY" -c 'import json, sys
+for d in sys.argv[1:]:
+    try:
+        s = json.load(open(d + "/summary.json"))
+        print(d.split("/")[-1], s["status"], "steps", s["steps"], "world", s["world_size"], "final loss", s["final_loss"])
+    except OSError as e:
+        print(d.split("/")[-1], "no summary.json:", e)' "$WORK/readme" "$WORK/readme-resumed"
+  keep "$WORK/readme.txt" readme.txt
+  return $rc
+}
+
+check() {   # check NAME ARGS...: launch/gpu_check.py on one GPU, its table to OUT/NAME.md
+  local name=$1; shift
+  run "$name.log" "$PY" launch/gpu_check.py --gpus 1 --out "$WORK/$name" "$@"
+  local rc=$?
+  keep "$WORK/$name/gpu_check.md" "$name.md"
+  return $rc
+}
+
+part_regress() {   # the one-GPU checks that have caught or could catch a regression, quick sizes
+  check regress --quick --only cuda-checkpointing cuda-offload sync-debug-z0-bf16 'sync-debug-z3-*' \
+    resume-1gpu-z2-fp16
+}
+
+part_memory() { check memory --quick --only 'memory-overlap-*'; }   # --quick: 2 steps, iGPT-S still
+
+part_fp16() {   # step / floor per stage in fp16, the tutorial GPT at 1023 tokens x 16
+  local libs=minizero
+  has_deepspeed && libs=minizero,deepspeed
+  run fp16.log "$PY" launch/bench_overlap.py --libs "$libs" --world-size 1 --reps 1 --no-trace --knobs default \
+    --dtypes fp16 --seq 1023 --micro-batch 16 --warmup 3 --steps 5 --out "$WORK/fp16.md" --json "$WORK/fp16.json"
+  local rc=$?
+  keep "$WORK/fp16.md" fp16.md
+  return $rc
+}
+
+part_ds() {   # minizero against DeepSpeed in fp16 on the GPU
+  if ! has_deepspeed; then echo "deepspeed does not import: skipped" >> "$WORK/ds.log"; return 0; fi
+  run ds.log "$PY" -m minizero.compare --libs minizero deepspeed --stages 1 3 --dtype fp16 --nproc 1 --model tiny \
+    --dataset synthetic --image-size 8 --max-steps 10 --synthetic-train 1024 --synthetic-test 64 --out "$WORK/ds"
+  local rc=$?
+  keep "$WORK/ds/report.md" ds.md
+  return $rc
+}
+
+part_full() { check full --only resume-1gpu-z3-bf16; }   # full size: not --quick
+
+total=0
+for part in "${ORDER[@]}"; do total=$((total + BUDGET[$part])); done
+if [ "$PLAN" = 1 ]; then
+  echo "gpu_lease plan: ${#ORDER[@]} parts, $total s of a $LIMIT s limit, each part under its own timeout;" \
+       "OUT = the folder given"
 fi
-
-# the tutorial GPT at 16x16, as the first lease's compare ran it: the compare and fsdp parts share it
-TUTORIAL16=(--model tutorial --dataset synthetic --image-size 16 --max-steps 20 --synthetic-train 2000 --synthetic-test 64)
-
-for part in $PARTS; do
-  t0=$SECONDS; rc=0
-  case $part in
-    env)
-      { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-        $PY -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda,
-'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
-        $PY -c "import deepspeed" 2>&1 | tail -1; nproc; free -g | head -2; } > "$OUT/env.txt" 2>&1; rc=$? ;;
-    check)
-      timeout 300 $PY launch/gpu_check.py --gpus 1 --quick --skip cpu-suite user-command 'compare*' \
-        --out "$WORK/check" > "$WORK/check.log" 2>&1; rc=$?
-      cp "$WORK/check/gpu_check.md" "$OUT/" 2>/dev/null ;;
-    compare)
-      timeout 110 $PY -m minizero.compare --libs minizero torch --stages 0 2 3 --dtype bf16 --nproc 1 \
-        "${TUTORIAL16[@]}" --out "$WORK/compare" > "$WORK/compare.log" 2>&1; rc=$?
-      cp "$WORK/compare/report.md" "$OUT/compare.md" 2>/dev/null ;;
-    bench)
-      libs=minizero
-      $PY -c "import deepspeed" > /dev/null 2>&1 && libs=minizero,deepspeed
-      : > "$OUT/bench.md"
-      for dt in bf16 fp32; do
-        timeout 170 $PY launch/bench_overlap.py --libs $libs --world-size 1 --reps 1 --no-trace --knobs default \
-          --dtypes $dt --seq 1023 --micro-batch 16 --warmup 3 --steps 5 --out "$WORK/bench_$dt.md" \
-          --json "$WORK/bench_$dt.json" > "$WORK/bench_$dt.log" 2>&1 || rc=$?
-        cat "$WORK/bench_$dt.md" >> "$OUT/bench.md" 2>/dev/null
-      done ;;
-    ds)
-      MINIZERO_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 150 $PY -m minizero.compare \
-        --libs minizero deepspeed --stages 0 1 2 3 --dtype bf16 --nproc 1 --model tiny --dataset synthetic \
-        --image-size 8 --max-steps 20 --synthetic-train 1024 --synthetic-test 64 \
-        --out "$WORK/ds" > "$WORK/ds.log" 2>&1; rc=$?
-      cp "$WORK/ds/report.md" "$OUT/ds_compare.md" 2>/dev/null ;;
-    user)
-      timeout 100 $PY launch/gpu_check.py --gpus 1 --only user-command --out "$WORK/user" \
-        > "$WORK/user.log" 2>&1; rc=$? ;;
-    fsdp)
-      for run in a b; do
-        MINIZERO_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 70 $PY -m minizero.compare \
-          --libs minizero torch --stages 2 --dtype bf16 --nproc 1 "${TUTORIAL16[@]}" \
-          --out "$WORK/fsdp_$run" > "$WORK/fsdp_$run.log" 2>&1; rc=$?
-      done
-      $PY - "$WORK" > "$OUT/fsdp.txt" 2>&1 <<'PYEOF'
-import json, sys
-from pathlib import Path
-work = Path(sys.argv[1])
-losses = {}
-for run in "ab":
-    for lib in ("minizero", "torch"):
-        f = work / f"fsdp_{run}" / f"{lib}-stage2" / "summary.json"
-        if f.is_file():
-            losses[(lib, run)] = json.loads(f.read_text())["losses"]
-            print(lib, run, "final loss", losses[(lib, run)][-1])
-        else:
-            print(lib, run, "no summary.json")
-pairs = [(("minizero", "a"), ("minizero", "b")), (("torch", "a"), ("torch", "b")), (("minizero", "a"), ("torch", "a"))]
-for x, y in pairs:
-    if x in losses and y in losses:
-        gap = max(abs(p - q) for p, q in zip(losses[x], losses[y]))
-        print(x, y, "equal" if losses[x] == losses[y] else f"max |dloss| {gap:.3e}")
-PYEOF
-      ;;
-    *) log "unknown part $part (env check compare bench ds user fsdp)"; continue ;;
-  esac
-  log "$part: exit $rc in $((SECONDS - t0)) s"
-  # every log, report and summary, no checkpoints, data or installed wheels: one file that the copy-back takes
-  (cd "$WORK" && find . -name '*.pt' -prune -o -name data -prune -o -path ./site -prune -o -type f \( -name '*.log' -o -name '*.md' \
-     -o -name '*.json' -o -name '*.csv' -o -name '*.txt' \) -size -4M -print0 | tar czf "$OUT/logs.tgz" --null -T -)
+if [ "$total" -gt "$LIMIT" ]; then echo "gpu_lease: the budgets add up to $total s > $LIMIT s" >&2; exit 2; fi
+if [ "$PLAN" = 0 ]; then
+  mkdir -p "$OUT"
+  WORK=$(mktemp -d -t gpu_lease.XXXX)   # in $TMPDIR: checkpoints and data never reach OUT
+  trap 'rm -rf "$WORK"' EXIT           # what is worth keeping is in OUT (logs.tgz: every log and summary)
+  export PYTHONUNBUFFERED=1 PYTHONPATH=$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHON=$PY
+fi
+for part in "${PARTS[@]}"; do
+  if [ -z "${BUDGET[$part]:-}" ]; then
+    if [ "$PLAN" = 1 ]; then echo "unknown part $part (${ORDER[*]})"; else log "unknown part $part (${ORDER[*]})"; fi
+    continue
+  fi
+  [ "$PLAN" = 1 ] && printf '  %-8s %3d s\n' "$part" "${BUDGET[$part]}"
+  t0=$SECONDS
+  DEADLINE=$((SECONDS + BUDGET[$part]))
+  "part_$part"
+  rc=$?
+  log "$part: exit $rc in $((SECONDS - t0)) s (budget ${BUDGET[$part]} s)"
+  # every log, report and summary, no checkpoints, data or installed wheels: one file the copy-back takes
+  [ "$PLAN" = 1 ] || (cd "$WORK" && find . -name '*.pt' -prune -o -name data -prune -o -path ./site -prune -o -type f \
+    \( -name '*.log' -o -name '*.md' -o -name '*.json' -o -name '*.csv' -o -name '*.txt' \) -size -4M -print0 |
+    tar czf "$OUT/logs.tgz" --null -T -)
 done
+exit 0

@@ -40,7 +40,7 @@ while getopts "n:ro:t:a" opt; do
 done
 shift $((OPTIND - 1))
 PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python
+[ -x "$PY" ] || PY=python3
 mkdir -p "$OUT"
 # As compare.py and the tests run them (DeepSpeed's JIT-built shm op cached per checkout).
 export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

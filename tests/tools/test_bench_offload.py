@@ -71,20 +71,6 @@ def test_breakdown_per_step_and_without_minizero_ranges():
     assert b["fwd_bwd"] == 0 and b["step_other"] == 0
 
 
-def test_step_time_is_the_slowest_rank_per_step():
-    med, low = bench.step_ms([[0.1, 0.3, 0.2], [0.2, 0.1, 0.5]])   # slowest per step: 0.2, 0.3, 0.5
-    assert med == pytest.approx(300.0) and low == pytest.approx(200.0)
-    assert bench.samples_per_s(250.0, 4) == pytest.approx(16.0)
-
-
-def test_md_table_and_fmt():
-    t = bench.md_table(["a", "b"], [["1", "2"], ["3", "4"]])
-    assert t.splitlines() == ["| a | b |", "|---|---|", "| 1 | 2 |", "| 3 | 4 |"]
-    with pytest.raises(ValueError):
-        bench.md_table(["a", "b"], [["1"]])
-    assert bench.fmt(None) == "-" and bench.fmt(float("nan")) == "-" and bench.fmt(1.25, ".1f") == "1.2"
-
-
 def test_adam_table_for_loop_is_its_own_reference():
     rows = bench.adam_table(1000, "cpu", steps=2, warmup=1)
     assert [r["impl"] for r in rows] == ["for-loop", "foreach", "fused"]
@@ -147,7 +133,7 @@ def test_world_size_beyond_the_gpus_is_refused():
 # ----------------------------------------------------------------------------- a tiny run
 
 def test_the_command_starts_from_any_folder(tmp_path):
-    """`python launch/bench_offload.py` from another folder finds minizero (its sys.path
+    """`python3 launch/bench_offload.py` from another folder finds minizero (its sys.path
     line) and gives its one line on a bad flag, before torch is imported."""
     r = subprocess.run([sys.executable, str(SCRIPT), "--steps", "0"], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path)

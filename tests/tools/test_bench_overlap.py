@@ -69,13 +69,49 @@ def test_union_length(spans, length):
     assert bench.union_length(spans) == length
 
 
-def test_floor_adds_the_stages_collectives():
-    parts = {"psi": 10, "world_size": 2, "fwd_bwd": 0.5, "opt": 0.1, "all_reduce": 0.04,
-             "reduce_scatter": 0.03, "all_gather": 0.02}
-    assert bench.floor_ms(parts, 0) == pytest.approx({"fwd_bwd": 500, "optimizer": 100, "comm": 40, "floor": 640})
-    assert bench.floor_ms(parts, 2)["comm"] == pytest.approx(50)     # reduce-scatter + all-gather
-    assert bench.floor_ms(parts, 3)["comm"] == pytest.approx(70)     # + a second all-gather (backward)
-    assert bench.floor_ms({**parts, "world_size": 1}, 3)["comm"] == 0
+def test_floor_counts_the_collectives_the_config_requires():
+    """Gradient reductions per 500,000-element bucket (the pinned reduce_bucket_size), padded
+    to the ranks; ZeRO-1/2 one all-gather of the parameters; ZeRO-3 each unit gathered twice
+    with the knobs off, once with DeepSpeed's reuse distance, persistent parameters once after
+    the step; one rank needs none."""
+    psi, world = 1_200_001, 2
+    units = {"off": [(600_000, 0), (600_002, 0)], "default": [(500_000, 0), (500_000, 0), (0, 200_001)]}
+    req = lambda stage, knobs: sorted(map(tuple, bench.required_collectives(stage, knobs, psi, units, world)))
+    assert req(0, "off") == [("all_reduce", 200_001, 1), ("all_reduce", 500_000, 2)]
+    assert req(2, "default") == [("all_gather", 1_200_002, 1), ("reduce_scatter", 200_002, 1),
+                                 ("reduce_scatter", 500_000, 2)]
+    assert req(1, "on") == req(2, "off") == req(2, "default")
+    assert [c for c in req(3, "off") if c[0] == "all_gather"] == [("all_gather", 600_000, 2), ("all_gather", 600_002, 2)]
+    assert [c for c in req(3, "default") if c[0] == "all_gather"] == [("all_gather", 200_002, 1),
+                                                                      ("all_gather", 500_000, 2)]
+    assert bench.required_collectives(3, "off", psi, units, 1) == []
+    parts = {"fwd_bwd": 0.5, "opt": 0.1, "required": {"off": [["all_reduce", 10, 3], ["all_gather", 4, 2]], "on": []},
+             "coll_s": {"all_reduce:10": 0.01, "all_gather:4": 0.02}}
+    fl = bench.floor_ms(parts, "off")
+    assert fl == pytest.approx({"fwd_bwd": 500, "optimizer": 100, "comm": 70, "floor": 670, "collectives": 5})
+    assert bench.floor_ms(parts, "on")["comm"] == 0
+
+
+def test_units_are_the_blocks_and_the_root_with_small_parameters_persistent():
+    from minizero.gpt.model import GPT, get_preset
+    model = GPT(get_preset("micro"))
+    units = bench.unit_numels(model, 2, 0)
+    assert len(units) == len(model.blocks) + 1 and all(p == 0 for _, p in units)
+    assert sum(g for g, _ in units) >= sum(p.numel() for p in model.parameters())
+    kept = bench.unit_numels(model, 2, 10 ** 9)
+    assert all(g == 0 for g, _ in kept) and sum(p for _, p in kept) == sum(p.numel() for p in model.parameters())
+
+
+def test_torch_runs_stages_0_2_3_in_one_knob_row_and_never_fp16():
+    args = bench.parse_args(["--libs", "minizero,deepspeed,torch", "--dtypes", "bf16,fp16", "--knobs", "off,on",
+                             "--no-trace"])
+    bench.check_args(args, cuda=False, gpus=0)
+    runs = bench.schedule(args)
+    torch_cells = {(r["stage"], r["dtype"], r["knobs"]) for r in runs if r["lib"] == "torch"}
+    assert torch_cells == {(0, "bf16", "off"), (2, "bf16", "off"), (3, "bf16", "off")}
+    firsts = [r["lib"] for r in runs[::1] if r["rep"] == 0][:1]
+    assert firsts == ["minizero"] and len({r["lib"] for r in runs}) == 3
+    assert bench.main(["--step5", "--libs", "torch"]) == 2
 
 
 def test_step5_is_zero3_with_both_offloads_on_the_24_layer_model():
@@ -98,7 +134,7 @@ def test_knobs_on_turn_overlap_on_at_every_stage():
 @pytest.mark.parametrize("argv, says", [
     (["--libs", "minizero,torchzero"], "--libs"),
     (["--stages", "5"], "--stages"),
-    (["--dtypes", "fp16"], "--dtypes"),
+    (["--dtypes", "fp8"], "--dtypes"),
     (["--knobs", "of"], "--knobs"),
     (["--reps", "0"], "--reps must be >= 1"),
     (["--warmup", "2"], "--warmup 2"),
@@ -112,7 +148,7 @@ def test_bad_flags_give_one_line(argv, says, capsys):
 
 
 def test_the_command_starts_from_any_folder(tmp_path):
-    """`python launch/bench_overlap.py` from another folder finds minizero and bench_offload
+    """`python3 launch/bench_overlap.py` from another folder finds minizero and launch/kit.py
     (its sys.path lines) and gives its one line on a bad flag, before torch is imported."""
     r = subprocess.run([sys.executable, str(SCRIPT), "--reps", "0"], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path)
@@ -122,8 +158,8 @@ def test_the_command_starts_from_any_folder(tmp_path):
 
 def test_tiny_run_prints_the_table(tmp_path, monkeypatch):
     js = tmp_path / "bench.json"
-    argv = ["--model", "micro", "--seq", "16", "--n-embd", "21", "--micro-batch", "2",
-           "--stages", "0", "--dtypes", "fp32", "--reps", "1", "--steps", "2", "--json", str(js),
+    argv = ["--libs", "minizero,deepspeed,torch", "--model", "micro", "--seq", "16", "--n-embd", "21",
+           "--micro-batch", "2", "--stages", "0", "--dtypes", "fp32", "--reps", "1", "--steps", "2", "--json", str(js),
            "--trace-dir", str(tmp_path / "traces")]
     monkeypatch.chdir(tmp_path)
     r = run_script_main(SCRIPT, argv)
@@ -133,14 +169,22 @@ def test_tiny_run_prints_the_table(tmp_path, monkeypatch):
     floor_table, tables = tables[0], tables[1:]
     fhead = [c.strip() for c in floor_table[0].strip("|").split("|")]
     assert fhead[:3] == ["dtype", "knobs", "stage"] and "minizero step / floor" in fhead \
-        and "deepspeed step / floor" in fhead and "minizero speed / DeepSpeed's" in fhead
+        and "deepspeed step / floor" in fhead and "minizero speed / DeepSpeed's" in fhead \
+        and "torch step / floor" in fhead and "minizero speed / PyTorch's" in fhead
     frows = [[c.strip() for c in x.strip("|").split("|")] for x in floor_table[2:]]
     assert [row[:3] for row in frows] == [["fp32", "default", "0"], ["fp32", "off", "0"]]
+    torch_cols = {i for i, h in enumerate(fhead) if h.startswith("torch") or h.endswith("PyTorch's")}
     for row in frows:
-        assert len(row) == len(fhead) and "-" not in row, row
+        assert len(row) == len(fhead) and "-" not in [c for i, c in enumerate(row) if i not in torch_cols], row
         assert len(row[3].replace("=", "/").split("/")) == 4          # fwd+bwd / optimizer / comm = floor
+        assert row[4] == "1"     # Ψ under 500,000: one all-reduce bucket, whatever the knobs
+    assert all(c != "-" for i, c in enumerate(frows[0]) if i in torch_cols)      # DDP in the default row
+    assert all(c == "-" for i, c in enumerate(frows[1]) if i in torch_cols)      # and only there
     floors = json.loads(js.read_text())["floors"]
-    assert len(floors) == 1 and all(floors[0]["parts"][k] > 0 for k in ("fwd_bwd", "opt", "all_reduce"))
+    parts = floors[0]["parts"]
+    assert len(floors) == 1 and parts["fwd_bwd"] > 0 and parts["opt"] > 0
+    assert parts["required"]["default"] == parts["required"]["off"] and len(parts["coll_s"]) >= 1
+    assert all(v > 0 for v in parts["coll_s"].values())
     for row in json.loads(js.read_text())["floor_rows"]:
         assert row["minizero_over_floor"] > 0 and row["deepspeed_over_floor"] > 0
     lines = tables[0]
@@ -148,11 +192,13 @@ def test_tiny_run_prints_the_table(tmp_path, monkeypatch):
     assert head[:3] == ["dtype", "knobs", "stage"] and "minizero / DeepSpeed" in head
     rows = [[c.strip() for c in x.strip("|").split("|")] for x in lines[2:]]
     assert [row[:3] for row in rows] == [["fp32", "default", "0"], ["fp32", "off", "0"]]
+    torch_cols = {i for i, h in enumerate(head) if h.startswith("torch")}
     for row in rows:
-        assert len(row) == len(head) and "-" not in row, row       # every cell measured
+        assert len(row) == len(head) and "-" not in [c for i, c in enumerate(row) if i not in torch_cols], row
         assert row[head.index("minizero / its stage 0")] == "1.00"
+    assert "-" not in [rows[0][i] for i in torch_cols]
     runs = json.loads(js.read_text())["runs"]
-    assert len(runs) == 4 and all(x["samples_per_s"] > 0 for x in runs)
+    assert len(runs) == 5 and all(x["samples_per_s"] > 0 for x in runs)       # torch: the default row only
     traced = [x for x in runs if x.get("trace")]
     assert len(traced) == 2 and all(0 < x["trace"]["blocked"] <= 1 and 0 <= x["trace"]["skew"] <= x["trace"]["blocked"]
                                     for x in traced)
@@ -160,8 +206,8 @@ def test_tiny_run_prints_the_table(tmp_path, monkeypatch):
                and sum(x["phases_ms"].values()) <= x["ms"] * 1.5 for x in runs)
     phase_head = [c.strip() for c in tables[1][0].strip("|").split("|")]
     assert phase_head == ["dtype", "knobs", "stage", "minizero forward / backward / step, ms",
-                          "deepspeed forward / backward / step, ms"]
-    assert len(tables[1]) == 2 + len(rows) and all("-" not in x for x in tables[1][2:])
+                          "deepspeed forward / backward / step, ms", "torch forward / backward / step, ms"]
+    assert len(tables[1]) == 2 + len(rows) and "-" not in tables[1][2].split("|")
 
 
 def test_one_rank_minizero_only(tmp_path, monkeypatch):
@@ -199,7 +245,7 @@ def test_on_a_gpu_the_floor_table_adds_tokens_per_s_and_peak_cuda_memory(tmp_pat
                {**run, "lib": "minizero", "rep": 1, "ms": 30.0, "peak_cuda_bytes": 2 << 30},
                {**run, "lib": "deepspeed", "rep": 0, "ms": 40.0, "peak_cuda_bytes": 1 << 30},
                {**run, "lib": "deepspeed", "rep": 1, "ms": 40.0, "peak_cuda_bytes": 1 << 30}]
-    parts = {"psi": 10, "world_size": 1, "fwd_bwd": 0.010, "opt": 0.0005}
+    parts = {"psi": 10, "world_size": 1, "fwd_bwd": 0.010, "opt": 0.0005, "required": {"default": []}, "coll_s": {}}
     floors = [{"rep": r, "dtype": "bf16", "stage": 0, "parts": parts} for r in (0, 1)]
     rows = bench.floor_rows(results, floors, args)
     assert rows[0]["minizero_tokens_per_s"] == pytest.approx(16 * 1023 / 0.025)   # the median step, 25 ms

@@ -1,5 +1,6 @@
 """launch/gpu_check.py without a GPU: the plan for 0, 1, 2, 3 and 8 GPUs, the verdicts on
-made-up results, the table, and the command line (--dry-run here says no GPU was found).
+made-up results, the table, the runner (failures, timeouts, SIGTERM), the command line
+(--dry-run here says no GPU was found), and the consolidate driver on gloo ranks.
 
 What needs CUDA is docs/gpu.md's business; here only what decides PASS / FAIL / SKIP."""
 import importlib.util
@@ -25,13 +26,12 @@ _spec.loader.exec_module(gc)
 RESUME_1 = [f"resume-1gpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
 RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16", "fp32")]
 MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overlap-z{s}-{d}" for s in range(4) for d in ("bf16", "fp32")),
-         *(f"overflow-z{s}" for s in range(4)), *(f"memory-z{s}" for s in range(4)), "memory-falls",
-         "2node-straight", "2node-resume-shared", "2node-resume-separate", "2node-save-separate",
+         *(f"memory-z{s}" for s in range(4)), "memory-falls", "2node-straight", "2node-resume",
          "offload-opt-z1", "offload-opt-z2", "offload-param-z3", "consolidate-offload-z1", "consolidate-offload-z2",
          "observe-allgpu", "cpu-checkpointing-allgpu"]
-SYNC_DEBUG = [f"sync-debug-z{s}-{d}" for s in range(4) for d in ("bf16", "fp16")]
-SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "offload-step5-1gpu", *RESUME_1, *SYNC_DEBUG,
-          "user-command", "compare", *(f"compare-z{s}" for s in range(4))]
+SYNC_DEBUG = [f"sync-debug-z{s}-{d}" for s in range(4) for d in ("bf16", "fp16")] + ["sync-debug-z3-bf16-default"]
+SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "nccl-ws1", "offload-step5-1gpu", *RESUME_1,
+          "memory-overlap-z2", "memory-overlap-z3", *SYNC_DEBUG, "user-command", "compare"]
 
 
 def by_name(n, quick=False):
@@ -67,10 +67,10 @@ def test_plan_with_8_gpus_uses_them_all_and_splits_them_for_two_nodes():
         for p in procs(c[name]):
             assert p.argv[p.argv.index("--standalone") + 1:][:2] == ["--nproc-per-node", "8"]
             assert p.env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
-    assert flag(procs(c["overflow-z0"])[0].argv, "--nproc-per-node") == "8"
     assert flag(procs(c["memory-z3"])[0].argv, "--nproc-per-node") == "8"
+    assert procs(c["sync-debug-z1-bf16"])[0].argv[3:5] == ["sync-debug", "8"]   # --driver NAME WORLD
     assert flag(procs(c["compare"])[0].argv, "--nproc") == "8"
-    for name in ("2node-straight", "2node-resume-shared", "2node-resume-separate", "2node-save-separate"):
+    for name in ("2node-straight", "2node-resume"):
         node0, node1 = procs(c[name])
         assert [flag(p.argv, "--node-rank") for p in (node0, node1)] == ["0", "1"]
         assert {flag(p.argv, "--nnodes") for p in (node0, node1)} == {"2"}
@@ -79,9 +79,8 @@ def test_plan_with_8_gpus_uses_them_all_and_splits_them_for_two_nodes():
         assert (node0.env["CUDA_VISIBLE_DEVICES"], node1.env["CUDA_VISIBLE_DEVICES"]) == ("0,1,2,3", "4,5,6,7")
 
 
-def test_plan_with_3_gpus_uses_what_divides():
+def test_plan_with_3_gpus_splits_what_divides():
     c = by_name(3)
-    assert flag(procs(c["overflow-z1"])[0].argv, "--nproc-per-node") == "2"    # 8 rows per step: 2, 4 or 8 ranks
     node0, node1 = procs(c["2node-straight"])
     assert (node0.env["CUDA_VISIBLE_DEVICES"], node1.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
 
@@ -112,8 +111,7 @@ def test_every_run_has_its_own_save_dir():
             if isinstance(step, list):
                 dirs = {p.argv[p.argv.index("--save-dir") + 1].replace("{dir}", check.name) for p in step
                         if "--save-dir" in p.argv}
-                if check.name != "2node-save-separate":       # that one is per node on purpose
-                    assert len(dirs) <= 1, (check.name, dirs)
+                assert len(dirs) <= 1, (check.name, dirs)
                 seen += sorted(dirs)
     assert len(seen) == len(set(seen)), [d for d in seen if seen.count(d) > 1]
 
@@ -130,7 +128,7 @@ def test_cpu_suite_hides_cuda_and_memory_keeps_igpt_s_when_quick():
 
 def test_select_keeps_what_only_needs_and_drops_what_skip_orphans():
     names = lambda cs: [c.name for c in cs]
-    assert names(gc.select(gc.plan(2), only=["2node-resume-shared"])) == ["2node-straight", "2node-resume-shared"]
+    assert names(gc.select(gc.plan(2), only=["2node-resume"])) == ["2node-straight", "2node-resume"]
     assert names(gc.select(gc.plan(2), only=["memory-falls"])) == [f"memory-z{s}" for s in range(4)] + ["memory-falls"]
     left = names(gc.select(gc.plan(2), skip=["memory-z*", "cpu-*"]))
     assert "memory-falls" not in left and "cpu-suite" not in left and "memory-z0" not in left
@@ -209,62 +207,21 @@ def test_memory_falls_verdict():
     assert gc.memory_falls_verdict({0: 4500.0, 1: 4500.0, 2: 4400.0, 3: 4300.0}).status == "FAIL"
 
 
-def overflow_ranks(world=2):
-    inf = float("inf")
-    def step(changed, scale, skipped, norm=1.0, msgs=()):
-        return dict(loss=3.0, changed=changed, scale=scale, skipped=skipped, grads_left=0, norm=norm, msgs=list(msgs))
-    ranks = []
-    for r in range(world):
-        said = r == 0
-        ranks.append({"rank": r, "log": [
-            step(0.01, 65536.0, 0), step(0.0, 65536.0, 1, inf, ["[minizero] OVERFLOW! Rank 0 ..."] if said else []),
-            step(0.0, 32768.0, 2, inf, ["[minizero] OVERFLOW! Rank 0 ..."] if said else []), step(0.02, 32768.0, 2)]})
-    return ranks
-
-
-def test_overflow_verdict():
-    assert gc.overflow_verdict(overflow_ranks()).status == "PASS"
-    assert gc.overflow_verdict(overflow_ranks(8)).status == "PASS"
-    stepped = overflow_ranks()
-    stepped[0]["log"][2]["changed"] = 1e-3                  # rank 0 missed the vote and stepped
-    assert "rank 0: not step 2 skipped" in gc.overflow_verdict(stepped).reason
-    loud = overflow_ranks()
-    loud[1]["log"][1]["msgs"] = ["[minizero] OVERFLOW! Rank 1 ..."]
-    assert "rank 1: not OVERFLOW lines" in gc.overflow_verdict(loud).reason
-    kept = overflow_ranks()
-    kept[1]["log"][2]["scale"] = 65536.0
-    assert "rank 1: not step 2 scale halved" in gc.overflow_verdict(kept).reason
-
-
-def test_compare_rows_read_compares_results_json(tmp_path):
-    """The fields minizero.compare.stage_row writes, one row per stage."""
+def test_compare_row_reads_compares_results_json(tmp_path):
+    """The fields minizero.compare.stage_row writes, one row per stage, in one line."""
     lib = lambda sps, peak: {"samples_per_s": sps, "peak_mem_mb": peak, "final_loss": 3.0}
     rows = [{"stage": s, "max_abs_dloss": 3.1e-5 * s, "speed_ratio": 1.25, "minizero": lib(500.0, 1234.4),
              "deepspeed": lib(400.0, 1300.0)} for s in range(4)]
     (tmp_path / "compare" / "report").mkdir(parents=True)
     (tmp_path / "compare" / "report" / "results.json").write_text(json.dumps({"rows": rows}))
-    ctx = gc.Ctx(tmp_path / "compare-z2", tmp_path, [])
-    assert gc.judge_compare("{out}/compare/report/results.json", 2)(ctx) == gc.Result(
-        "PASS", "", "samples/s mz 500 / DS 400 (x1.25); peak MiB mz 1,234 / DS 1,300; max |dloss| 6.2e-05")
+    ctx = gc.Ctx(tmp_path / "compare", tmp_path, [])
+    r = gc.judge_compare("{out}/compare/report/results.json")(ctx)
+    assert r.status == "PASS" and r.numbers.startswith("minizero / DeepSpeed z0: 500 / 400 samples/s, 1,234 / 1,300 MiB")
+    assert "z2: 500 / 400 samples/s, 1,234 / 1,300 MiB, |dloss| 6.2e-05" in r.numbers
 
 
 TORCHRUN_TAIL = ("Traceback (most recent call last):\n  File \"torch/distributed/run.py\"\n"
                  "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
-REFUSED = ("python -m minizero.train: error: save folder /x/node0-local is not shared by all ranks: rank 1 on h "
-           "cannot see the folder rank 0 (on h) created in it.\n" + TORCHRUN_TAIL)
-
-
-def test_refused_verdict():
-    ok = gc.refused_verdict([1, 1], [REFUSED, TORCHRUN_TAIL], [])
-    assert ok.status == "PASS" and ok.numbers.startswith("save folder /x/node0-local is not shared")
-    assert "exited 0" in gc.refused_verdict([0, 1], [REFUSED, TORCHRUN_TAIL], []).reason
-    crashed = "[rank1]: Traceback (most recent call last):\n[rank1]: FileNotFoundError: [Errno 2] x\n" + TORCHRUN_TAIL
-    r = gc.refused_verdict([1, 1], [REFUSED, crashed], [])
-    assert r.status == "FAIL" and "FileNotFoundError" in r.reason
-    assert "global_step3.tmp" in gc.refused_verdict([1, 1], [REFUSED, TORCHRUN_TAIL], ["global_step3.tmp"]).reason
-    assert "no one-line error" in gc.refused_verdict([1, 1], [TORCHRUN_TAIL, TORCHRUN_TAIL], []).reason
-
-
 def test_pytest_counts_and_verdict():
     line = "312 passed, 3 skipped, 1 deselected, 2 warnings in 241.20s (0:04:01)"
     assert gc.pytest_counts("....\n" + line) == {"passed": 312, "skipped": 3, "deselected": 1, "warnings": 2}
@@ -442,6 +399,18 @@ def test_memory_checks_run_zero3_with_prefetch_and_reuse_at_0():
             {k: v for k, v in DEFAULT_CONFIG.items() if k != "zero_optimization"}
 
 
+def test_memory_overlap_checks_differ_only_in_overlap_comm_with_small_buckets():
+    """With DeepSpeed's 5e8-element reduce bucket iGPT-S's whole gradient is one bucket, on or
+    off; 5e6 elements (10 MB in bf16) leave room for a bounded design to show."""
+    on, off = (json.loads((ROOT / gc.CONFIGS / f"memory_overlap_{k}.json").read_text()) for k in ("on", "off"))
+    assert on["zero_optimization"].pop("overlap_comm") is True and off["zero_optimization"].pop("overlap_comm") is False
+    assert on == off and on["zero_optimization"]["reduce_bucket_size"] == 5_000_000
+    for stage in (2, 3):
+        p_on, p_off = procs(by_name(1)[f"memory-overlap-z{stage}"])
+        assert flag(p_on.argv, "--stage") == flag(p_off.argv, "--stage") == str(stage)
+        assert flag(p_on.argv, "--model") == "igpt-s" and "--nproc-per-node" not in p_on.argv
+
+
 def test_every_check_config_is_a_valid_config():
     from minizero.config import load_config
     for path in sorted((ROOT / "launch" / "gpu_check_configs").glob("*.json")):
@@ -450,13 +419,30 @@ def test_every_check_config_is_a_valid_config():
 
 
 def test_consolidate_and_sync_debug_verdicts():
-    good = {"master_on_host": True, "own_slice_is_master": True, "finite": True}
+    good = {"master_on_host": True, "equals_checkpoint": True, "finite": True}
     assert gc.consolidate_verdict([dict(good, rank=r) for r in range(2)]).status == "PASS"
-    bad = gc.consolidate_verdict([dict(good, rank=0), dict(good, rank=1, own_slice_is_master=False)])
-    assert bad.status == "FAIL" and "rank 1: own slice != its master" in bad.reason
-    assert gc.sync_debug_verdict([{"rank": r, "documented_syncs": 1, "loss": 2.0} for r in range(2)]).status == "PASS"
-    two = gc.sync_debug_verdict([{"rank": 0, "documented_syncs": 2, "loss": 2.0}])
-    assert two.status == "FAIL" and "[2]" in two.reason
+    bad = gc.consolidate_verdict([dict(good, rank=0), dict(good, rank=1, equals_checkpoint=False)])
+    assert bad.status == "FAIL" and "rank 1: gathered state != the checkpoint's" in bad.reason
+    one = ["minizero/engine.py:290"]
+    ok = gc.sync_debug_verdict([{"rank": r, "syncs": one, "loss": 2.0} for r in range(2)])
+    assert ok.status == "PASS" and "minizero/engine.py:290" in ok.numbers
+    two = gc.sync_debug_verdict([{"rank": 0, "syncs": one + ["minizero/zero3.py:180"], "loss": 2.0}])
+    assert two.status == "FAIL" and "[2]" in two.reason and "minizero/zero3.py:180" in two.reason
+    assert gc.sync_debug_verdict([{"rank": 0, "syncs": [], "loss": 2.0}]).status == "FAIL"
+
+
+def test_nccl_ws1_and_memory_overlap_verdicts():
+    case = lambda ok, why="", calls=None: {"identical": ok, "reason": why, "calls": calls or {"all_reduce": 3}}
+    ok = gc.nccl_ws1_verdict({"backend": "nccl", "cases": {"a": case(True), "b": case(True)}})
+    assert ok.status == "PASS" and ok.numbers == "2 cases, 6 collectives through nccl, each issued late"
+    bad = gc.nccl_ws1_verdict({"backend": "nccl", "cases": {"a": case(True), "b": case(False, "losses differ")}})
+    assert bad.status == "FAIL" and bad.reason == "b: losses differ"
+    psi = 76_706_304
+    run = lambda peak: {"status": "completed", "params": psi, "peak_mem_mb": [peak]}
+    assert gc.memory_overlap_verdict(run(3000.0), run(2990.0)).status == "PASS"
+    held = gc.memory_overlap_verdict(run(3000.0 + 146.3), run(3000.0))     # the whole bf16 gradient: 2Ψ bytes
+    assert held.status == "FAIL" and "not bounded" in held.reason and "2Ψ = 146 MiB" in held.numbers
+    assert gc.memory_overlap_verdict({**run(1.0), "status": "failed"}, run(1.0)).status == "FAIL"
 
 
 def test_user_command_verdict_falls_back_to_synthetic_only_when_cifar_cannot_be_fetched():
@@ -502,12 +488,39 @@ def test_docs_gpu_md_lists_every_check():
     assert not missing, f"docs/gpu.md's table lacks {missing}"
 
 
-def _consolidate_on_gloo():
-    from tests.support import engine_runs
-    return engine_runs.consolidate_offload_run(2)
+def _consolidate_on_gloo(folder):
+    return gc.consolidate_rank(1, folder)
 
 
-def test_the_consolidate_driver_runs_on_cpu_ranks():
+def test_the_consolidate_driver_runs_on_cpu_ranks(tmp_path):
     from tests.support.launcher import run_ranks
-    for r in run_ranks(_consolidate_on_gloo, world_size=2, timeout=180):
-        assert r["master_on_host"] and r["own_slice_is_master"] and r["finite"], r
+    for r in run_ranks(_consolidate_on_gloo, world_size=2, args=(str(tmp_path / "ckpt"),), timeout=180):
+        assert r["master_on_host"] and r["equals_checkpoint"] and r["finite"], r
+
+
+def test_sigterm_stops_the_running_check_and_skips_the_rest(tmp_path, monkeypatch):
+    """`timeout` (the lease's parts) ends gpu_check with SIGTERM: the running command is stopped
+    (it would otherwise outlive us in its own session), that check FAILs, the rest SKIP, and
+    the report of what finished is written after every check."""
+    import signal
+    old = signal.getsignal(signal.SIGTERM)
+    py = sys.executable
+    pidfile = tmp_path / "child.pid"
+    term = (f"import os, signal, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+            "os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)")
+    checks = [gc.Check("first", "", steps=[[gc.Proc([py, "-c", "pass"], "first.log")]]),
+              gc.Check("killed", "", steps=[[gc.Proc([py, "-c", term], "killed.log")]]),
+              gc.Check("later", "", steps=[[gc.Proc([py, "-c", "pass"], "later.log")]])]
+    written = []
+    try:
+        gc.stop_on_sigterm()
+        rows = gc.run_all(checks, tmp_path, lambda rows: written.append(len(rows)))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    done = {name: r for name, r, _ in rows}
+    assert done["first"].status == "PASS" and done["killed"] == gc.Result("FAIL", "stopped (SIGTERM) while running")
+    assert done["later"] == gc.Result("SKIP", "stopped (SIGTERM) before it ran")
+    assert written == [1, 2, 3]
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

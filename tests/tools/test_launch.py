@@ -200,17 +200,44 @@ def test_shellcheck(name):
 def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(tmp_path):
     """launch/gpu_lease.sh on a machine without a GPU: the env part still writes env.txt (what
     the box has, or why not), an unknown part is named in one line and skipped, and every part
-    leaves its line in lease.log, in the order asked."""
+    leaves its line in lease.log, in the order asked (the wheels part first, always)."""
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env", "bogus"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
                                                     "GPU_LEASE_WHEELS": str(tmp_path / "no-wheels")})
     assert r.returncode == 0, r.stderr
     log = (out / "lease.log").read_text().splitlines()
-    assert len(log) == 2 and " env: exit " in log[0] and "unknown part bogus" in log[1], log
-    assert (out / "env.txt").stat().st_size > 0
+    assert len(log) == 3 and " wheels: exit 0 " in log[0] and " env: exit " in log[1] \
+        and "unknown part bogus" in log[2], log
+    assert "budget 25 s" in log[1]
+    assert "torch.distributed.set_timeout: " in (out / "env.txt").read_text()
     assert r.stderr == ""
 
+
+def test_gpu_lease_plan_fits_eight_minutes_and_starts_python_as_python3():
+    """--plan (or --dry-run) on any machine: each part with its time budget and its commands;
+    the budgets add up to at most 8 minutes; every Python it starts is python3 (the lent image
+    may have no `python`), and so is every other launch script's."""
+    for flag in ("--plan", "--dry-run"):
+        r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), flag], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHON"})
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        parts = re.findall(r"^  (\w+)\s+(\d+) s$", r.stdout, re.M)
+        assert [p for p, _ in parts] == ["wheels", "env", "nccl", "readme", "regress", "memory", "fp16", "ds", "full"]
+        assert sum(int(b) for _, b in parts) <= 480
+        assert f"{sum(int(b) for _, b in parts)} s of a 480 s limit" in r.stdout
+        commands = re.findall(r"^\s+\$ (.*)$", r.stdout, re.M)
+        assert len(commands) >= len(parts)
+        assert not [c for c in commands if re.match(r"(python|torchrun)\b", c.split()[0])], commands
+        assert any("--nproc-per-node 1 launch/nccl_ws1.py" in c for c in commands)
+        assert any("-m minizero.train --stage 3" in c and "--save-every 100" in c for c in commands)
+        assert any("--resume" in c and "--max-steps 200" in c for c in commands)
+    documented = re.findall(r"^\| `(\w+)` \| (\d+) \|", (ROOT / "docs" / "gpu.md").read_text(), re.M)
+    assert documented == parts, "docs/gpu.md's lease table and the script's budgets differ"
+    bare = re.compile(r"(^|[\s;&|(=-])python([\s;&|)}]|$)")   # `python x`, PY=python, ${PYTHON:-python}
+    for path in sorted(LAUNCH.glob("*.sh")) + sorted(LAUNCH.glob("*.sbatch")):
+        code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith(("#", "echo "))]
+        assert not [ln for ln in code if bare.search(ln)], path.name
 
 
 def _wheel(folder, name: str, source: str):
@@ -247,7 +274,7 @@ def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
                                          "TMPDIR": str(scratch)})
     assert r.returncode == 0, r.stderr
     log = (out / "lease.log").read_text().splitlines()
-    assert "wheels: installed 1 from " in log[0] and " env: exit " in log[1], log
+    assert "wheels: installed 1 from " in log[0] and " wheels: exit 0 " in log[1] and " env: exit " in log[2], log
     assert "the carried stand-in for deepspeed was imported" in (out / "env.txt").read_text()
     with tarfile.open(out / "logs.tgz") as tgz:   # the logs, not the installed packages' own .txt files
         assert not [n for n in tgz.getnames() if "site" in n.split("/")], tgz.getnames()
