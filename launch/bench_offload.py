@@ -242,7 +242,7 @@ def copy_counts(engine, lib: str) -> dict | None:
     st = engine.comm_stats()
     out = {"d2h": st["d2h"]["bytes"], "h2d": st["h2d"]["bytes"],
            "wire": sum(st[op]["wire_bytes"] for op in COLLECTIVES)}
-    if engine.offload is not None and engine.offload.swappers:   # "nvme": file reads and writes
+    if engine.offload is not None and engine.offload.tier is not None:   # "nvme": file reads and writes
         out.update({op: st.get(op, {}).get("bytes", 0) for op in ("nvme_read", "nvme_write")})
     return out
 

@@ -5,8 +5,8 @@ size 1, each issued late, and the result bit for bit the run with no process gro
     python3 launch/nccl_ws1.py --out nccl_ws1.json        # the same on the CPU: one gloo rank
 
 Why: at world size 1 minizero's collectives are local copies (comm.py), so a one-GPU box never
-runs NCCL, and NCCL refuses two ranks on one device. With `MINIZERO_COLLECTIVES_AT_WORLD_SIZE_1
-=backend` (COLLECTIVES_SWITCH below) the core sends them through the process group even at
+runs NCCL, and NCCL refuses two ranks on one device. With `MINIZERO_ONE_RANK_COLLECTIVES=backend`
+(COLLECTIVES_SWITCH below, read when an engine is built) the core sends them through the process group even at
 one rank: an all-reduce, reduce-scatter or all-gather of one rank is a copy done by NCCL, on
 NCCL's stream, with NCCL's handles and stream waits, the machinery a job of many GPUs depends
 on. What could go wrong there is timing: a result read before its collective finished, an
@@ -47,9 +47,10 @@ import kit  # noqa: E402
 
 kit.bootstrap()
 
-# The core's switch that sends collectives through the process group at world size 1 (one
-# place, so a rename in the core is one line here).
-COLLECTIVES_SWITCH = ("MINIZERO_COLLECTIVES_AT_WORLD_SIZE_1", "backend")
+from minizero.process_group import ONE_RANK_ENV  # noqa: E402
+
+# The core's switch that sends collectives through the process group at world size 1.
+COLLECTIVES_SWITCH = (ONE_RANK_ENV, "backend")
 DELAY_S = 1e-3            # how late each collective is issued
 SLEEP_CYCLES = 2_000_000  # torch.cuda._sleep's spin: about a millisecond at a GPU's 1.5-2 GHz
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -28,10 +28,6 @@ def test_every_case_through_gloo_late_is_bit_identical_to_no_process_group():
     from minizero.runtime.spawn import run_ranks
     res = run_ranks(_one_gloo_rank, 1, group=False, timeout=600)[0]
     assert res["backend"] == "gloo" and set(res["cases"]) == set(check_mod.CASES)
-    name = check_mod.COLLECTIVES_SWITCH[0]
-    ignored = [c for c, r in res["cases"].items() if "the core ignored" in r["reason"]]
-    if len(ignored) == len(res["cases"]):
-        pytest.xfail(f"the core does not yet send collectives through the backend at world size 1 ({name})")
     for case, r in res["cases"].items():
         assert r["identical"], (case, r["reason"])
         stage = check_mod.CASES[case][0]
