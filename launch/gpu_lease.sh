@@ -29,7 +29,7 @@
 #   pip wheel --no-deps -w .whl deepspeed              # pure Python without its ops (DS_BUILD_OPS unset)
 # (einops, msgpack, ninja, psutil, py-cpuinfo, packaging and tqdm are on the box already.)
 #
-# OUT receives lease.log (one line per part: exit status and seconds), env.txt, nccl_ws1.json,
+# OUT receives parts.log (one line per part: exit status and seconds), env.txt, nccl_ws1.json,
 # readme.txt, regress.md, memory.md, fp16.md, ds.md, full.md and logs.tgz (every log and
 # summary.json, no checkpoints).
 set -uo pipefail
@@ -51,7 +51,7 @@ WORK=OUT/work
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1)
 WHEELS=${GPU_LEASE_WHEELS:-.whl}
 
-log() { [ "$PLAN" = 1 ] || echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/lease.log"; }
+log() { [ "$PLAN" = 1 ] || echo "gpu_lease $(date +%H:%M:%S) $*" | tee -a "$OUT/parts.log"; }
 
 # run LOG CMD...: one command under what is left of its part's budget: SIGTERM GRACE s before
 # the part's end (gpu_check then stops its own commands and writes its table), SIGKILL at the

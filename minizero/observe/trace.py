@@ -64,6 +64,12 @@ from .. import comm
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
 _open_tracers: dict = {}   # id(engine) -> its open Tracer (one at a time per engine)
+_last_tracer: dict = {}    # id(engine) -> its latest Tracer, open or closed (tracer_of)
+
+
+def tracer_of(engine) -> "Tracer | None":
+    """The engine's latest tracer, open or closed (the trainer reads which steps it traced)."""
+    return _last_tracer.get(id(engine))
 
 
 def start(engine, out_dir: str, steps=None) -> "Tracer":
@@ -121,7 +127,7 @@ class Tracer:
         self.traced_steps: list[int] = []
         os.makedirs(out_dir, exist_ok=True)
         self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
-        _open_tracers[id(engine)] = self
+        _open_tracers[id(engine)] = _last_tracer[id(engine)] = self
         comm.observers.append(self)
 
     # ---------------------------------------------------------------- steps

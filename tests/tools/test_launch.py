@@ -200,13 +200,13 @@ def test_shellcheck(name):
 def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(tmp_path):
     """launch/gpu_lease.sh on a machine without a GPU: the env part still writes env.txt (what
     the box has, or why not), an unknown part is named in one line and skipped, and every part
-    leaves its line in lease.log, in the order asked (the wheels part first, always)."""
+    leaves its line in parts.log, in the order asked (the wheels part first, always)."""
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env", "bogus"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
                                                     "GPU_LEASE_WHEELS": str(tmp_path / "no-wheels")})
     assert r.returncode == 0, r.stderr
-    log = (out / "lease.log").read_text().splitlines()
+    log = (out / "parts.log").read_text().splitlines()
     assert len(log) == 3 and " wheels: exit 0 " in log[0] and " env: exit " in log[1] \
         and "unknown part bogus" in log[2], log
     assert "budget 25 s" in log[1]
@@ -273,7 +273,7 @@ def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
                        timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_LEASE_WHEELS": str(wheels),
                                          "TMPDIR": str(scratch)})
     assert r.returncode == 0, r.stderr
-    log = (out / "lease.log").read_text().splitlines()
+    log = (out / "parts.log").read_text().splitlines()
     assert "wheels: installed 1 from " in log[0] and " wheels: exit 0 " in log[1] and " env: exit " in log[2], log
     assert "the carried stand-in for deepspeed was imported" in (out / "env.txt").read_text()
     with tarfile.open(out / "logs.tgz") as tgz:   # the logs, not the installed packages' own .txt files
