@@ -268,6 +268,25 @@ class GradReduction:
             f.grad_shard = self.result
 
 
+def all_gather_coalesced(flats: list[FlatParam], label: str) -> None:
+    """Several FlatParams cut the same way, gathered by one collective: this rank's shards laid
+    end to end, one all-gather, then each FlatParam's slice of every rank copied into its full
+    buffer. ZeRO-3's persistent FlatParams after the step: one small collective per unit would
+    cost each its call's latency and host time (DeepSpeed gathers them in one call too).
+    The same bytes per rank as separate gathers."""
+    if len(flats) == 1:
+        flats[0].all_gather()
+        return
+    n = flats[0].num_shards
+    mine = torch.cat([f.shard for f in flats])
+    everyone = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
+    comm.all_gather_into_tensor(everyone, mine, label=label, group=flats[0].sharding.group)
+    rows, at = everyone.view(n, -1), 0
+    for f in flats:
+        f.full.view(n, f.shard_numel).copy_(rows[:, at:at + f.shard_numel])
+        at += f.shard_numel
+
+
 def all_gather_params(flats: list[FlatParam]) -> None:
     """ZeRO-1/2 after the step: every rank gets every updated slice. Each FlatParam's gather
     is issued back to back and all are waited for before returning: the gathers overlap one
