@@ -70,13 +70,13 @@ class GradBuckets:
     def __init__(self, buckets: list[Bucket], reduce, *, every_micro_step: bool, overlap: bool):
         self.buckets, self.reduce = buckets, reduce
         self.every_micro_step, self.overlap = every_micro_step, overlap
-        self.bucket_of = {id(p): b for b in buckets for p in b.params}
         self.in_flight: list = []
         self.active = False     # reducing from hooks in this backward
         if every_micro_step or overlap:   # else no backward ever reduces: no hook to call at all
             for b in buckets:
+                hook = self.hook_for(b)
                 for p in b.params:
-                    p.register_post_accumulate_grad_hook(self.grad_ready)
+                    p.register_post_accumulate_grad_hook(hook)
 
     def prepare_backward(self, boundary: bool) -> None:
         """Before a micro-step's backward: reduce in it? (every micro-step, or the last with overlap)"""
@@ -84,14 +84,17 @@ class GradBuckets:
         for b in self.buckets:
             b.arrived, b.reduced = 0, False
 
-    def grad_ready(self, p) -> None:
-        """post_accumulate_grad hook: the bucket's last gradient issues its reduction."""
-        if not self.active:
-            return
-        b = self.bucket_of[id(p)]
-        b.arrived += 1
-        if b.arrived == len(b.params):
-            self.issue(b)
+    def hook_for(self, b: Bucket):
+        """The post_accumulate_grad hook of b's parameters: the bucket's last gradient issues
+        its reduction (one closure per bucket: a backward calls it once per parameter)."""
+        expected = len(b.params)
+
+        def grad_ready(_param) -> None:
+            if self.active:
+                b.arrived += 1
+                if b.arrived == expected:
+                    self.issue(b)
+        return grad_ready
 
     def issue(self, bucket: Bucket, async_op: bool | None = None) -> None:
         bounded = async_op is None and self.overlap   # from backward's hooks: bound what is in flight

@@ -134,7 +134,24 @@ def _label(op: str, label: str | None):
 #   end(token, op, label, nbytes, wire_bytes, msg_bytes)   it is done
 #   failed(error, op, label, tensor, nbytes) -> Exception | None   the backend raised: a better error
 #   log_summary(show_straggler, return_dict)   deepspeed.comm.log_summary (the comms logger's)
+# A tool joins with subscribe(observer) and leaves with unsubscribe(observer).
 observers: list = []
+_watchers: tuple = ()   # the observers with begin/end/blocking: what each collective announces to
+
+
+def subscribe(observer, first: bool = False) -> None:
+    """Watch the engines of this process (idempotent); `first`: before those already here."""
+    global _watchers
+    if observer not in observers:
+        observers.insert(0, observer) if first else observers.append(observer)
+    _watchers = tuple(o for o in observers if any(hasattr(o, e) for e in ("begin", "end", "blocking")))
+
+
+def unsubscribe(observer) -> None:
+    global _watchers
+    if observer in observers:
+        observers.remove(observer)
+    _watchers = tuple(o for o in observers if any(hasattr(o, e) for e in ("begin", "end", "blocking")))
 
 
 def announce(event: str, *args) -> None:
@@ -222,19 +239,22 @@ def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_b
     handle; the collective is counted now and finishes (for the observers too) at Pending.wait().
     check: (tensor, keep): the tensor that names the collective (on a timeout, for the desync
     check), and for Pending what to keep alive."""
-    msg = nbytes if msg_bytes is None else msg_bytes
     tensor = check[0] if check else None
-    watching = list(observers)
+    watching = _watchers
     with _label(op, label):
-        tokens = [w.begin(op, label, tensor, nbytes, group) if hasattr(w, "begin") else None for w in watching]
+        tokens = [w.begin(op, label, tensor, nbytes, group) if hasattr(w, "begin") else None
+                  for w in watching] if watching else ()
         try:
             work = call()
         except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one
-            named = _failure(e, op, label, tensor, nbytes) if watching else None
+            named = _failure(e, op, label, tensor, nbytes) if observers else None
             if named is None:
                 raise
             raise named from e
     ledger.record(op, nbytes, wire_bytes, label, wire_bytes > 0 and sends_across_nodes(group))
+    if not watching:   # nobody times or checks collectives: nothing to tell at the end
+        return Pending(op, label, work, None, nbytes, *check) if async_op else None
+    msg = nbytes if msg_bytes is None else msg_bytes
 
     def finish() -> None:
         for w, token in zip(watching, tokens):
@@ -246,8 +266,7 @@ def _issue(op: str, label: str | None, call, nbytes: int, wire_bytes: int, msg_b
             if hasattr(w, "blocking"):
                 w.blocking(token)
     if not async_op:
-        if watching:
-            finish()
+        finish()
         return None
     return Pending(op, label, work, finish, nbytes, *check, blocking=blocking)
 
@@ -264,7 +283,8 @@ class Pending:
     """
 
     def __init__(self, op: str, label: str | None, work, finish, nbytes: int, tensor: torch.Tensor, keep: tuple,
-                 blocking):
+                 blocking=None):
+        """finish / blocking: what to tell the observers at the wait (None: nobody listens)."""
         self.op, self.label, self.work, self._finish, self._blocking = op, label, work, finish, blocking
         self.nbytes, self.tensor, self.keep = nbytes, tensor, keep
         self.done = False
@@ -273,7 +293,8 @@ class Pending:
         if self.done:
             return
         with _label(f"wait::{self.op}", self.label):
-            self._blocking()   # the observers note when this rank starts to wait on it
+            if self._blocking is not None:
+                self._blocking()   # the observers note when this rank starts to wait on it
             if self.work is not None:
                 try:
                     self.work.wait()
@@ -282,7 +303,8 @@ class Pending:
                     if named is None:
                         raise
                     raise named from e
-            self._finish()
+            if self._finish is not None:
+                self._finish()
         self.done, self.work, self.keep, self.tensor = True, None, (), None
 
 
@@ -291,18 +313,16 @@ class Pending:
 # name and the ledger's per-label breakdown, and async_op: False (the default) returns when
 # the collective is done; True returns a Pending to wait() on before touching the tensors.
 
-_crosses: dict = {}   # (group, world size, rank) -> does this rank's ring successor sit on another node?
-
-
 def sends_across_nodes(group=None) -> bool:
     """On the ring of `group` (default: all ranks), in its rank order, is the rank this rank
-    sends to on another node? Asked once per group."""
-    key = (group, get_world_size(), get_rank())
-    if key not in _crosses:
+    sends to on another node? Worked out once per group (process_group.py forgets the answers
+    when a process group starts or ends)."""
+    crosses = _pg.ring_crosses_node
+    if group not in crosses:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(get_world_size()))
         me = ranks.index(get_rank())
-        _crosses[key] = node_of(ranks[(me + 1) % len(ranks)]) != node_of(get_rank())
-    return _crosses[key]
+        crosses[group] = node_of(ranks[(me + 1) % len(ranks)]) != node_of(get_rank())
+    return crosses[group]
 
 
 def local_at_one_rank(n: int) -> bool:

@@ -50,6 +50,7 @@ units' `state`, `in_use`, `partitioned_numel` and their shared count of elements
 """
 from __future__ import annotations
 
+import bisect
 from enum import Enum, auto
 
 from .unit import ShardState
@@ -71,7 +72,13 @@ class Prefetcher:
         self.mode = TraceMode.RECORD
         self.order: list = []            # the recorded fetch order: units
         self.next = 0                    # index into order of the next fetch
-        self.covered_to: dict = {}       # unit -> furthest trace index a prefetch walk passed it at
+        self.walked_to = -1              # the furthest trace index a prefetch walk passed this pass
+        # once the trace is complete: where each unit comes in it, and the elements fetched
+        # before each index (so "used again within N elements" is a lookup, not a walk)
+        self.positions: dict = {}
+        self.prefix: list = [0]
+        self.total_numel = sum(u.partitioned_numel for u in units)
+        self.all_partitioned = False     # every unit in the trace has something to gather
 
     # ------------------------------------------------------------------ fetch
     def before_fetch(self, unit) -> list:
@@ -102,22 +109,27 @@ class Prefetcher:
         up to the prefetch bucket and the live limit (DeepSpeed's loop, with the limit never
         crossed). Moves the step on to the next fetch."""
         chosen = []
-        if self.mode is TraceMode.COMPLETE:
-            budget = min(self.max_live_numel - self.live_numel(), self.prefetch_numel)
-            issued = 0
-            for i in range(self.next + 1, len(self.order)):
-                u = self.order[i]
-                self.covered_to[u] = max(self.covered_to.get(u, -1), i)
-                if u in chosen or u.state is not ShardState.SHARDED:   # chosen already, or gathered
-                    continue
-                numel = u.partitioned_numel
-                if issued + numel > budget:
-                    break
-                if numel:   # a unit of persistent parameters only is never gathered
-                    chosen.append(u)
-                issued += numel
-                if issued >= budget:
-                    break
+        order, start = self.order, self.next + 1
+        if self.mode is TraceMode.COMPLETE and start < len(order):
+            live = self.live_numel()
+            if live == self.total_numel and self.all_partitioned:
+                last = len(order) - 1        # all gathered: the walk passes every unit, choosing none
+            else:
+                budget = min(self.max_live_numel - live, self.prefetch_numel)
+                issued = 0
+                for last in range(start, len(order)):
+                    u = order[last]
+                    if u.state is not ShardState.SHARDED or u in chosen:   # gathered, or chosen already
+                        continue
+                    numel = u.partitioned_numel
+                    if issued + numel > budget:
+                        break
+                    if numel:   # a unit of persistent parameters only is never gathered
+                        chosen.append(u)
+                    issued += numel
+                    if issued >= budget:
+                        break
+            self.walked_to = max(self.walked_to, last)
         self.next += 1
         return chosen
 
@@ -129,18 +141,16 @@ class Prefetcher:
                 and self.live_numel() <= self.max_live_numel)
 
     def _used_again_soon(self, unit) -> bool:
-        """Within stage3_max_reuse_distance elements of upcoming fetches (DeepSpeed's
-        __params_to_release), or a prefetch walk already went past its next use."""
-        if self.covered_to.get(unit, -1) >= self.next:
-            return True
-        traversed = 0
-        for u in self.order[self.next:]:
-            if traversed >= self.reuse_numel:
-                return False
-            if u is unit:
-                return True
-            traversed += u.partitioned_numel
-        return False
+        """Its next use is within stage3_max_reuse_distance elements of upcoming fetches
+        (DeepSpeed's __params_to_release), or a prefetch walk already went past it. (The walks
+        of one pass start one index later each time and pass at least one index, so together
+        they passed every index from the pass's first to walked_to.)"""
+        at = self.positions.get(unit, ())
+        i = bisect.bisect_left(at, self.next)
+        if i == len(at):
+            return False
+        p = at[i]
+        return p <= self.walked_to or self.prefix[p] - self.prefix[self.next] < self.reuse_numel
 
     # ------------------------------------------------------------------ resets
     def invalidate(self) -> list:
@@ -158,10 +168,18 @@ class Prefetcher:
         free = self._gathered()
         if self.mode is TraceMode.RECORD and self.reads_ahead:
             self.mode = TraceMode.COMPLETE
+            self._index_trace()
         elif self.mode is TraceMode.INVALID:
             self.mode, self.order = TraceMode.RECORD, []
-        self.next, self.covered_to = 0, {}
+        self.next, self.walked_to = 0, -1
         return free
+
+    def _index_trace(self) -> None:
+        self.positions, self.prefix = {}, [0]
+        for i, u in enumerate(self.order):
+            self.positions.setdefault(u, []).append(i)
+            self.prefix.append(self.prefix[-1] + u.partitioned_numel)
+        self.all_partitioned = all(u.partitioned_numel for u in self.order)
 
     def reset(self) -> list:
         """A pass ended without backward (an evaluation forward), or the optimizer has written
@@ -171,7 +189,7 @@ class Prefetcher:
         free = self._gathered()
         if self.mode is TraceMode.RECORD:
             self.order = []
-        self.next, self.covered_to = 0, {}
+        self.next, self.walked_to = 0, -1
         return free
 
     def _gathered(self) -> list:

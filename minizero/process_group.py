@@ -24,6 +24,7 @@ from .launcher_env import launcher_rank
 
 ONE_RANK_ENV = "MINIZERO_ONE_RANK_COLLECTIVES"   # "backend": at world size 1, still through the backend (comm.py)
 one_rank_through_backend = False                # read from ONE_RANK_ENV when the group starts
+ring_crosses_node: dict = {}                    # comm.sends_across_nodes' answers, per group, for this group
 
 
 class LaunchError(RuntimeError):
@@ -48,6 +49,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
     """
     global one_rank_through_backend
     one_rank_through_backend = os.environ.get(ONE_RANK_ENV) == "backend"
+    ring_crosses_node.clear()   # a new engine: a new topology, maybe (MINIZERO_RANKS_PER_NODE)
     if dist.is_available() and dist.is_initialized():
         if get_device().type == "cuda":
             torch.cuda.set_device(get_device())
@@ -192,7 +194,7 @@ def barrier() -> None:
 def destroy() -> None:
     """Tear the group down and stop its threads; on a clean exit, every rank together.
 
-    Why (issue 8, a crash at exit in about 1 launch in 30): gloo runs each collective on a
+    Why (without it, a crash at exit in about one launch in 30): gloo runs each collective on a
     worker thread, which lets go of the collective's tensors a moment *after* the caller
     has its result. If the tensors' Python objects are gone by then, letting go needs the
     GIL, and during interpreter shutdown CPython ends the thread inside that C++ destructor:
@@ -215,6 +217,7 @@ def destroy() -> None:
     if sys.exc_info()[0] is None:
         dist.barrier()
     dist.destroy_process_group()
+    ring_crosses_node.clear()
 
 
 def single_host_env(rank: int, world_size: int, port: int) -> dict[str, str]:

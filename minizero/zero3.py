@@ -19,7 +19,8 @@ What this file adds to ZeRO-2 (zero2.py), and all it adds:
   2. forward and backward: each Unit's hooks gather and free it (unit.py), when the
      Prefetcher says (prefetch.py);
   3. end of backward: nothing stays gathered into the step;
-  4. step: `after_step` gathers only the persistent parameters (the rest on next use).
+  4. step: `after_step` gathers only the persistent parameters, all in one collective (the
+     rest on next use).
 
 Per optimizer step every parameter is all-gathered twice (forward, backward) and its
 gradient reduce-scattered once: 3Ψ(N-1)/N on the wire per rank, 1.5x stage 0's
@@ -39,8 +40,9 @@ reduce-scatters run asynchronously too (buckets.py).
 Small parameters (at most `stage3_param_persistence_threshold` elements, DeepSpeed's
 default 1e5) are *persistent*: kept gathered on every rank like ZeRO-2 (their optimizer
 state and gradient stay partitioned) because gathering many tiny tensors costs more in
-latency than their memory is worth. They are all-gathered once, after the step. At the
-default, every parameter of a small model is persistent and ZeRO-3 gathers nothing.
+latency than their memory is worth. They are all-gathered once, after the step, every
+unit's in one collective. At the default, every parameter of a small model is persistent and
+ZeRO-3 gathers nothing in forward or backward.
 
 Each (unit, param group) is one FlatParam (flat_param.py): the unit's parameters of that
 group flattened, padded to a multiple of N, and cut into N slices. DeepSpeed instead pads
@@ -52,7 +54,7 @@ from __future__ import annotations
 from torch import nn
 
 from . import comm, hierarchy
-from .flat_param import build_flat
+from .flat_param import all_gather_coalesced, build_flat
 from .partition import FlatPlan
 from .prefetch import Prefetcher
 from .unit import LiveNumel, Unit, find_units
@@ -97,8 +99,9 @@ class Zero3(Zero2):
             u.reshard()
         for f in self.flat_params:
             f.drop_secondary()   # hpZ: the next release cuts it from the new parameters
-            if f.persistent:
-                f.all_gather()
+        persistent = [f for f in self.flat_params if f.persistent]
+        if persistent:
+            all_gather_coalesced(persistent, label="all.persist.params")
 
 
 def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int,

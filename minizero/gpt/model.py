@@ -180,7 +180,7 @@ def sample(model, x, steps, temperature=1.0, top_k=None):
             logits = logits[:, -1, :].float() / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -math.inf
+                logits.masked_fill_(logits < v[:, [-1]], -math.inf)   # a mask, not a boolean index: no host sync
             probs = F.softmax(logits, dim=-1)
             ix = torch.multinomial(probs, num_samples=1)
             x = torch.cat((x, ix), dim=1)

@@ -100,11 +100,11 @@ def start(engine) -> None:
     which DeepSpeed's logger times too."""
     global current
     if current in comm.observers:
-        comm.observers.remove(current)
+        comm.unsubscribe(current)
     current = None
     if engine.config.comms_logger.enabled:
         current = CommsLogger(engine.config.comms_logger, engine.world_size, engine.global_rank, engine.device)
-        comm.observers.append(current)
+        comm.subscribe(current)
 
 
 class CommsLogger:

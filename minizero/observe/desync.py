@@ -81,6 +81,10 @@ def configure(check: bool = False, timeout_s: float | None = None) -> None:
     guard.check = bool(check) or debug_env()
     guard.seq = 0
     guard.timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
+    if guard.check:
+        comm.subscribe(agreement, first=True)   # first: it checks before the others time the call
+    else:
+        comm.unsubscribe(agreement)
     if not (dist.is_available() and dist.is_initialized()):
         return
     if guard.check and dist.get_backend() == "nccl":
@@ -147,9 +151,8 @@ def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
 
 
 class DesyncCheck:
-    """comm.py's observer: where the engine is, the check before each collective (while the
-    switch is on; on the default group only: a subgroup's ranks are not all of them), and a
-    backend error or timeout named. Copies and world size 1 are no collectives between ranks."""
+    """comm.py's observer, always on: where the engine is (for the messages), and a backend
+    error or timeout named. Copies and world size 1 are no collectives between ranks."""
 
     def engine_starts(self, engine) -> None:   # before the engine's first collective
         configure(engine.config.collectives.check, engine.config.collectives.timeout_s)
@@ -158,11 +161,23 @@ class DesyncCheck:
     def phase_begins(self, name: str, engine) -> None:
         set_phase(name, engine.global_steps, engine.micro_steps)
 
+    def failed(self, e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int):
+        if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        return _named(e, op, label, t, nbytes)
+
+
+class AgreementCheck:
+    """comm.py's observer while the desync check is on (configure subscribes it): the check
+    before each collective (on the default group only: a subgroup's ranks are not all of
+    them), and under NCCL each collective waited for on the host, named. Off, a collective
+    pays nothing for it."""
+
     def begin(self, op: str, label: str | None, t: torch.Tensor, nbytes: int, group):
         if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         try:
-            if guard.check and group is None:
+            if group is None:
                 check_agreement(op, label, t)   # a rank left alone times out here
         except CollectiveMismatch:
             raise
@@ -176,11 +191,6 @@ class DesyncCheck:
         NCCL + the check, block until it has really run (wait_named)."""
         if token is not None:
             wait_named(token[0], op, label, nbytes)
-
-    def failed(self, e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int):
-        if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size() == 1:
-            return None
-        return _named(e, op, label, t, nbytes)
 
 
 def wait_named(t: torch.Tensor, op: str, label: str | None, nbytes: int) -> None:
@@ -202,12 +212,13 @@ def wait_named(t: torch.Tensor, op: str, label: str | None, nbytes: int) -> None
 
 
 check = DesyncCheck()
+agreement = AgreementCheck()
 
 
 def subscribe() -> None:
     """Watch every collective of this process (once; minizero.initialize calls it)."""
     if check not in comm.observers:
-        comm.observers.insert(0, check)   # first: the check runs before the others time the call
+        comm.subscribe(check, first=True)   # first: the check runs before the others time the call
 
 
 def _named(e: RuntimeError, op: str, label: str | None, t: torch.Tensor, nbytes: int) -> CollectiveError:

@@ -30,4 +30,4 @@ def subscribe() -> None:
     """Watch every engine of this process from now on (idempotent)."""
     desync.subscribe()
     if switches not in comm.observers:
-        comm.observers.append(switches)
+        comm.subscribe(switches)

@@ -128,7 +128,7 @@ class Tracer:
         os.makedirs(out_dir, exist_ok=True)
         self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
         _open_tracers[id(engine)] = _last_tracer[id(engine)] = self
-        comm.observers.append(self)
+        comm.subscribe(self)
 
     # ---------------------------------------------------------------- steps
     def wants(self, step: int) -> bool:
@@ -297,7 +297,7 @@ class Tracer:
             return []
         self.closed = True
         self.recording = False   # a run that ended inside a traced step: keep what it recorded
-        comm.observers.remove(self)
+        comm.unsubscribe(self)
         _open_tracers.pop(id(self.engine), None)
         paths = [self._write(f"rank{self.rank}.json", self.document())]
         if failed:

@@ -60,11 +60,11 @@ def _minizero_stage(stage: int) -> dict:
     model, groups = build_model(A.MODEL_FN, cfg, 0, None)
     engine = minizero.initialize(model=model, model_parameters=groups, config=cfg)[0]
     watch = InFlight()
-    comm.observers.append(watch)
+    comm.subscribe(watch)
     try:
         train_steps(engine, A.BATCHES, STEPS, lambda e: 1.0, None, None)
     finally:
-        comm.observers.remove(watch)
+        comm.unsubscribe(watch)
     return {"peak": watch.peak, "buckets": [f.padded_numel * 2 for f in engine.stage.flat_params]}
 
 

@@ -44,7 +44,7 @@ class Watcher:
 
 def test_observers_hear_phases_and_each_collective_an_asynchronous_one_at_its_wait():
     w = Watcher()
-    comm.observers.append(w)
+    comm.subscribe(w)
     try:
         with comm.phase("grad_norm", "engine"):
             comm.all_reduce(torch.ones(1), label="n")
@@ -54,7 +54,7 @@ def test_observers_hear_phases_and_each_collective_an_asynchronous_one_at_its_wa
         pending.wait()                                   # a second wait does nothing
         assert comm.listening("phase_begins") and not comm.listening("unit_begins")
     finally:
-        comm.observers.remove(w)
+        comm.unsubscribe(w)
     assert heard_before_wait == [("begins", "grad_norm"), ("begin", "all_reduce", "n"), ("end", "all_reduce", "n"),
                                  ("ends", "grad_norm"), ("begin", "all_reduce", "late")]
     assert w.seen[len(heard_before_wait):] == [("blocking", "all_reduce"), ("end", "all_reduce", "late")]
@@ -63,7 +63,7 @@ def test_observers_hear_phases_and_each_collective_an_asynchronous_one_at_its_wa
 
 def test_a_phase_that_raises_announces_no_end():
     w = Watcher()
-    comm.observers.append(w)
+    comm.subscribe(w)
     try:
         try:
             with comm.phase("optimizer", "engine"):
@@ -71,5 +71,5 @@ def test_a_phase_that_raises_announces_no_end():
         except ValueError:
             pass
     finally:
-        comm.observers.remove(w)
+        comm.unsubscribe(w)
     assert w.seen == [("begins", "optimizer")]

@@ -91,12 +91,12 @@ def test_unit_marks_announce_each_units_phases_only_while_someone_listens():
     marks.follow_listeners()
     assert marks.handles == []                 # nobody listens: no hooks at all
     listener = Listener()
-    comm.observers.append(listener)
+    comm.subscribe(listener)
     try:
         marks.follow_listeners()
         net(torch.randn(2, 3)).backward()
     finally:
-        comm.observers.remove(listener)
+        comm.unsubscribe(listener)
     marks.follow_listeners()
     assert marks.handles == []
     forward = [e for e in listener.events if e[2] == "forward"]
