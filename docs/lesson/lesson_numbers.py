@@ -359,7 +359,8 @@ def threshold_numbers(v: Numbers, runs: Runs) -> None:
     ledger, events, _ = runs.trace("threshold")
     put_ledger(v, "threshold", ledger)
     labels = [e["args"]["label"] for e in events if e.get("cat") == "collectives" and e["args"]["op"] == "all_gather"]
-    assert labels and all(label.endswith(".persist.params") for label in labels), labels   # none in forward/backward
+    # none in forward or backward; after the step every unit's persistent FlatParams in one call
+    assert labels == ["all.persist.params"] * len(labels) and len(labels) == ledger["all_gather"]["calls"] == 1, labels
     v.put("threshold.ag.after_step", len(labels))
 
 
