@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,7 @@ from .. import comm
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
 _open_tracers: dict = {}   # id(engine) -> its open Tracer (one at a time per engine)
+_last_tracer = weakref.WeakKeyDictionary()   # engine -> its latest Tracer, open or closed (tracer_of)
 
 
 def start(engine, out_dir: str, steps=None) -> "Tracer":
@@ -72,6 +74,12 @@ def start(engine, out_dir: str, steps=None) -> "Tracer":
     tracer and call .close(); with `steps` it closes itself after the last one. A collective
     at the end of each traced step and at close: call on every rank."""
     return Tracer(engine, out_dir, steps)
+
+
+def tracer_of(engine) -> "Tracer | None":
+    """The latest tracer started on `engine` (open, or closed after its last step), or None:
+    the trainer aims it and prints its table (train.py). The engine holds no reference to it."""
+    return _last_tracer.get(engine)
 
 
 class _Clock:
@@ -122,6 +130,7 @@ class Tracer:
         os.makedirs(out_dir, exist_ok=True)
         self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
         _open_tracers[id(engine)] = self
+        _last_tracer[engine] = self
         comm.observers.append(self)
 
     # ---------------------------------------------------------------- steps

@@ -51,7 +51,7 @@ import time
 import torch
 
 from minizero import comm
-from minizero.observe import desync
+from minizero.observe import desync, trace
 from minizero.train import rundir, runlog, train_args
 from minizero.train.divergence import NonFiniteGuard, TrainingDiverged, diverged_message, what_diverged
 # What differs between minizero and DeepSpeed in this script: library.py.
@@ -98,7 +98,7 @@ def train(args, lib: Library) -> None:
 def aim_trace(run: Run) -> None:
     """--trace without --trace-steps means the second step *of this run* (the first after
     warm-up), also after --resume; say where the timeline will go."""
-    tracer = getattr(run.engine, "tracer", None)
+    tracer = trace.tracer_of(run.engine)
     if tracer is None or run.args.trace is None:
         return
     first = run.state["step"] + 1
@@ -117,7 +117,7 @@ def finish_observers(run: Run, status: str) -> None:
     """However the run ended: close the trace (a run that stopped before its traced steps
     writes what it has and says so); a completed traced run prints its collectives table.
     (The comms logger's table: Library.comms_summary.)"""
-    tracer = getattr(run.engine, "tracer", None)
+    tracer = trace.tracer_of(run.engine)
     if tracer is not None and not tracer.closed:
         missed = [s for s in tracer.steps if s not in tracer.traced_steps]
         tracer.close(failed=status != "completed")
