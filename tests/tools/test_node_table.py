@@ -119,3 +119,17 @@ def test_the_table_is_a_real_runs_memory_and_ledger():
     # what the node-aware forms are for: less across the link than ZeRO-3, more memory per rank
     assert want["hsdp"]["link"] < want["hpz"]["link"] < want["zero3"]["link"]
     assert want["zero3"]["states"] < want["hpz"]["states"] < want["hsdp"]["states"]
+
+
+@pytest.mark.parametrize("argv", [["--model", "tutorial", "--nodes", "2", "64", "--ranks-per-node", "4", "8"],
+                                  ["--psi", "7.5e9", "--nodes", "2", "64", "--ranks-per-node", "4", "8"]])
+def test_docs_two_nodes_quotes_the_tables_its_commands_print(argv):
+    """docs/two_nodes.md shows the command and its table, row for row (computed: no process)."""
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[2] / "docs" / "two_nodes.md").read_text()
+    assert "python -m minizero.memory_table " + " ".join(argv) in page
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        memory_table.main(argv)
+    table = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("|"))
+    assert table in page
