@@ -217,8 +217,14 @@ def main(argv=None) -> None:
                 nodes.limit(rate)
                 for name, lib, zero in runs:
                     print(f"bench_two_nodes: {name} {lib}, {link} link ...", flush=True)
-                    results[(name, lib, link)] = run(nodes, lib, config(zero, args.dtype), args,
-                                                     out / f"{link}-{name}-{lib}", free_port())
+                    try:
+                        results[(name, lib, link)] = run(nodes, lib, config(zero, args.dtype), args,
+                                                         out / f"{link}-{name}-{lib}", free_port())
+                    except RuntimeError as e:   # e.g. a rank aborting at exit (launch/stress_exit.sh): once more
+                        print(f"bench_two_nodes: {name} {lib}, {link} link failed, run again: "
+                              f"{str(e).splitlines()[0]}", flush=True)
+                        results[(name, lib, link)] = run(nodes, lib, config(zero, args.dtype), args,
+                                                         out / f"{link}-{name}-{lib}-again", free_port())
     except OSError as e:
         print(f"bench_two_nodes: skipped: cannot make the link here: {e}")
         return

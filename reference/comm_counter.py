@@ -2,7 +2,9 @@
 (reference/train.py under DeepSpeed, reference/torch_train.py under DDP/FSDP2): neither
 library keeps a byte ledger as minizero.comm does. Importing this module installs COUNTER.
 
-Every collective is also recorded under the ranks of the group it ran on (`by_group`), so a
+The wire bytes a rank sends to another node are counted apart (`inter_node_bytes`), by
+minizero's ledger rule, so that `python -m minizero.compare` splits every library's traffic
+alike. Every collective is also recorded under the ranks of the group it ran on (`by_group`), so a
 run with several groups (DeepSpeed's hpZ: the world and a group per "node"; FSDP2's HSDP: a
 shard group and a replicate group) shows which collective crossed which ranks;
 `node_split(by_group, ranks_per_node)` then sorts them into intra-node and inter-node.
@@ -47,10 +49,11 @@ class CommCounter:
     }
 
     def __init__(self):
-        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0} for op in ("all_gather", "reduce_scatter",
-                                                                                 "all_reduce", "broadcast")}
+        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0, "inter_node_bytes": 0}
+                      for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")}
         self.by_group: dict = {}   # (global ranks of the group) -> {op: {"calls", "bytes", "wire_bytes"}}
         self._depth = threading.local()
+        self._across: dict = {}    # group ranks -> does this rank send to another node on their ring
 
     def snapshot(self) -> dict:
         return {op: dict(v) for op, v in self.stats.items()}
@@ -85,6 +88,19 @@ class CommCounter:
         if name == "reduce_scatter":
             return self._nbytes(arg(1, "input_list"))
         return self._nbytes(arg(1, "input_tensor", "input"))   # reduce_scatter_tensor & co.
+
+    def _crosses(self, ranks: tuple) -> bool:
+        """minizero's ledger rule (minizero/comm.py): on the ring over `ranks`, in their order,
+        this rank sends all its bytes to the next one; they cross between nodes when that rank
+        is on another node (process_group.ranks_per_node: consecutive ranks per node)."""
+        if len(ranks) < 2 or not dist.is_initialized():
+            return False
+        if ranks not in self._across:
+            from minizero.process_group import ranks_per_node
+            per_node, me = ranks_per_node(), dist.get_rank()
+            i = ranks.index(me) if me in ranks else None
+            self._across[ranks] = i is not None and ranks[(i + 1) % len(ranks)] // per_node != me // per_node
+        return self._across[ranks]
 
     @staticmethod
     def _group_ranks(group) -> tuple:
@@ -121,6 +137,8 @@ class CommCounter:
                         s["calls"] += 1
                         s["bytes"] += b
                         s["wire_bytes"] += wire
+                    if self._crosses(ranks):
+                        self.stats[op]["inter_node_bytes"] += wire
         counted.__wrapped_by_comm_counter__ = True
         return counted
 

@@ -330,6 +330,8 @@ def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bo
         moved["all_reduce"]["calls"] -= steps
         moved["all_reduce"]["bytes"] -= 8 * steps
         moved["all_reduce"]["wire_bytes"] -= steps * (2 * 8 * (world - 1) // world)
+        if COUNTER._crosses(tuple(range(world))):   # this rank sends that all-reduce to another node
+            moved["all_reduce"]["inter_node_bytes"] -= steps * (2 * 8 * (world - 1) // world)
     out.update(comm=moved, rank=dist.get_rank() if dist.is_initialized() else 0, world_size=world,
                zero_stage=engine.stage, config=cfg)
     if return_final_state:

@@ -110,7 +110,7 @@ def name_of(command: str) -> str:
     for flag, prefix in (("--trace", "trace-"), ("--save-dir", "lesson-")):
         if flag in words:
             return os.path.basename(words[words.index(flag) + 1]).removeprefix(prefix)
-    words = [w for w in words if w not in ("python", "-m") and not w.startswith("runs/")]
+    words = [w for w in words if w not in ("python", "-m") and not w.startswith("runs/") and "=" not in w]
     program = os.path.basename(words[0]).removesuffix(".py").rsplit(".", 1)[-1]
     return "_".join([program] + [w.lstrip("-") for w in words[1:]])[:80]
 
@@ -120,8 +120,13 @@ def run_command(command: str, runs: str) -> str:
     (stdout, then stderr). `torchrun ARGS` is `python -m torch.distributed.run ARGS`;
     `python -m minizero.memory_table ARGS` and `python docs/lesson/X.py ARGS` run their
     main(ARGS) in this process (they compute and start no process: no second import of
-    torch). A command that fails raises with its output's end."""
+    torch); `NAME=value` words in front set the command's environment, as a shell does. A
+    command that fails raises with its output's end."""
     words = words_of(command, runs)
+    env = {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
     if words[0] == "python" and (words[1:3] == ["-m", "minizero.memory_table"] or words[1].startswith("docs/lesson/")):
         if words[1] == "-m":
             from minizero.observe import memory_table
@@ -143,8 +148,7 @@ def run_command(command: str, runs: str) -> str:
         cmd = [sys.executable] + words[1:]
     else:
         cmd = words
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"})
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
     if done.returncode != 0:
         raise RuntimeError(f"{command}: exit status {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return done.stdout + done.stderr
@@ -512,6 +516,54 @@ def offload_numbers(v: Numbers, runs: Runs) -> None:
     v.put("step5.12psi_n", 12 * psi // n)
 
 
+def nodes_numbers(v: Numbers, runs: Runs) -> None:
+    """Part 11: ZeRO-3, hpZ and HSDP on 2 pretended nodes of 2 ranks (MINIZERO_RANKS_PER_NODE=2).
+    The prediction: the tiny GPT's FlatParams padded to 4 (or to 2: HSDP's shards) through
+    hierarchy.step_traffic; the runs: every rank's ledger of the traced step (rank<r>.json),
+    summed per node as the printed table sums it (ledger_table.link_bytes). They must agree."""
+    from minizero.hierarchy import step_traffic
+    from minizero.observe import ledger_table
+    from minizero.observe.memory_table import layout, meta_model
+    from minizero.observe.node_table import layout_costs
+    from minizero.partition import padded_numel
+    model, groups = meta_model("tiny")
+    numels = [p.numel for p in layout(model, groups, 3)]
+    world, per_node, b = 4, 2, 4
+    padded = {n: sum(padded_numel(x, n) for x in numels) for n in (world, per_node)}
+    v.put("nodes.P4", padded[world])
+    v.put("nodes.P2", padded[per_node])
+    v.put("nodes.z4", padded[world] * b)
+    v.put("nodes.z2", padded[per_node] * b)
+    v.put("nodes.z4.wire", padded[world] * b * (world - 1) // world)
+    v.put("nodes.z2.half", padded[per_node] * b // 2)
+    v.put("nodes.norm", 2 * 8 * (world - 1) // world)
+    costs = layout_costs(numels, world // per_node, per_node, "fp32")
+    for scheme in ("zero3", "hpz", "hsdp"):
+        name = f"nodes-{scheme}"
+        ledger, _, other = runs.trace(name)
+        assert other["world_size"] == world and other["ranks_per_node"] == per_node, other
+        (step,) = [int(s) for s in other["ledger"]]
+        docs = [ledger_table.read(os.path.join(runs.folder, f"trace-{name}"), r) for r in range(world)]
+        sent = ledger_table.link_bytes(docs, step)
+        want = {}
+        for rank in range(per_node):
+            for op, (_, x) in step_traffic([padded[per_node if scheme == "hsdp" else world]], b, world, per_node,
+                                           scheme, rank).items():
+                want[op] = want.get(op, 0) + x
+        got = {op: sum(d["otherData"]["ledger"][str(step)][op]["inter_node_bytes"] for d in docs[:per_node])
+               for op in want}
+        # the page's claims: the link carries what the prediction says, op by op, both ways
+        assert got == want and sent == [sum(want.values())] * 2 == [costs[scheme]["link"]] * 2, (scheme, got, want)
+        v.put(f"nodes.{scheme}.link", sent[0])
+        for short, op in OPS.items():
+            v.put(f"nodes.{scheme}.link.{short}", got[op])
+        v.put(f"nodes.{scheme}.r0.wire", sum(c["wire_bytes"] for c in ledger.values()))
+        v.put(f"nodes.{scheme}.r0.inter", sum(c["inter_node_bytes"] for c in ledger.values()))
+        v.put(f"nodes.{scheme}.states", costs[scheme]["states"])
+    v.put("nodes.hpz.ratio", v_int(v, "nodes.hpz.link") / v_int(v, "nodes.zero3.link"), ".2f")
+    v.put("nodes.hsdp.ratio", v_int(v, "nodes.hsdp.link") / v_int(v, "nodes.zero3.link"), ".2f")
+
+
 def comms_numbers(v: Numbers, runs: Runs) -> None:
     """The comms logger's table (DeepSpeed's log_summary) of the side-by-side part's run:
     op, message size and count (its latencies are this machine's and quoted nowhere)."""
@@ -637,6 +689,16 @@ def bank_numbers(v: Numbers) -> None:
         v.put(f"q.ck.{key}", value)
     v.put("q.ck.input", b * t * c * 2)
     v.put("q.ck.inputs12", layers * b * t * c * 2)
+    # Q23: ZeRO-3, hpZ and HSDP for Ψ = 7.5e9 on 64 nodes x 8 GPUs, bf16 (the papers' formulas)
+    from minizero.hierarchy import paper_costs
+    psi, nodes, per_node = 7_500_000_000, 64, 8
+    v.put("q.nodes.psi", "7.5e9")
+    v.put("q.nodes.m", nodes)
+    v.put("q.nodes.l", per_node)
+    v.put("q.nodes.n", nodes * per_node)
+    for scheme, row in paper_costs(psi, nodes, per_node).items():
+        v.put(f"q.nodes.{scheme}.states", gb(row["states"]), ".2f")
+        v.put(f"q.nodes.{scheme}.link", gb(row["link"]), ".1f")
 
 
 # ----------------------------------------------------------------------------- the pages
@@ -653,6 +715,7 @@ def compute(runs: Runs) -> tuple[Numbers, dict]:
     checkpointing_numbers(v, runs)
     offload_numbers(v, runs)
     comms_numbers(v, runs)
+    nodes_numbers(v, runs)
     test_numbers(v, runs)
     bank_numbers(v)
     return v, times

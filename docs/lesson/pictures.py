@@ -11,6 +11,8 @@ place in the class (docs/lesson/slides/README.md gives each its speaker note):
 05-07 timeline_zero1..3  the lesson's stage-1, -2 and -3 runs (minizero.observe.timeline.plot)
 08 wire_bytes          bytes per rank per step, payload and wire, N = 2, 4, 64, tiny GPT
 09 timeline_overlap_on part 3's run with DeepSpeed's overlap, prefetch and reuse knobs
+10 timeline_two_nodes_hpz  part 11's hpZ run on 2 pretended nodes of 2 ranks: rows by node,
+                       the collectives a rank sent across outlined
 
 docs/img/ keeps copies of 01 and 07 under their old names (zero_figure1.png,
 timeline_zero3.png), where docs/zero.md and the README show them.
@@ -187,7 +189,7 @@ def wire_bytes(path: str) -> None:
 
 SLIDES = ("01-zero_figure1.png", "02-memory_tutorial.png", "03-partition_strips.png", "04-collectives.png",
           "05-timeline_zero1.png", "06-timeline_zero2.png", "07-timeline_zero3.png", "08-wire_bytes.png",
-          "09-timeline_overlap_on.png")
+          "09-timeline_overlap_on.png", "10-timeline_two_nodes_hpz.png")
 
 
 def draw_all(runs: str, slides: str, img: str) -> list[str]:
@@ -206,6 +208,7 @@ def draw_all(runs: str, slides: str, img: str) -> list[str]:
         plot(merge(os.path.join(runs, f"trace-z{s}")), paths[f"0{4 + s}-timeline_zero{s}.png"])
     wire_bytes(paths["08-wire_bytes.png"])
     plot(merge(os.path.join(runs, "trace-overlap-on")), paths["09-timeline_overlap_on.png"])
+    plot(merge(os.path.join(runs, "trace-nodes-hpz")), paths["10-timeline_two_nodes_hpz.png"])
     copies = [(paths["01-zero_figure1.png"], os.path.join(img, "zero_figure1.png")),
               (paths["07-timeline_zero3.png"], os.path.join(img, "timeline_zero3.png"))]
     for src, dst in copies:

@@ -11,13 +11,15 @@ DeepSpeed's difference (memory moments, comms summaries) need minizero and deeps
 
 ZeRO for several nodes (k, S: ranks of one node; --nproc a multiple of it):
 
-    python -m minizero.compare --libs deepspeed torch --stages 3 --nproc 4 --hpz 2    # hpZ
-    python -m minizero.compare --libs torch --stages 3 --nproc 4 --hsdp 2             # HSDP
+    python -m minizero.compare --libs minizero deepspeed torch --stages 3 --nproc 4 --hpz 2   # hpZ
+    python -m minizero.compare --libs minizero torch --stages 3 --nproc 4 --hsdp 2            # HSDP
 
 --hpz k sets zero_optimization.zero_hpz_partition_size (DeepSpeed's hpZ; torch runs FSDP2's
-reshard_after_forward=k), --hsdp S sets hsdp_shard_size (FSDP2's HSDP; DeepSpeed has none).
-Either key may also come in --config. A library that lacks the setting is refused in one
-line (minizero runs them once its config knows the key).
+reshard_after_forward=k), --hsdp S sets hsdp_shard_size (minizero's HSDP and FSDP2's; DeepSpeed
+has none). Either key may also come in --config. A library that lacks the setting is refused in
+one line. Every run then pretends nodes of k (or S) ranks (MINIZERO_RANKS_PER_NODE), the table
+gains each library's bytes on the link between nodes, and the report a section that predicts
+every byte of each library from its own padding (compare_nodes.py).
 
 Per stage: `torchrun ... -m minizero.train`, then `... reference/train.py` (real DeepSpeed)
 with identical flags; unknown flags go to both. Writes into --out (default reports/compare-<dtype>):
@@ -48,6 +50,7 @@ import sys
 from minizero.train import output_dir
 from minizero.comm import free_port
 from minizero.compare.compare_comms import comms_section
+from minizero.compare.compare_nodes import link_bytes, nodes_section
 from minizero.compare.compare_memory import (LIBS, moments_section, offloaded, placed_bytes, state_bytes,
                                              state_entries)
 # How the results are shown (the table, the pictures): render.py.
@@ -142,9 +145,12 @@ def check_args(args) -> None:
                                f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
 
 
-# The multi-node keys, the libraries that have each, and the stages it applies to.
+# The multi-node keys, the libraries that have each, and the stages it applies to (minizero's
+# at stage 3 only: MINIZERO_STAGES).
 HIERARCHY = {"zero_hpz_partition_size": ("--hpz", {"deepspeed", "torch"}, {3}),
              "hsdp_shard_size": ("--hsdp", {"torch"}, {2, 3})}
+MINIZERO_STAGES = {"zero_hpz_partition_size": {3}, "hsdp_shard_size": {3}}
+NODE_ENV = "MINIZERO_RANKS_PER_NODE"   # process_group.ranks_per_node: the runs pretend nodes of k (or S) ranks
 LACKS = {("deepspeed", "hsdp_shard_size"): "DeepSpeed 0.19.8 has no HSDP (its MiCS keys mics_shard_size / "
                                           "mics_hierarchical_params_gather were removed and now raise)"}
 
@@ -192,6 +198,9 @@ def check_hierarchy(args) -> None:
             if lib == "minizero" and not minizero_knows(key):
                 raise CompareError(f"minizero's config has no zero_optimization.{key} yet: drop minizero from --libs "
                                    f"(the libraries that have it: {' '.join(sorted(libs))})")
+            if lib == "minizero" and (bad := [s for s in args.stages if s not in MINIZERO_STAGES[key]]):
+                raise CompareError(f"minizero's {key} applies to stage 3 (it shards parameters), not "
+                                   f"{' '.join(map(str, bad))}: choose --stages 3, or drop minizero from --libs")
             if lib != "minizero" and lib not in libs:
                 why = LACKS.get((lib, key))
                 raise CompareError(f"{why or lib + ' has no ' + key}: drop {lib} from --libs (the libraries that have "
@@ -239,14 +248,24 @@ def run_command(lib, stage, args, extra, config_path, save_dir) -> list:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script, *flags, *extra]
 
 
-def run_one(cmd, save_dir, label) -> dict:
-    """Run one training launch, its output into <save_dir>/run.log; return its summary.json."""
+def ranks_per_node(args) -> int | None:
+    """The "node" the runs pretend with --hpz k / --hsdp S: k (or S) consecutive ranks, as
+    both libraries group them; None without either (one node)."""
+    sizes = set(hierarchy_keys(args).values())
+    return min(sizes) if sizes else None
+
+
+def run_one(cmd, save_dir, label, per_node: int | None = None) -> dict:
+    """Run one training launch, its output into <save_dir>/run.log; return its summary.json.
+    per_node: the ranks of one pretended node (MINIZERO_RANKS_PER_NODE), so that every
+    library's collectives are split into what stays on a node and what crosses."""
     os.makedirs(save_dir, exist_ok=True)
     log_path, summary_path = os.path.join(save_dir, "run.log"), os.path.join(save_dir, "summary.json")
     env = {"OMP_NUM_THREADS": "1", **os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+           **({NODE_ENV: str(per_node)} if per_node else {})}
     with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
+        log.write("$ " + (f"{NODE_ENV}={per_node} " if per_node else "") + shlex.join(cmd) + "\n")
         log.flush()
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0 or not os.path.isfile(summary_path):
@@ -284,6 +303,7 @@ def stage_row(stage, *summaries, libs=LIBS) -> dict:
                     "state_bytes_max": max(sb), "peak_mem_mb": max(s["peak_mem_mb"]),
                     "samples_per_s": s["samples_per_s"],
                     "wire_bytes_per_step": (s["comm_wire_bytes_per_step"] or {}).get("total", 0),
+                    "link_bytes_per_step": (link_bytes(s) or {}).get("total"),
                     "skipped_steps": s["skipped_steps"]}
     a = row[libs[0]]["samples_per_s"]
     row["speed"] = {lib: a / row[lib]["samples_per_s"] if a and row[lib]["samples_per_s"] else None
@@ -398,12 +418,22 @@ def report_md(info, args, rows, offload: bool = False, results=None) -> str:
         ", ".join(f"{SHORT[lib]} = {NAMES[lib]}" for lib in libs) + ". state B = model-state bytes per rank at the end of the last step's "
         "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of "
         f"|loss_{SHORT[libs[0]]} - loss_other|; "
-        "wire B/step = ring-algorithm bytes per rank per optimizer step." + placed, "",
+        "wire B/step = ring-algorithm bytes per rank per optimizer step."
+        + (" link B/step = the bytes node 0's ranks sent to another node per step (the section below)."
+           if ranks_per_node(args) else "") + placed, "",
         *([note(args, offload)] if pair else []), *([torch_note(args)] if "torch" in libs else []), "",
         "![loss curves](loss_curves.png)", "",
         *(moments_section(ds_results, args.dtype) if pair else []),
         *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
-        "![memory](memory.png)", "", *(comms_section(ds_results) if pair else [])])
+        "![memory](memory.png)", "",
+        *(nodes_section(results, args, libs, ranks_per_node(args), scheme_of(args)) if ranks_per_node(args) else []),
+        *(comms_section(ds_results) if pair else [])])
+
+
+def scheme_of(args) -> str | None:
+    """"hpz" or "hsdp": the multi-node key this comparison runs (check_hierarchy allows one size)."""
+    keys = hierarchy_keys(args)
+    return "hsdp" if "hsdp_shard_size" in keys else "hpz" if "zero_hpz_partition_size" in keys else None
 
 
 def main(argv=None) -> None:
@@ -421,7 +451,7 @@ def main(argv=None) -> None:
         for stage, lib in tqdm(runs, desc="compare", unit="run"):
             save_dir = os.path.join(args.out, f"{lib}-stage{stage}")
             cmd = run_command(lib, stage, args, extra, config_path, save_dir)
-            results.setdefault(stage, {})[lib] = run_one(cmd, save_dir, f"stage {stage} {lib}")
+            results.setdefault(stage, {})[lib] = run_one(cmd, save_dir, f"stage {stage} {lib}", ranks_per_node(args))
         rows = [stage_row(s, *(results[s][lib] for lib in args.libs), libs=args.libs) for s in args.stages]
     except CompareError as e:
         print(f"python -m minizero.compare: error: {e}", file=sys.stderr)

@@ -91,6 +91,15 @@ def memory_differences(stage, dtype, moment, category, place, mz, ds) -> list:
         if why:
             parts.append((b, why))
             left -= b
+    secondary = _details(ds, place).get("params:ds_secondary_tensor") if category == "params" and not host else None
+    if secondary:   # hpZ: both hold a secondary partition from forward to the step (reference/hpz.py)
+        lp = 4 if dtype == "fp32" else 2
+        el = mz.get("elements") or {}
+        mine = max(mz_b - lp * (el.get("shard", 0) + el.get("full", 0)), 0) if el else 0
+        parts.append((secondary - mine, f"hpZ's secondary partition: DeepSpeed's ds_secondary_tensor ({secondary:,} B, "
+                                        f"each parameter's padded/k) less minizero's FlatParam.secondary ({mine:,} B, "
+                                        f"each FlatParam's padded/k) (reference/hpz.py)"))
+        left -= secondary - mine
     if category == "master_params" and dtype == "fp32" and stage >= 1 and mz_b == 0 and ds_b > 0:
         parts.append((left, f"fp32: DeepSpeed's ZeRO keeps an fp32 master beside the fp32 parameters, minizero's "
                             f"shard is its master ({FP32_MASTER})"))

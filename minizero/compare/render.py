@@ -21,6 +21,9 @@ PER_LIB = [("final loss", "final_loss", "loss"), ("state B r0", "state_bytes_ran
            ("samples/s", "samples_per_s", "g"), ("wire B/step", "wire_bytes_per_step", "bytes")]
 
 
+# with --hpz / --hsdp (pretended nodes), after "wire B/step": what crossed from node 0 to node 1
+LINK = [("link B/step", "link_bytes_per_step", "bytes")]
+
 # with ZeRO-Offload, after "state B r0": where rank 0's model states live
 PLACED = [("device B r0", "device_bytes_rank0", "bytes"), ("host B r0", "host_bytes_rank0", "bytes")]
 NVME = [("NVMe B r0", "nvme_bytes_rank0", "bytes")]
@@ -35,7 +38,8 @@ def table(rows) -> str:
                  for r in rows for lib in libs if "host_bytes_rank0" in r[lib])
     # "device": "nvme" (minizero/nvme.py): a third place, the states in swap files
     nvme = any(r[lib].get("nvme_bytes_rank0") for r in rows for lib in libs)
-    columns = PER_LIB[:2] + (PLACED if placed else []) + (NVME if nvme else []) + PER_LIB[2:]
+    nodes = any(r[lib].get("link_bytes_per_step") is not None for r in rows for lib in libs)
+    columns = PER_LIB[:2] + (PLACED if placed else []) + (NVME if nvme else []) + PER_LIB[2:] + (LINK if nodes else [])
     dloss = ["max abs dloss/step"] if len(others) == 1 else [f"max abs dloss/step {first}-{SHORT[o]}" for o in others]
     speed_at = 1 + len(dloss) + len(libs) * (columns.index(PER_LIB[4]) + 1)   # after the samples/s group
     head = ["stage"] + dloss + [f"{t} {SHORT[lib]}" for t, _, _ in columns for lib in libs]

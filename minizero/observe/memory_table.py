@@ -15,6 +15,11 @@ offload_optimizer at stages 1-3, `both` also offload_param at stage 3, `nvme` bo
 `"device": "nvme"`, in a column of their own (docs/offload.md).
 `--paper-figure1` prints the ZeRO paper's Figure 1 example (Ψ = 7.5B, N = 64, K = 12);
 `--paper-figure1 --png docs/img/zero_figure1.png` also draws it.
+
+`--nodes 2 64 --ranks-per-node 4 8` prints instead ZeRO-3, hpZ and HSDP on 2 x 4 and 64 x 8
+ranks: model states per rank, wire bytes per rank per step, and bytes per inter-node link per
+step, by the papers' formulas and exactly from the layout (node_table.py); `--psi 7.5e9`
+instead of a model gives the formulas alone.
 """
 from __future__ import annotations
 
@@ -202,7 +207,16 @@ def main(argv=None) -> None:
                          "is 100000, the measured mode uses 0)")
     ap.add_argument("--paper-figure1", action="store_true", help="print the ZeRO paper's Figure 1 example and stop")
     ap.add_argument("--png", help="with --paper-figure1: also draw it into this PNG (needs matplotlib)")
+    g = ap.add_argument_group("several nodes: ZeRO-3, hpZ and HSDP (node_table.py)")
+    g.add_argument("--nodes", type=int, nargs="+", metavar="M",
+                   help="nodes; with --ranks-per-node, print ZeRO-3, hpZ and HSDP per rank and per link")
+    g.add_argument("--ranks-per-node", type=int, nargs="+", metavar="L",
+                   help="ranks on each node, one per --nodes value (or one for all): hpZ's k and HSDP's S")
+    g.add_argument("--psi", type=float, metavar="PARAMS",
+                   help="with --nodes: a parameter count (e.g. 7.5e9) instead of --model: the formulas alone")
     args = ap.parse_args(argv)
+    if args.nodes or args.ranks_per_node or args.psi:
+        return nodes_view(ap, args, argv)
     if args.png and not args.paper_figure1:
         ap.error("--png draws the paper's Figure 1: give it with --paper-figure1")
     if args.paper_figure1:
@@ -241,6 +255,35 @@ def main(argv=None) -> None:
                   f"{b0['optimizer_states']:,} | {tot} | {total(b0['device']):,} | {total(b0['host']):,} | "
                   + (f"{total(b0['nvme']) if 'nvme' in b0 else 0:,} | " if nvme else "")
                   + f"{paper:,.0f} | {human(t0)} |")
+
+
+def nodes_view(ap, args, argv) -> None:
+    """--nodes M... --ranks-per-node L...: node_table's table; what it cannot take, one line."""
+    from ..gpt.model import PRESETS
+    from . import node_table
+    given = argv if argv is not None else __import__("sys").argv[1:]
+    if not args.nodes or not args.ranks_per_node:
+        ap.error("give --nodes M and --ranks-per-node L together (e.g. --nodes 2 --ranks-per-node 4)")
+    per_node = args.ranks_per_node * len(args.nodes) if len(args.ranks_per_node) == 1 else args.ranks_per_node
+    if len(per_node) != len(args.nodes):
+        ap.error(f"--ranks-per-node takes one value, or one per --nodes value ({len(args.nodes)}), "
+                 f"not {len(args.ranks_per_node)}")
+    if any(m < 2 for m in args.nodes) or any(k < 1 for k in per_node):
+        ap.error("--nodes must be at least 2 (one node has no link between nodes) and --ranks-per-node at least 1")
+    clash = [f for f in ("--world-size", "--nproc", "--stage", "--offload", "--persistence-threshold",
+                         "--reduce-bucket-size", "--paper-figure1") if any(a.split("=")[0] == f for a in given)]
+    if clash:
+        ap.error(f"--nodes prints ZeRO-3, hpZ and HSDP at stage 3 with every parameter partitioned; "
+                 f"drop {' '.join(clash)}")
+    if args.psi is not None:
+        if any(a.split("=")[0] == "--model" for a in given):
+            ap.error("give --model (formulas and layout) or --psi (formulas alone), not both")
+        if args.psi < 1:
+            ap.error(f"--psi {args.psi:g}: give a parameter count of at least 1, e.g. 7.5e9")
+        return node_table.main(None, int(args.psi), args.nodes, per_node, args.dtype)
+    if args.model not in PRESETS:
+        ap.error(f"unknown --model {args.model!r}: choose one of {', '.join(PRESETS)}")
+    return node_table.main(args.model, None, args.nodes, per_node, args.dtype)
 
 
 if __name__ == "__main__":

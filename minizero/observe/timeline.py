@@ -4,7 +4,9 @@ For slides and for readers who will not open Perfetto. Each rank's row has, from
 bottom: the units (each block's forward, backward, recompute), and the collectives, one
 colour per kind, their waiting part hatched; behind both, the step's phases shaded
 (forward, backward, optimizer step). Only the first traced step is drawn: one step is
-what a class looks at (trace.json has them all).
+what a class looks at (trace.json has them all). On several nodes (the trace's ranks_per_node
+below its world size) each row names its node, a line separates the nodes, and a collective
+whose bytes this rank sent to another node has a black outline.
 
     python -m minizero.timeline DIR     # merge DIR/rank*.json into DIR/trace.json, draw DIR/timeline.png
 """
@@ -61,6 +63,9 @@ def plot(doc: dict, path: str) -> str:
     t0 = min(e["ts"] for e in events)
     ms = lambda us: (us - t0) / 1e3
     span_ms = ms(max(e["ts"] + e["dur"] for e in events))
+    info = doc.get("otherData", {})
+    per_node = int(info.get("ranks_per_node") or len(ranks))
+    nodes = len({r // per_node for r in ranks})
     fig, ax = plt.subplots(figsize=(WIDTH_PX / DPI, 2.2 + 1.5 * len(ranks)))
     labels = []   # (text, start, end of its bar in ms): kept only where the text fits inside its bar
     for row, r in enumerate(ranks):
@@ -78,28 +83,37 @@ def plot(doc: dict, path: str) -> str:
                     labels.append((ax.text(x + w / 2, y + 0.7, e["args"]["unit"], ha="center", va="center",
                                            fontsize=TEXT_PT, zorder=5), x, x + w))
             elif e["cat"] in ("collectives", "copies"):
-                ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor=OP_COLOURS[e["args"]["op"]], zorder=3)
+                across = nodes > 1 and e["args"].get("inter_node_bytes", 0) > 0
+                ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor=OP_COLOURS[e["args"]["op"]], zorder=3,
+                               edgecolor="black" if across else "none", linewidth=1.6 if across else 0)
                 if e["cat"] == "collectives" and e["args"].get("label") and w > span_ms / 25:
                     labels.append((ax.text(x + w / 2, y + 0.26, short_label(e["args"]["label"]), ha="center",
                                            va="center", fontsize=TEXT_PT, color="white", zorder=6), x, x + w))
             elif e["cat"] == "wait":
                 ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor="white", alpha=0.55, hatch="////",
                                edgecolor=OP_COLOURS[e["args"]["op"]], linewidth=0, zorder=4)
-    ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    names = [f"rank {r}" + (f"\nnode {r // per_node}" if nodes > 1 else "") for r in ranks]
+    ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))], names)
+    if nodes > 1:   # a line where one node's rows end and the next one's begin
+        for i in range(1, len(ranks)):
+            if ranks[i] // per_node != ranks[i - 1] // per_node:
+                ax.axhline(len(ranks) - i, color="black", linewidth=1.5, zorder=7)
     ax.tick_params(labelsize=AXIS_PT)
     ax.set_ylim(0, len(ranks))
     ax.set_xlabel("time in the step (ms)", fontsize=AXIS_PT)
-    info = doc.get("otherData", {})
     dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(info.get("dtype"), "")
+    on = f" on {nodes} nodes" if nodes > 1 else ""
     ax.set_title(f"minizero, ZeRO stage {info.get('stage', '?')}, {dtype}, "
-                 f"{len(ranks)} rank{'s' * (len(ranks) > 1)}: optimizer step {step}", fontsize=AXIS_PT + 2)
+                 f"{len(ranks)} rank{'s' * (len(ranks) > 1)}{on}: optimizer step {step}", fontsize=AXIS_PT + 2)
     ops = sorted({e["args"]["op"] for e in events if e["cat"] in ("collectives", "copies")},
                  key=list(OP_COLOURS).index)
     handles = ([Patch(color=PHASE_COLOURS[p], label=f"phase: {p}") for p in PHASE_COLOURS]
                + [Patch(color=UNIT_COLOURS[u], label=f"unit {u}") for u in UNIT_COLOURS
                   if any(e["cat"] == "units" and e["args"]["phase"] == u for e in events)]
                + [Patch(color=OP_COLOURS[o], label=o) for o in ops]
-               + [Patch(facecolor="white", edgecolor="black", hatch="////", label="waiting for other ranks")])
+               + [Patch(facecolor="white", edgecolor="black", hatch="////", label="waiting for other ranks")]
+               + ([Patch(facecolor="white", edgecolor="black", linewidth=1.6, label="sent to another node")]
+                  if nodes > 1 else []))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.1 / len(ranks)),
               ncol=min(len(handles), 5), fontsize=AXIS_PT, frameon=False)
     fig.tight_layout()

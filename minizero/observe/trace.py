@@ -16,9 +16,11 @@ Tracks, per rank:
                re-running a block's forward inside backward), announced by the engine while a
                tracer listens (unit.UnitMarks). Units are ZeRO-3's: every block of the model's
                outermost ModuleList, and the root (unit.find_units)
-  collectives  one event per collective: op, label (FlatParam or bucket), payload bytes
-               and wire bytes exactly as the ledger counts them, and wait_us, the part of
-               it spent waiting for the last rank to arrive (drawn as a nested "wait")
+  collectives  one event per collective: op, label (FlatParam or bucket), payload bytes,
+               wire bytes and inter-node bytes (the wire bytes this rank sends to another
+               node: all or none of them, comm.py) exactly as the ledger counts them, and
+               wait_us, the part of it spent waiting for the last rank to arrive (drawn as a
+               nested "wait")
   copies       ZeRO-Offload's device<->host copies (offload.py)
 
 A unit's backward starts when the first gradient reaches its outputs and ends when the
@@ -55,6 +57,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -64,12 +67,7 @@ from .. import comm
 
 TRACKS = ("step", "units", "collectives", "copies")   # tid = index
 _open_tracers: dict = {}   # id(engine) -> its open Tracer (one at a time per engine)
-_last_tracer: dict = {}    # id(engine) -> its latest Tracer, open or closed (tracer_of)
-
-
-def tracer_of(engine) -> "Tracer | None":
-    """The engine's latest tracer, open or closed (the trainer reads which steps it traced)."""
-    return _last_tracer.get(id(engine))
+_last_tracer = weakref.WeakKeyDictionary()   # engine -> its latest Tracer, open or closed (tracer_of)
 
 
 def start(engine, out_dir: str, steps=None) -> "Tracer":
@@ -78,6 +76,12 @@ def start(engine, out_dir: str, steps=None) -> "Tracer":
     tracer and call .close(); with `steps` it closes itself after the last one. A collective
     at the end of each traced step and at close: call on every rank."""
     return Tracer(engine, out_dir, steps)
+
+
+def tracer_of(engine) -> "Tracer | None":
+    """The latest tracer started on `engine` (open, or closed after its last step), or None:
+    the trainer aims it and prints its table (train.py). The engine holds no reference to it."""
+    return _last_tracer.get(engine)
 
 
 class _Clock:
@@ -127,7 +131,8 @@ class Tracer:
         self.traced_steps: list[int] = []
         os.makedirs(out_dir, exist_ok=True)
         self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
-        _open_tracers[id(engine)] = _last_tracer[id(engine)] = self
+        _open_tracers[id(engine)] = self
+        _last_tracer[engine] = self
         comm.subscribe(self)
 
     # ---------------------------------------------------------------- steps
@@ -189,8 +194,11 @@ class Tracer:
 
     def begin(self, op: str, label: str | None, tensor, nbytes: int, group):
         """comm.py's observer: a collective or copy starts. The token: [its start, when this rank
-        began to block on it (an asynchronous one's wait), or None]."""
-        return [self.clock.mark(), None] if self.recording else None
+        began to block on it (an asynchronous one's wait), or None; does this rank send to
+        another node on the collective's ring (comm.sends_across_nodes, as the ledger counts)]."""
+        if not self.recording:
+            return None
+        return [self.clock.mark(), None, op in comm.OPS and comm.sends_across_nodes(group)]
 
     def blocking(self, token) -> None:
         if token is not None:
@@ -201,6 +209,8 @@ class Tracer:
             return
         track = "copies" if op in comm.COPIES else "collectives"
         args = {"op": op, "label": label or "", "bytes": int(nbytes), "wire_bytes": int(wire_bytes)}
+        if track == "collectives":   # the part of wire_bytes that leaves this rank's node (comm.py)
+            args["inter_node_bytes"] = int(wire_bytes) if token[2] else 0
         if token[1] is not None:
             args["blocked_from"] = token[1]   # a mark until _settle makes it microseconds
         self._marks.append((track, f"{op} {label}" if label else op, token[0], self.clock.mark(), args))
@@ -282,7 +292,8 @@ class Tracer:
         e = self.engine
         return {"traceEvents": meta + events, "displayTimeUnit": "ms",
                 "otherData": {"library": "minizero", "stage": e.zero_optimization_stage(), "dtype": str(e.dtype),
-                              "world_size": self.world, "steps": self.traced_steps,
+                              "world_size": self.world, "ranks_per_node": comm.ranks_per_node(),
+                              "steps": self.traced_steps,
                               "ledger": {str(k): v for k, v in self.ledger.items()}}}
 
     def close(self, failed: bool | None = None) -> list[str]:

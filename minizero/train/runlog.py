@@ -37,7 +37,8 @@ METRICS_COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s",
 
 SUMMARY_KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses",
                 "final_loss", "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s",
-                "comm_wire_bytes_per_step", "skipped_steps", "memory_moments", "config"]
+                "comm_wire_bytes_per_step", "comm_inter_node_bytes_per_step", "ranks_per_node", "skipped_steps",
+                "memory_moments", "config"]
 
 
 # ----------------------------------------------------------------------------- process group
@@ -187,20 +188,24 @@ def write_summary(path: str, summary: dict) -> None:
 # ----------------------------------------------------------------------------- comm bytes
 
 class StepCommWindow:
-    """Per-op wire bytes per optimizer step, from a cumulative counter.
+    """Per-op wire bytes per optimizer step, and the part of them sent to another node, from
+    a cumulative counter.
 
-    `snapshot` is a callable returning {op: {"wire_bytes": int, ...}} since start
-    (minizero: engine.comm_stats(); DeepSpeed: our torch.distributed counters). Only the
-    traffic *inside* a training step is added up (open() before the step's first
-    forward, close() after engine.step()), so the init broadcasts, the codebook, the
-    metrics all-reduce, evaluation, sampling and checkpointing stay out. The first step
-    is skipped too (steady state only), unless it is the only one.
+    `snapshot` is a callable returning {op: {"wire_bytes": int, "inter_node_bytes": int, ...}}
+    since start (minizero: engine.comm_stats(); DeepSpeed and PyTorch: reference/comm_counter.py,
+    which splits by the same ring rule). Only the traffic *inside* a training step is added up
+    (open() before the step's first forward, close() after engine.step()), so the init
+    broadcasts, the codebook, the metrics all-reduce, evaluation, sampling and checkpointing
+    stay out. The first step is skipped too (steady state only: hpZ's first forward gathers
+    inside the node, later ones do not), unless it is the only one.
     """
+
+    KEYS = ("wire_bytes", "inter_node_bytes")
 
     def __init__(self, snapshot):
         self.snapshot = snapshot
-        self.total: dict[str, int] = {}
-        self.first: dict[str, int] = {}
+        self.total: dict[str, dict[str, int]] = {k: {} for k in self.KEYS}
+        self.first: dict[str, dict[str, int]] = {k: {} for k in self.KEYS}
         self.steps = 0
         self._start = None
         self._seen_first = False
@@ -210,17 +215,19 @@ class StepCommWindow:
 
     def close(self) -> None:
         end = self.snapshot()
-        delta = {op: end[op]["wire_bytes"] - self._start.get(op, {}).get("wire_bytes", 0) for op in end}
+        delta = {k: {op: end[op].get(k, 0) - self._start.get(op, {}).get(k, 0) for op in end} for k in self.KEYS}
         if not self._seen_first:
             self._seen_first, self.first = True, delta
             return
-        for op, b in delta.items():
-            self.total[op] = self.total.get(op, 0) + b
+        for k in self.KEYS:
+            for op, b in delta[k].items():
+                self.total[k][op] = self.total[k].get(op, 0) + b
         self.steps += 1
 
-    def per_step(self) -> dict:
+    def per_step(self, key: str = "wire_bytes") -> dict:
+        """{op: bytes per step, ..., "total": their sum} of `key` (wire_bytes or inter_node_bytes)."""
         total, steps = (self.total, self.steps) if self.steps else (self.first, 1 if self._seen_first else 0)
-        out = {op: b / steps for op, b in sorted(total.items())} if steps else {}
+        out = {op: b / steps for op, b in sorted(total[key].items())} if steps else {}
         out["total"] = sum(out.values())
         return out
 
@@ -339,8 +346,11 @@ def finish(run, status: str) -> None:
                           os.path.join(run.save_dir, "samples.png"))
     peak = memory_mb(device)[1]
     peaks = comm.all_gather_object(peak) if together else [peak]
+    # every rank's bytes sent to another node: on a ring rank 0 sends to rank 1, on its own node
+    inter = run.window.per_step("inter_node_bytes")
+    inters = comm.all_gather_object(inter) if together else [inter]
     if comm.get_rank() == 0:
-        write_results(run, status, test_loss, model_state, peaks, moments)
+        write_results(run, status, test_loss, model_state, peaks, moments, inters)
     if together and status != "completed":
         # The run stops with an error on every rank; the first rank to exit makes torchrun
         # kill the others, so nobody leaves before rank 0 has written the files.
@@ -358,7 +368,8 @@ def write_comms_summary(save_dir: str, summary: dict, table: str) -> None:
         f.write(table.rstrip("\n") + "\n")
 
 
-def write_results(run, status: str, test_loss, model_state: list, peaks: list, moments: dict | None = None) -> None:
+def write_results(run, status: str, test_loss, model_state: list, peaks: list, moments: dict | None = None,
+                  inters: list | None = None) -> None:
     """Rank 0: metrics.csv and summary.json, and the run's last line."""
     state, losses = run.state, run.state["losses"]
     write_metrics_csv(os.path.join(run.save_dir, "metrics.csv"), state["rows"])
@@ -368,7 +379,9 @@ def write_results(run, status: str, test_loss, model_state: list, peaks: list, m
         "steps": state["step"], "losses": losses, "final_loss": losses[-1] if losses else None,
         "test_loss": test_loss, "model_state_bytes": model_state, "peak_mem_mb": peaks,
         "samples_per_s": median_throughput(state["rows"]),
-        "comm_wire_bytes_per_step": run.window.per_step(), "skipped_steps": int(run.engine.skipped_steps),
+        "comm_wire_bytes_per_step": run.window.per_step(),
+        "comm_inter_node_bytes_per_step": inters if inters is not None else [run.window.per_step("inter_node_bytes")],
+        "ranks_per_node": comm.ranks_per_node(), "skipped_steps": int(run.engine.skipped_steps),
         "memory_moments": moments, "config": run.cfg,
     }
     write_summary(os.path.join(run.save_dir, "summary.json"), summary)

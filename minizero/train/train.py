@@ -22,7 +22,9 @@ A run writes into --save-dir (default runs/minizero-<stage>-<dtype>), on rank 0:
                   averaged loss of every optimizer step), final_loss, test_loss,
                   model_state_bytes (per rank), peak_mem_mb (per rank), samples_per_s
                   (median over logged intervals after the first), comm_wire_bytes_per_step
-                  (per op, steady-state training steps only), skipped_steps,
+                  (per op, steady-state training steps only), comm_inter_node_bytes_per_step
+                  (per rank, per op: the part of those bytes the rank sent to another node),
+                  ranks_per_node, skipped_steps,
                   memory_moments (per rank: the model states held at the end of the last
                   step's backward and after that step, runlog.MemoryMoments), config
     comms_summary.json / .txt   with a comms_logger section (--comms-logger): DeepSpeed's

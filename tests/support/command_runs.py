@@ -34,9 +34,9 @@ import traceback
 from minizero.runtime import spawn
 from tests.support.script_runs import PROGRAMS, ROOT
 
-# Not reference.train: importing it wraps torch.distributed's collectives process-wide (its
-# CommCounter), which would then be in every rank of every test. A run of it imports it on
-# its own rank (DeepSpeed itself is preloaded: tests/support/ds_preload.py).
+# Not reference.train nor reference.torch_train: importing either wraps torch.distributed's
+# collectives process-wide (its CommCounter), which would then be in every rank of every test.
+# A run of it imports it on its own rank (DeepSpeed itself is preloaded: tests/support/ds_preload.py).
 # torchvision.utils: rank 0 of every training run draws samples.png with it
 # (minizero/train/runlog.py imports it there), 0.6-0.9 s of import per run (cProfile of a
 # 2-step run's rank 0); preloaded, it is paid once per test session. It starts no thread.
@@ -45,7 +45,7 @@ from tests.support.script_runs import PROGRAMS, ROOT
 # profile of tests/core and tests/tools put 2% of all the suite's CPU samples in that import.
 # It picks no backend at import (timeline.py and compare/render.py then choose Agg).
 spawn.preload("tests.support.command_runs", "torchvision.utils", "matplotlib.pyplot",
-              *(m for m in PROGRAMS.values() if m != "reference.train"))
+              *(m for m in PROGRAMS.values() if m not in ("reference.train", "reference.torch_train")))
 
 
 def _rank(program: str, argv: list[str], folder: str, launcher: bool, rank_env: list | None) -> int:
@@ -158,8 +158,9 @@ def torchrun_on_forked_ranks():
     run_command instead, honouring stdout/stderr (None, PIPE, DEVNULL, a file; stderr=STDOUT),
     capture_output, text and check as subprocess.run does; every other command line runs as
     it would. For a tool that launches its commands itself (minizero.compare,
-    docs/lesson/lesson_numbers.py), run in this process. env and cwd are not passed on: the
-    ranks run from the repository root with the test session's environment."""
+    docs/lesson/lesson_numbers.py), run in this process. cwd is not passed on (the ranks run
+    from the repository root); of env, the variables that differ from the test session's
+    are set on the ranks."""
     real = subprocess.run
 
     def run(cmd, *args, stdout=None, stderr=None, capture_output=False, check=False, text=None,
@@ -169,7 +170,9 @@ def torchrun_on_forked_ranks():
             return real(cmd, *args, stdout=stdout, stderr=stderr, capture_output=capture_output, check=check,
                         text=text, universal_newlines=universal_newlines, **kw)
         program, argv, nproc, launcher = forked
-        p = run_command(program, argv, nproc, launcher=launcher)
+        env = kw.get("env")   # what the caller sets beyond this process's own (MINIZERO_RANKS_PER_NODE, ...)
+        extra = {k: v for k, v in env.items() if os.environ.get(k) != v} if env is not None else None
+        p = run_command(program, argv, nproc, launcher=launcher, env=extra)
         if capture_output:
             stdout = stderr = subprocess.PIPE
         as_text = bool(text or universal_newlines)

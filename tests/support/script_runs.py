@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROGRAMS = {   # as a user types it -> the module whose main(argv) it runs
     "minizero.train": "minizero.train.train",
     "reference/train.py": "reference.train",
+    "reference/torch_train.py": "reference.torch_train",
     "minizero.export_deepspeed": "minizero.checkpoint_files.export_deepspeed",
     "minizero.reshard": "minizero.checkpoint_files.reshard",
     "minizero.memory_table": "minizero.observe.memory_table",

@@ -405,6 +405,8 @@ def test_the_command_launches_torchrun(tmp_path):
     (["--stages", "3", "--nproc", "4", "--hsdp", "2", "--libs", "deepspeed", "torch"], "DeepSpeed 0.19.8 has no HSDP"),
     (["--stages", "2", "--nproc", "4", "--hpz", "2", "--libs", "deepspeed"], "--hpz applies to stage 3"),
     (["--stages", "3", "--nproc", "4", "--hpz", "3", "--libs", "deepspeed"], "a divisor of --nproc 4"),
+    (["--stages", "2", "--nproc", "4", "--hsdp", "2", "--libs", "minizero", "torch"], "minizero's hsdp_shard_size "
+                                                                                    "applies to stage 3"),
 ])
 def test_bad_input_is_one_line(args, needle, tmp_path):
     """compare's main(argv) on a process forked from the tests' preloaded forkserver, its file
@@ -445,3 +447,80 @@ def test_three_libraries_take_three_columns(tmp_path):
     compare.plot_memory(tmp_path / "memory.png", results)
     compare.plot_losses(tmp_path / "loss.png", results)
     assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- pretended nodes: --hpz, --hsdp
+
+def _node_summary(lib, wire, inter_rank1):
+    """A 4-rank summary of the tiny GPT, fp32, 2 pretended nodes of 2: rank 0's wire bytes per
+    step, and (on a ring over all ranks and inside each node) only rank 1 and 3 sending across."""
+    zero = dict.fromkeys([*wire, "total"], 0.0)
+    inter_rank1 = {**inter_rank1, "total": sum(inter_rank1.values())}
+    return {"library": lib, "model": "tiny", "params": 108_801, "world_size": 4, "ranks_per_node": 2,
+            "comm_wire_bytes_per_step": {**wire, "total": sum(wire.values())},
+            "comm_inter_node_bytes_per_step": [zero, inter_rank1, zero, inter_rank1]}
+
+
+# Measured by `python -m minizero.compare --libs minizero deepspeed torch --stages 3 --nproc 4 --hpz 2
+# --max-steps 4 --synthetic-train 256 --synthetic-test 32` (summary.json of each run, per step after the first).
+HPZ_RUNS = {
+    "minizero": ({"all_gather": 544_040.0, "reduce_scatter": 326_424.0, "all_reduce": 12.0, "broadcast": 0.0},
+                 {"all_gather": 326_424.0, "reduce_scatter": 326_424.0, "all_reduce": 12.0, "broadcast": 0.0}),
+    "deepspeed": ({"all_gather": 544_260.0, "reduce_scatter": 326_556.0, "all_reduce": 24.0, "broadcast": 1736 / 3},
+                  {"all_gather": 326_556.0, "reduce_scatter": 326_556.0, "all_reduce": 24.0, "broadcast": 1736 / 3}),
+    "torch": ({"all_gather": 609_940.0, "reduce_scatter": 365_964.0, "all_reduce": 0.0, "broadcast": 0.0},
+              {"all_gather": 365_964.0, "reduce_scatter": 365_964.0, "all_reduce": 0.0, "broadcast": 0.0}),
+}
+
+
+def test_every_byte_between_pretended_nodes_is_predicted_from_each_librarys_padding():
+    """hpZ, k = 2, on 4 ranks: each library's all-gather, reduce-scatter and all-reduce bytes,
+    per rank and on the link, are its padded elements through one formula; only DeepSpeed's
+    broadcasts (its trace check) are named instead. A changed byte is marked unexplained."""
+    from minizero.compare import compare
+    from minizero.compare.compare_nodes import nodes_section
+    libs = ["minizero", "deepspeed", "torch"]
+    args, _ = compare.parse_args(["--libs", *libs, "--stages", "3", "--nproc", "4", "--hpz", "2", "--dtype", "fp32"])
+    results = {3: {lib: _node_summary(lib, *HPZ_RUNS[lib]) for lib in libs}}
+    text = "\n".join(nodes_section(results, args, libs, 2, "hpz"))
+    rows = {ln.split(" | ")[0][2:]: ln.split(" | ")[1:] for ln in text.splitlines() if ln.startswith("| all_") or
+            ln.startswith("| reduce") or ln.startswith("| broadcast")}
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert all(c.startswith("= ") for c in rows[op]), (op, rows[op])
+    assert rows["broadcast"][1] == "579" and "assert_ints_same_as_other_ranks" in text
+    for lib, padded in (("minizero", "108,808"), ("deepspeed", "108,852"), ("torch", "121,988")):
+        assert f"P = {padded} elements" in text
+    results[3]["torch"]["comm_wire_bytes_per_step"]["reduce_scatter"] += 4
+    assert "unexplained 365,968" in "\n".join(nodes_section(results, args, libs, 2, "hpz"))
+    for lib in libs:   # the table's link column: what node 0's ranks sent across, all ops
+        results[3][lib].update(losses=[1.0], final_loss=1.0, test_loss=1.0, peak_mem_mb=[1], samples_per_s=1.0,
+                               skipped_steps=0, model_state_bytes=[{"params": 1, "grads": 1, "master_params": 0,
+                                                                    "optimizer_states": 1}])
+    row = compare.stage_row(3, *(results[3][lib] for lib in libs), libs=libs)
+    assert row["minizero"]["link_bytes_per_step"] == 326_424 + 326_424 + 12
+    assert table_rows(compare.table([row]))[3]["link B/step mz"] == "652,860"
+
+
+@pytest.fixture(scope="module")
+def hsdp_report(tmp_path_factory):
+    """minizero and FSDP2 with --hsdp 2 on 4 ranks (2 pretended nodes), 3 steps of the tiny GPT."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("compare-hsdp")
+    r = compare_forked("--libs", "minizero", "torch", "--stages", "3", "--nproc", "4", "--hsdp", "2", "--dtype", "fp32",
+                       "--max-steps", "3", "--image-size", "8", "--out", str(out), "--synthetic-train", "256",
+                       "--synthetic-test", "32", "--data-dir", str(out / "data"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def test_hsdp_runs_minizeros_column_and_names_every_byte_between_nodes(hsdp_report):
+    md = (hsdp_report / "report.md").read_text()
+    row = table_rows(md)[3]
+    assert row["final loss mz"] == row["final loss PT"]          # HSDP is FSDP2's HSDP, bit for bit in fp32
+    section = md.split("## Between nodes", 1)[1].split("\n## ", 1)[0]
+    cells = [c.strip() for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| op")
+             for c in ln.strip("|").split("|")[1:]]
+    assert len(cells) == 16 and all(c.startswith("= ") for c in cells), cells   # 4 ops x wire, link x 2 libraries
+    assert float(row["link B/step mz"].replace(",", "")) > 0
+    log = (hsdp_report / "minizero-stage3" / "run.log").read_text().splitlines()[0]
+    assert log.startswith("$ MINIZERO_RANKS_PER_NODE=2 ")    # the run's command, as it ran

@@ -56,3 +56,37 @@ def test_the_command_reads_a_trace_folder_and_refuses_one_without_in_one_line(tm
     assert ledger_table.main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds no readable rank0.json" in err[0] and "--trace" in err[0]
+
+
+def _rank_doc(rank, world=4, per_node=2):
+    """Rank `rank` of a 2 x 2 run's step 2: one all-gather over all four ranks (40 wire bytes),
+    which crosses to the next node from each node's last rank only (ranks 1 and 3)."""
+    inter = 40 if rank % per_node == per_node - 1 else 0
+    event = {"ph": "X", "cat": "collectives", "name": "all_gather u.g0.fwd", "ts": 0, "dur": 1,
+             "args": {"op": "all_gather", "label": "u.g0.fwd", "bytes": 80, "wire_bytes": 40,
+                      "inter_node_bytes": inter, "step": 2}}
+    ledger = {"all_gather": {"calls": 1, "bytes": 80, "wire_bytes": 40, "inter_node_bytes": inter}}
+    return {"traceEvents": [event], "otherData": {"stage": 3, "world_size": world, "ranks_per_node": per_node,
+                                                  "ledger": {"2": ledger}}}
+
+
+def test_on_two_nodes_each_row_has_its_inter_node_bytes_and_each_link_its_total(tmp_path, capsys):
+    for rank in range(4):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(_rank_doc(rank)))
+    assert ledger_table.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("collectives of step 2 on rank 0 of 4 (2 nodes of 2 ranks), stage 3")
+    assert lines[1].split()[-1] == "inter-node"
+    assert [ln.split() for ln in lines[2:4]] == [["all_gather", "u.g0.fwd", "1", "80", "40", "0"],
+                                                 ["all_gather", "(total)", "1", "80", "40", "0"]]
+    assert lines[4].strip() == "bytes each node sent to the next in step 2 (every rank's ledger): node 0 -> 1: 40, node 1 -> 0: 40"
+    # one node: the table of before, no column and no line
+    (tmp_path / "rank0.json").write_text(json.dumps(_rank_doc(0, world=4, per_node=4)))
+    text = ledger_table.format_table(ledger_table.read(str(tmp_path)))
+    assert "inter-node" not in text and ledger_table.format_links(str(tmp_path), ledger_table.read(str(tmp_path))) == ""
+
+
+def test_a_rank_file_missing_on_two_nodes_is_said(tmp_path):
+    (tmp_path / "rank0.json").write_text(json.dumps(_rank_doc(0)))
+    said = ledger_table.format_links(str(tmp_path), ledger_table.read(str(tmp_path)))
+    assert "rank1.json is not in" in said

@@ -17,9 +17,10 @@ the answer key, the question bank, the slides' notes and docs/reading.md. Here:
   about two more minutes, most of it DeepSpeed's side-by-side comparison);
 - the slides are 1600 px wide, in the order their notes give; the worksheet holds no answer.
 
-Cost: the lesson's 15 training runs on ranks forked from the tests' preloaded forkserver
-(tests/support/command_runs.py), its two memory tables and the activation measurement in
-this process, once per session (the `lesson` fixture); then the class's 6 runs again.
+Cost: the lesson's 18 training runs (part 11's three on 4 ranks) on ranks forked from the
+tests' preloaded forkserver (tests/support/command_runs.py), its three memory tables and the
+activation measurement in this process, once per session (the `lesson` fixture); then the
+class's 6 runs again.
 """
 from __future__ import annotations
 
@@ -172,9 +173,32 @@ def test_each_traced_run_prints_its_collectives_table(lesson, script):
         ledger, _, _ = r.trace(name)
         out = r.output(name)
         for op, counts in ledger.items():
-            if counts["calls"]:
-                row = f"{op:<16}{'(total)':<24}{counts['calls']:>6}{counts['bytes']:>16,}{counts['wire_bytes']:>14,}"
-                assert row in out, f"{name}: no row {row!r} in its output"
+            if counts["calls"]:   # (the label column widens for HSDP's longer labels)
+                row = rf"{op} +\(total\) +{counts['calls']} +{counts['bytes']:,} +{counts['wire_bytes']:,}\b"
+                assert re.search(row, out), f"{name}: no row {row!r} in its output"
+
+
+def test_the_two_node_runs_split_every_byte(lesson, script):
+    """Part 11's runs on 2 pretended nodes: on every rank each collective event's inter-node
+    bytes add up to the ledger's per op, a rank's bytes cross all or none (the ring rule), and
+    the table's last line is what every rank's ledger says each node sent."""
+    from minizero.observe import ledger_table
+    runs, _, _, _ = lesson
+    r = script.Runs(runs)
+    names = [n for n in r.commands if n.startswith("nodes-")]
+    assert sorted(names) == ["nodes-hpz", "nodes-hsdp", "nodes-zero3"]
+    for name in names:
+        folder = os.path.join(runs, f"trace-{name}")
+        docs = [ledger_table.read(folder, rank) for rank in range(4)]
+        (step,) = docs[0]["otherData"]["ledger"]
+        for doc in docs:
+            events = [e for e in doc["traceEvents"] if e.get("cat") == "collectives"]
+            assert all(e["args"]["inter_node_bytes"] in (0, e["args"]["wire_bytes"]) for e in events)
+            for op, counts in doc["otherData"]["ledger"][step].items():
+                assert sum(e["args"]["inter_node_bytes"] for e in events if e["args"]["op"] == op) == \
+                    counts["inter_node_bytes"], (name, op)
+        sent = ledger_table.link_bytes(docs, int(step))
+        assert f"node 0 -> 1: {sent[0]:,}, node 1 -> 0: {sent[1]:,}" in r.output(name)
 
 
 def test_the_script_as_a_command(lesson):

@@ -132,9 +132,11 @@ def test_torchrun_two_ranks(stage, tmp_path, data_dir):
     argv = [*SMALL, "--stage", str(stage), "--data-dir", data_dir, "--save-dir", save, "--trace", trace,
             "--comms-logger"]
     if stage == 3:   # the README's command: through torchrun itself
-        _run([*_torchrun(2), "-m", "minizero.train", *argv])
+        p = _run([*_torchrun(2), "-m", "minizero.train", *argv])
     else:
-        _ok(run_command("minizero.train", argv, nproc=2))
+        p = _ok(run_command("minizero.train", argv, nproc=2))
+    # the trainer finds its tracer: it says where the trace goes, and prints the step's table
+    assert f"tracing step 2 into {trace}" in p.stdout + p.stderr and "collectives of step 2 on rank 0 of 2" in p.stdout
     s = _check_run(save, "minizero", stage, 2)
     comm = s["comm_wire_bytes_per_step"]
     assert comm["total"] > 0
