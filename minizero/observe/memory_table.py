@@ -280,10 +280,15 @@ def nodes_view(ap, args, argv) -> None:
             ap.error("give --model (formulas and layout) or --psi (formulas alone), not both")
         if args.psi < 1:
             ap.error(f"--psi {args.psi:g}: give a parameter count of at least 1, e.g. 7.5e9")
-        return node_table.main(None, int(args.psi), args.nodes, per_node, args.dtype)
+        psi = int(args.psi)
+        return node_table.main(f"Ψ = {psi:,} (paper formulas only: no layout)", psi, None, args.nodes, per_node,
+                               args.dtype)
     if args.model not in PRESETS:
         ap.error(f"unknown --model {args.model!r}: choose one of {', '.join(PRESETS)}")
-    return node_table.main(args.model, None, args.nodes, per_node, args.dtype)
+    m, groups = meta_model(args.model)
+    flat_numels = [p.numel for p in layout(m, groups, 3)]
+    psi = sum(flat_numels)
+    return node_table.main(f"model={args.model} (Ψ = {psi:,})", psi, flat_numels, args.nodes, per_node, args.dtype)
 
 
 if __name__ == "__main__":

@@ -100,16 +100,10 @@ def format_table(psi: int, flat_numels: list[int] | None, shapes: list[tuple[int
     return "\n".join(lines)
 
 
-def main(model: str | None, psi: int | None, nodes: list[int], per_node: list[int], dtype: str) -> None:
-    """Print the table: for a preset (paper and layout rows) or for a bare Ψ (paper rows)."""
-    if model is not None:
-        from .memory_table import layout, meta_model
-        m, groups = meta_model(model)
-        flat_numels = [p.numel for p in layout(m, groups, 3)]
-        psi = sum(flat_numels)
-        what = f"model={model} (Ψ = {psi:,})"
-    else:
-        flat_numels, what = None, f"Ψ = {psi:,} (paper formulas only: no layout)"
+def main(what: str, psi: int, flat_numels: list[int] | None, nodes: list[int], per_node: list[int],
+         dtype: str) -> None:
+    """Print the table: with a model's FlatParam sizes (paper and layout rows) or for a bare Ψ (paper rows).
+    memory_table's --nodes view builds the model and calls this."""
     shapes = list(zip(nodes, per_node))
     print(f"{what} dtype={dtype}; ZeRO-3, hpZ and HSDP on nodes x ranks per node (hpZ's k and HSDP's S = the "
           f"ranks of one node), per optimizer step, every parameter gathered at each use\n")

@@ -2,9 +2,15 @@
 ledger's two counts, the observer seam, asynchronous handles."""
 from __future__ import annotations
 
+import types
+
 import torch
 
 from minizero import comm
+
+# what a phase tells its observers about the engine (desync's check, subscribed by any engine this
+# process built earlier, reads the step counters)
+ENGINE = types.SimpleNamespace(global_steps=0, micro_steps=0)
 
 
 def test_the_ledger_counts_calls_payload_and_no_wire_bytes_alone():
@@ -46,7 +52,7 @@ def test_observers_hear_phases_and_each_collective_an_asynchronous_one_at_its_wa
     w = Watcher()
     comm.subscribe(w)
     try:
-        with comm.phase("grad_norm", "engine"):
+        with comm.phase("grad_norm", ENGINE):
             comm.all_reduce(torch.ones(1), label="n")
         pending = comm.all_reduce(torch.ones(1), label="late", async_op=True)
         heard_before_wait = list(w.seen)
@@ -66,7 +72,7 @@ def test_a_phase_that_raises_announces_no_end():
     comm.subscribe(w)
     try:
         try:
-            with comm.phase("optimizer", "engine"):
+            with comm.phase("optimizer", ENGINE):
                 raise ValueError("boom")
         except ValueError:
             pass

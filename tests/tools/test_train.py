@@ -33,6 +33,7 @@ COLUMNS = ["step", "epoch", "loss", "lr", "loss_scale", "samples_per_s", "tokens
            "peak_mem_mb", "elapsed_s"]
 KEYS = ["library", "status", "stage", "dtype", "world_size", "model", "params", "steps", "losses", "final_loss",
         "test_loss", "model_state_bytes", "peak_mem_mb", "samples_per_s", "comm_wire_bytes_per_step",
+        "comm_inter_node_bytes_per_step", "ranks_per_node",
         "skipped_steps", "memory_moments", "config"]
 
 
