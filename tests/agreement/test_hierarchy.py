@@ -91,13 +91,10 @@ def test_hsdp_is_fsdp2s_hsdp_bit_for_bit(dtype):
         assert max_abs_diff(mz["final_state"], pt["final_state"]) == 0.0
 
 
-@pytest.mark.parametrize("zero, scheme", [(T.ZERO3, "zero3"), (T.HPZ, "hpz"), (T.HSDP, "hsdp")])
-def test_the_ledgers_inter_node_split_is_the_rings(zero, scheme):
-    """Per rank and step, the ledger's wire and inter-node bytes are hierarchy.step_traffic's:
-    a ring sends every byte of a rank to the next rank of its group, across nodes or not."""
-    for rank, mz in enumerate(T.minizero_runs(zero, "bf16")):
+def assert_ledger_is_the_rings(runs, scheme, n, per_node, steps):
+    for rank, mz in enumerate(runs):
         padded = [f["padded"] for f in mz["layout"]]
-        for step in range(T.STEPS):
+        for step in range(steps):
             got = {}
             for p in mz["phases"]:
                 if p["step"] == step:
@@ -105,7 +102,23 @@ def test_the_ledgers_inter_node_split_is_the_rings(zero, scheme):
                         if v["wire_bytes"]:
                             w, x = got.get(op, (0, 0))
                             got[op] = (w + v["wire_bytes"], x + v["inter_node_bytes"])
-            want = step_traffic(padded, 2, T.N, T.PER_NODE, scheme, rank, first_step=step == 0)
-            assert got == want, (rank, step)
-        if scheme != "zero3" and rank % T.PER_NODE == 0:
+            want = step_traffic(padded, 2, n, per_node, scheme, rank, first_step=step == 0)
+            assert got == want, (scheme, rank, step)
+        if scheme != "zero3" and rank % per_node == 0:
             assert sum(x for _, x in got.values()) < sum(w for w, _ in got.values())   # most stays on the node
+
+
+@pytest.mark.parametrize("zero, scheme", [(T.ZERO3, "zero3"), (T.HPZ, "hpz"), (T.HSDP, "hsdp")])
+def test_the_ledgers_inter_node_split_is_the_rings(zero, scheme):
+    """Per rank and step, the ledger's wire and inter-node bytes are hierarchy.step_traffic's:
+    a ring sends every byte of a rank to the next rank of its group, across nodes or not.
+    2 nodes x 2 ranks."""
+    assert_ledger_is_the_rings(T.minizero_runs(zero, "bf16"), scheme, T.N, T.PER_NODE, T.STEPS)
+
+
+def test_the_ledgers_inter_node_split_is_the_rings_at_2_x_4():
+    """The same at 2 nodes x 4 ranks (hpZ's k and HSDP's S = 4), ZeRO-3, hpZ and HSDP, two steps."""
+    schemes = [(T.ZERO3, "zero3"), ({"zero_hpz_partition_size": 4}, "hpz"), ({"hsdp_shard_size": 4}, "hsdp")]
+    for (_, scheme), runs in zip(schemes, T.minizero_runs_2x4([z for z, _ in schemes], "bf16")):
+        assert len(runs) == 8
+        assert_ledger_is_the_rings(runs, scheme, 8, 4, 2)

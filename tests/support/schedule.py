@@ -20,6 +20,7 @@ from __future__ import annotations
 
 HEAVY_FIRST = [
     "tests/agreement/test_agreement_step5.py",            # 131 core-s at 15 tokens; 55-66 s of setup at 3 (README)
+    "tests/tools/test_two_nodes.py",                      # 150 on an AVX2 core: two 8-rank launches (10 processes)
     "tests/agreement/test_agreement_checkpointing.py",    # 86 (trains every agreement configuration)
     "tests/tools/test_train_size_overrides.py",           # 46
     "tests/tools/test_compare.py",                        # 46
@@ -33,7 +34,9 @@ HEAVY_FIRST = [
     "tests/core/test_overlap.py",                         # 17
     "tests/tools/test_reshard.py",                        # 15
     "tests/agreement/test_agreement_nvme.py",             # 14
-]
+    "tests/tools/test_bench_two_nodes.py",                # 38 (AVX2): one run in two network namespaces
+    "tests/agreement/test_hierarchy.py",                  # 33 (AVX2): trains the 2 x 2 runs that
+]   # test_hpz_references.py and test_hsdp_fsdp2.py then read (unlisted: they run after, from the shared files)
 
 
 _RANK = {path: i for i, path in enumerate(HEAVY_FIRST)}

@@ -119,9 +119,18 @@ def _torch_rank(zero, dtype, steps):
 
 @functools.lru_cache(maxsize=None)
 def _run(lib: str, zero: tuple, dtype: str, steps: int) -> tuple:
+    """Trained once per test session: three test files read the same runs, and under xdist
+    they may sit on both workers, so the runs are shared through files as the agreement
+    runs are (tests/support/agreement.py, `_shared`)."""
     fn = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _minizero_rank}[lib]
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE=str(PER_NODE))   # minizero's ledger: 2 "nodes" of 2
-    return tuple(run_ranks(fn, world_size=N, args=(dict(zero), dtype, steps), env=env))
+    name = "two-nodes-" + "-".join([lib, dtype, str(steps)] + [f"{k}={v}" for k, v in zero])
+    with A._shared(name.replace("/", "_")) as (load, store):
+        runs = load()
+        if runs is None:
+            runs = tuple(run_ranks(fn, world_size=N, args=(dict(zero), dtype, steps), env=env))
+            store(runs)
+    return runs
 
 
 def deepspeed_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
@@ -147,3 +156,18 @@ def node_of(rank: int) -> int:
 def split(groups: dict) -> dict:
     """groups sorted into {"intra": {op: ...}, "inter": {op: ...}} by the 2 x 2 topology."""
     return node_split(groups, PER_NODE)
+
+
+def _minizero_rank_each(zeros, dtype, steps):
+    return [_minizero_rank(dict(zero), dtype, steps) for zero in zeros]
+
+
+def minizero_runs_2x4(zeros: list[dict], dtype: str, steps: int = 2) -> list[tuple]:
+    """minizero alone on 8 ranks as 2 nodes x 4, each of `zeros` in turn in one launch of 8
+    rank processes (cheaper than one launch each); per zero, per rank, as minizero_runs.
+    Two steps: hpZ's first forward reads what initialisation cut, its second gathers over all N."""
+    env = dict(A.ENV, MINIZERO_RANKS_PER_NODE="4")
+    per_rank = run_ranks(_minizero_rank_each, world_size=8, args=([tuple(sorted(z.items())) for z in zeros],
+                                                                  dtype, steps), env=env, timeout=600)
+    return [tuple(per_rank[r][i] for r in range(8)) for i in range(len(zeros))]
+
