@@ -258,6 +258,23 @@ def plan(n_gpus: int, quick: bool = False) -> list:
         steps=[two_nodes(["--resume", straight2, "--tag", f"global_step{size.save_every}", "--save-dir",
                           "{dir}/resumed"], "2node-resume")],
         judge=judge_resume(straight2, "{dir}/resumed", size.save_every)))
+    # The node-aware ZeRO-3s on the same two nodes, k = S = the GPUs of one node (4 on the
+    # README's 2 x 4 cluster; docs/two_nodes.md): hpZ changes no number, so its losses are the straight run's bit for
+    # bit; HSDP reduces in another order (within the node, then across), so it trains and saves.
+    k = 4 if half >= 4 else 2   # the configs carry k = 2 or 4 (launch/gpu_check_configs/two_nodes_*)
+    checks.append(Check(
+        "2node-hpz", f"the same 2 nodes with hpZ (zero_hpz_partition_size {k}: backward's all-gathers stay in "
+                     "the node): losses == the straight 2-node run's, bit for bit",
+        min_gpus=4, after=("2node-straight",),
+        steps=[two_nodes(["--config", f"{CONFIGS}/two_nodes_hpz{k}.json", "--save-dir", "{dir}/run"],
+                         "2node-hpz")],
+        judge=judge_same_losses(straight2, "{dir}/run")))
+    checks.append(Check(
+        "2node-hsdp", f"the same 2 nodes with HSDP (hsdp_shard_size {k}: sharded in the node, replicated "
+                      "across): one world trains and saves",
+        min_gpus=4, steps=[two_nodes(["--config", f"{CONFIGS}/two_nodes_hsdp{k}.json", "--save-dir",
+                                      "{dir}/run"], "2node-hsdp")],
+        judge=judge_two_node_straight("{dir}/run", 2 * half)))
 
     # Offload without the tutorial's step 5 around it, on NCCL: offload_optimizer alone at ZeRO-1/2,
     # offload_param alone at ZeRO-3; resumed == straight, bit for bit.

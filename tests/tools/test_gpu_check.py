@@ -29,6 +29,7 @@ MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overlap-z{s}-{d}" for s in range
          *(f"memory-z{s}" for s in range(4)), "memory-falls", "2node-straight", "2node-resume",
          "offload-opt-z1", "offload-opt-z2", "offload-param-z3", "consolidate-offload-z1", "consolidate-offload-z2",
          "observe-allgpu", "cpu-checkpointing-allgpu"]
+NODES4 = ["2node-hpz", "2node-hsdp"]   # hpZ and HSDP need nodes of 2 GPUs at least
 SYNC_DEBUG = [f"sync-debug-z{s}-{d}" for s in range(4) for d in ("bf16", "fp16")] + ["sync-debug-z3-bf16-default"]
 SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "nccl-ws1", "offload-step5-1gpu", *RESUME_1,
           "memory-overlap-z2", "memory-overlap-z3", *SYNC_DEBUG, "user-command", "compare"]
@@ -51,12 +52,15 @@ def flag(argv, name):
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 8])
 def test_plan_lists_every_check_and_skips_what_needs_more_gpus(n):
     checks = gc.plan(n)
-    assert sorted(c.name for c in checks) == sorted(SINGLE + MULTI)      # the same table on every machine
+    assert sorted(c.name for c in checks) == sorted(SINGLE + MULTI + NODES4)      # the same table on every machine
     skips = {c.name: c.skip for c in checks if c.skip}
     if n == 0:
-        assert skips == {name: "no GPU found" for name in SINGLE + MULTI}
+        assert skips == {name: "no GPU found" for name in SINGLE + MULTI + NODES4}
     elif n == 1:
-        assert skips == {name: "needs 2 GPUs (found 1)" for name in MULTI}
+        assert skips == {**{name: "needs 2 GPUs (found 1)" for name in MULTI},
+                         **{name: "needs 4 GPUs (found 1)" for name in NODES4}}
+    elif n < 4:
+        assert skips == {name: f"needs 4 GPUs (found {n})" for name in NODES4}
     else:
         assert skips == {}
 
@@ -70,7 +74,7 @@ def test_plan_with_8_gpus_uses_them_all_and_splits_them_for_two_nodes():
     assert flag(procs(c["memory-z3"])[0].argv, "--nproc-per-node") == "8"
     assert procs(c["sync-debug-z1-bf16"])[0].argv[3:5] == ["sync-debug", "8"]   # --driver NAME WORLD
     assert flag(procs(c["compare"])[0].argv, "--nproc") == "8"
-    for name in ("2node-straight", "2node-resume"):
+    for name in ("2node-straight", "2node-resume", "2node-hpz", "2node-hsdp"):
         node0, node1 = procs(c[name])
         assert [flag(p.argv, "--node-rank") for p in (node0, node1)] == ["0", "1"]
         assert {flag(p.argv, "--nnodes") for p in (node0, node1)} == {"2"}
@@ -132,7 +136,7 @@ def test_select_keeps_what_only_needs_and_drops_what_skip_orphans():
     assert names(gc.select(gc.plan(2), only=["memory-falls"])) == [f"memory-z{s}" for s in range(4)] + ["memory-falls"]
     left = names(gc.select(gc.plan(2), skip=["memory-z*", "cpu-*"]))
     assert "memory-falls" not in left and "cpu-suite" not in left and "memory-z0" not in left
-    assert len(left) == len(SINGLE + MULTI) - 7   # memory-z0..3, memory-falls, cpu-suite, cpu-checkpointing-allgpu
+    assert len(left) == len(SINGLE + MULTI + NODES4) - 7   # memory-z0..3, memory-falls, cpu-suite, cpu-checkpointing-allgpu
 
 
 def test_visible_maps_plan_indices_through_the_parents_list():
@@ -275,9 +279,9 @@ def test_plan_on_a_machine_without_gpus_lists_every_check_with_its_commands(tmp_
     assert r.returncode == 0, r.stderr
     assert "no GPU found" in r.stdout and "the plan for 8 GPUs" in r.stdout
     listed = re.findall(r"^\[\s*\d+\] (\S+): (.*)$", r.stdout, re.M)
-    assert sorted(name for name, _ in listed) == sorted(SINGLE + MULTI)
+    assert sorted(name for name, _ in listed) == sorted(SINGLE + MULTI + NODES4)
     assert not [name for name, what in listed if what.startswith("SKIP")]
-    assert r.stdout.count("\n     $ ") >= len(SINGLE + MULTI) - 5   # commands (memory-falls, compare-z* read files)
+    assert r.stdout.count("\n     $ ") >= len(SINGLE + MULTI + NODES4) - 5   # commands (memory-falls, compare-z* read files)
     assert not out.exists()
     # Asked for: the plan for 0 GPUs. main(argv) here, its probe what the command's probe just
     # found (CUDA hidden): the command line is tested above, and probe's own subprocess (a
@@ -285,7 +289,7 @@ def test_plan_on_a_machine_without_gpus_lists_every_check_with_its_commands(tmp_
     monkeypatch.setattr(gc, "probe", lambda: {"count": 0, "names": []})
     assert gc.main([flag_, "--gpus", "0", "--out", str(out)]) == 0
     listed = re.findall(r"^\[\s*\d+\] (\S+): SKIP: no GPU found$", capsys.readouterr().out, re.M)
-    assert sorted(listed) == sorted(SINGLE + MULTI)
+    assert sorted(listed) == sorted(SINGLE + MULTI + NODES4)
     assert not out.exists()
 
 
@@ -415,7 +419,7 @@ def test_every_check_config_is_a_valid_config():
     from minizero.config import load_config
     for path in sorted((ROOT / "launch" / "gpu_check_configs").glob("*.json")):
         with open(path) as f:
-            load_config(json.load(f), 2)
+            load_config(json.load(f), 8)   # the world the plan is for (2 nodes x 4): hpZ's and HSDP's k divide it
 
 
 def test_consolidate_and_sync_debug_verdicts():
