@@ -523,15 +523,24 @@ def _zero3_clipping_runs(lib: str, offload: bool, variant: str = "minizero") -> 
 
 def test_zero3_offload_sums_the_gradient_norm_in_fp32():
     """docs/deepspeed.md, "ZeRO-3 with offload_optimizer sums the gradient norm in fp32": the
-    same run with and without offload_optimizer, clipping on every step. The first forward is
-    the same; the norms offload reports are fp32 numbers (without offload: fp64 ones), and
-    once the clip factor is computed from them the weights part."""
+    same run with and without offload_optimizer, clipping on every step. The first forward and
+    backward are the same; the norms offload reports are fp32 numbers (without offload: fp64
+    ones), and once the clip factor is computed from them the weights part.
+
+    The first step's norms are of the same gradients, so they differ by offload's fp32
+    roundings alone (tests/support/probes.py, `_offload_norm`), bounded, with u = 2**-24 and
+    the fp64 norm taken as exact: per parameter group, each rank's fp64 sum of squares rounded
+    to fp32 and the two added in fp32 (2u on the sum), the fp32 square root (half of that,
+    plus u: 2u); the group norms squared (5u), added (6u) and square-rooted in fp32 (4u).
+    5u leaves room for the second-order terms. Later steps start from weights that have
+    parted, so only their precision is pinned: the bound holds on any CPU kernels, where a
+    bound measured over all steps did not (scalar kernels moved the later norms by 1e-4)."""
     off, on = (_zero3_clipping_runs("deepspeed", o)[0] for o in (False, True))
     assert on["losses"][0] == off["losses"][0]
     as_fp32 = lambda x: float(torch.tensor(x, dtype=torch.float32))
     assert all(n == as_fp32(n) for n in on["grad_norms"])
     assert any(n != as_fp32(n) for n in off["grad_norms"])
-    assert max(abs(a - b) for a, b in zip(on["grad_norms"], off["grad_norms"])) < 1e-5 * max(off["grad_norms"])
+    assert abs(on["grad_norms"][0] - off["grad_norms"][0]) <= 5 * 2 ** -24 * off["grad_norms"][0]
     assert any(not torch.equal(on["final_state"][k], off["final_state"][k]) for k in on["final_state"])
 
 
