@@ -30,7 +30,7 @@ import math
 import torch
 
 from . import checkpointing, comm
-from .config import ignored_knobs_note, load_config
+from .config import ignored_knobs_note, load_config, renamed_keys_note
 from .fp16 import create_loss_scaler, overflow_vote
 from .lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
@@ -368,9 +368,10 @@ class Engine(torch.nn.Module):
             self.module.checkpoint_fn = checkpointing.checkpoint
 
     def _explain_ignored_performance_knobs(self) -> None:
-        note = ignored_knobs_note(self.config)   # DeepSpeed's buffer, copy and libaio knobs: accepted, no effect
-        if note and self.global_rank == 0:
-            logger.info(note)
+        for note in (ignored_knobs_note(self.config),   # DeepSpeed's buffer, copy and libaio knobs: accepted, no effect
+                     renamed_keys_note(self.config)):   # a removed DeepSpeed key read under minizero's name
+            if note and self.global_rank == 0:
+                logger.info(note)
 
 
 def read_on_host(norm_sq: torch.Tensor, vote: torch.Tensor | None) -> tuple[float, float | None]:

@@ -95,3 +95,30 @@ def test_unknown_key_with_none_near_lists_the_accepted_ones_on_the_same_line():
     # the line still says what to write instead.
     _one_line_error(ConfigError, {"train_batch_size": 4, "zzz_widget": 1, "optimizer": OPT},
                     "'zzz_widget'", "accepted keys at the top level:", "gradient_clipping", "zero_optimization")
+
+
+# ----------------------------------------------------------------------------- hpZ and HSDP keys
+
+def _zero3(**zero):
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": OPT, "zero_optimization": {"stage": 3, **zero}}
+
+
+@pytest.mark.parametrize("zero, needles", [
+    ({"stage": 2, "zero_hpz_partition_size": 2}, ["zero_hpz_partition_size", "needs stage 3"]),
+    ({"stage": 1, "hsdp_shard_size": 2}, ["hsdp_shard_size", "needs stage 3"]),
+    ({"zero_hpz_partition_size": 2, "hsdp_shard_size": 2}, ["zero_hpz_partition_size and hsdp_shard_size"]),
+    ({"mics_shard_size": 1, "hsdp_shard_size": 1}, ["two spellings of one setting"]),
+])
+def test_node_aware_zero3_keys_refused_in_one_line(zero, needles):
+    _one_line_error(ConfigError, _zero3(**zero), *needles)
+
+
+def test_mics_shard_size_is_read_as_hsdp_shard_size_and_says_so(caplog):
+    """DeepSpeed 0.19.8 removed MiCS (its keys raise there); minizero reads mics_shard_size as
+    hsdp_shard_size, and rank 0 logs one line that names the key to write instead."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="minizero"):
+        engine, *_ = _init(_zero3(mics_shard_size=1))
+    assert engine.config.zero.hsdp_shard_size == 1
+    lines = [r.getMessage() for r in caplog.records if "mics_shard_size" in r.getMessage()]
+    assert len(lines) == 1 and "hsdp_shard_size" in lines[0] and "\n" not in lines[0], lines
