@@ -193,12 +193,9 @@ def test_adam_step_is_where_a_fused_or_capturable_adam_reads_it():
 # ----------------------------------------------------------------------------- launch/bench_collectives.py
 
 def _bench_collectives_timings_strict():
-    import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "launch" / "bench_collectives.py"
-    spec = importlib.util.spec_from_file_location("bench_collectives", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.support.scripts import load_script
+    bench = load_script(Path(__file__).resolve().parents[2] / "launch" / "bench_collectives.py")
     return strict_collectives(lambda: bench.slowest_median_ms([0.1, 0.2], comm.get_device()))
 
 

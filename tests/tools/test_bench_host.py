@@ -4,20 +4,18 @@ older checkout would be). Timing itself is not tested; the counts of Python call
 ops are exact, so the same code must give the same counts in both columns."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from tests.support.script_main import run_script_main
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "bench_host.py"
 
-_spec = importlib.util.spec_from_file_location("bench_host", SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script(SCRIPT)
 
 
 def args_of(argv):

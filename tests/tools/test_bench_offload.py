@@ -9,7 +9,6 @@ and the optimizer writes the shard on the host, so h2d = 2 x d2h.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,13 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.script_main import run_script_main
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "bench_offload.py"
 
-_spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script(SCRIPT)
 
 
 # ----------------------------------------------------------------------------- pure helpers

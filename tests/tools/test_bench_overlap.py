@@ -7,7 +7,6 @@ forkserver (tests/support/script_main.py: a fresh interpreter and a forkserver o
 saved per run); test_the_command_starts_from_any_folder runs the command itself."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,13 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.script_main import run_script_main
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "bench_overlap.py"
 
-_spec = importlib.util.spec_from_file_location("bench_overlap", SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script(SCRIPT)
 
 
 def test_schedule_interleaves_repetitions_and_alternates_libraries(tmp_path):

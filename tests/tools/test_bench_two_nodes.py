@@ -4,7 +4,6 @@ and one training run goes through it (torch ZeRO-3, micro GPT, 4 steps, 2 nodes 
 30-60 s on 2 shared cores). Timing itself is not tested."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "bench_two_nodes.py"
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_two_nodes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -3,7 +3,6 @@ made-up results, the table, the runner (failures, timeouts, SIGTERM), the comman
 (--dry-run here says no GPU was found), and the consolidate driver on gloo ranks.
 
 What needs CUDA is docs/gpu.md's business; here only what decides PASS / FAIL / SKIP."""
-import importlib.util
 import json
 import math
 import os
@@ -15,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "gpu_check.py"
 
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gc = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check"] = gc          # dataclasses look their module up while the class is built
-_spec.loader.exec_module(gc)
+gc = load_script(SCRIPT, register=True)   # dataclasses look their module up while the class is built
 
 RESUME_1 = [f"resume-1gpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
 RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16", "fp32")]

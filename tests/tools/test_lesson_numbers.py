@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib.util
 import io
 import os
 import re
@@ -34,6 +33,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.support.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = "docs/lesson/lesson_numbers.py"
@@ -44,16 +45,13 @@ NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+\.\d+|\d{3,})(?![\w])")
 ANY_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("lesson_numbers", os.path.join(ROOT, SCRIPT))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+def lesson_script():
+    return load_script(os.path.join(ROOT, SCRIPT))
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script()
+    return lesson_script()
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,15 @@ case bit for bit the run with no process group. On a GPU the same check runs und
 `torchrun --nproc-per-node 1` with NCCL (docs/gpu.md, `nccl-ws1`)."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
+from tests.support.scripts import load_script
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 if str(LAUNCH) not in sys.path:
     sys.path.insert(0, str(LAUNCH))
-_spec = importlib.util.spec_from_file_location("nccl_ws1", LAUNCH / "nccl_ws1.py")
-check_mod = sys.modules.setdefault("nccl_ws1", importlib.util.module_from_spec(_spec))
-if not hasattr(check_mod, "check"):
-    _spec.loader.exec_module(check_mod)
+check_mod = load_script(LAUNCH / "nccl_ws1.py", register=True)   # its ranks unpickle its functions by name
 
 
 def _one_gloo_rank():

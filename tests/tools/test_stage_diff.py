@@ -6,20 +6,18 @@ fewer lines than a plain diff, with the code the later stage adds still in it.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
+
+from tests.support.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "docs", "lesson", "stage_diff.py")
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("stage_diff", SCRIPT)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+    return load_script(SCRIPT)
 
 
 OLD = '''"""A module docstring,
