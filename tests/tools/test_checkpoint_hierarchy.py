@@ -32,7 +32,7 @@ import torch
 from minizero.checkpoint_files.zero_to_fp32 import consolidate
 from tests.support.launcher import run_ranks
 from tests.tools.test_checkpoint_io import _one_step, checkpoint_config, checkpoint_engine
-from tests.tools.test_reshard import KINDS, _carried, _continue, _load, _set_from_consolidated
+from tests.tools.test_reshard import KINDS, _carried, _continue, _full_state, _load, _set_from_consolidated
 
 DTYPE = "fp16"
 SAVED_WORLD, SAVED_STEPS = 4, 3
@@ -41,26 +41,6 @@ SCHEMES = {"hsdp": {"hsdp_shard_size": 2}, "hpz": {"zero_hpz_partition_size": 2}
 
 def _engine(zero):
     return checkpoint_engine(3, DTYPE, config=checkpoint_config(3, DTYPE, zero=zero))
-
-
-def _full_state(engine) -> dict:
-    """{kind: {name: full fp32 tensor}}: masters and Adam's moments gathered over the ranks each
-    FlatParam is cut over (all of them; HSDP's shard group)."""
-    from minizero import comm
-    from minizero.partition import unflatten
-    opt = engine.sharded_optimizer
-    out = {k: {} for k in KINDS}
-    for f, m in zip(opt.flat_params, opt.masters):
-        st = opt.optimizer.state[m]
-        for kind, t in (("master", m), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
-            full = torch.empty(f.padded_numel)
-            if f.num_shards > 1:
-                comm.all_gather_into_tensor(full, t.detach().float().cpu().contiguous(), label="test",
-                                            group=f.sharding.group)
-            else:
-                full.copy_(t.detach())
-            out[kind].update({n: v.clone() for n, v in unflatten(full, f.names, f.shapes).items()})
-    return out
 
 
 def _save_and_go_on(folders):

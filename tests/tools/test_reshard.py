@@ -87,7 +87,8 @@ def test_resharding_by_slices_gives_every_layout_exactly():
 
 def _full_state(engine) -> dict:
     """{kind: {name: full fp32 tensor}} of the live engine: masters and both Adam moments,
-    gathered from every rank (a collective)."""
+    gathered over the ranks each FlatParam is cut over (all of them; under HSDP its shard
+    group): a collective."""
     from minizero import comm
     from minizero.partition import unflatten
     opt = engine.sharded_optimizer
@@ -97,7 +98,8 @@ def _full_state(engine) -> dict:
         for kind, t in (("master", m), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
             full = torch.empty(f.padded_numel)
             if f.num_shards > 1:
-                comm.all_gather_into_tensor(full, t.detach().float().cpu().contiguous(), label="test")
+                comm.all_gather_into_tensor(full, t.detach().float().cpu().contiguous(), label="test",
+                                            group=f.sharding.group)
             else:
                 full.copy_(t.detach())
             out[kind].update({n: v.clone() for n, v in unflatten(full, f.names, f.shapes).items()})
