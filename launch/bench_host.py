@@ -93,10 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--count-steps", type=int, default=2, help="steps counted per way of counting (default 2)")
     p.add_argument("--reps", type=int, default=1, help="repetitions of every cell, interleaved (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1, as torchrun's)")
-    p.add_argument("--out", help="also write the report to this file")
-    p.add_argument("--json", help="also write every number to this JSON file")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="keep the libraries' info logs (stderr)")
+    kit.add_output_flags(p)
     return p.parse_args(argv)
 
 

@@ -123,10 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="zero_optimization values of launch/ds_config_step5.json instead of minizero.compare's")
     p.add_argument("--nvme-path", help="also run the offloads with \"device\": \"nvme\", swap files in this folder "
                                         "(one subfolder per run; docs/offload.md, \"ZeRO-Infinity\")")
-    p.add_argument("--out", help="also write the markdown report to this file")
-    p.add_argument("--json", help="also write every number to this JSON file")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's and minizero's info logs (stderr)")
+    kit.add_output_flags(p, "the markdown report", "DeepSpeed's and minizero's")
     return p.parse_args(argv)
 
 

@@ -123,10 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "host, the tutorial-24 model, default knobs (sets --stages 3 --knobs default --model "
                         "tutorial-24 unless given); its floor adds the copies to and from the host")
     p.add_argument("--trace-dir", help="where the traces go (default: a new temporary folder)")
-    p.add_argument("--out", help="also write the table to this file")
-    p.add_argument("--json", help="also write every number to this JSON file")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="keep the libraries' info logs (stderr)")
+    kit.add_output_flags(p, "the table")
     return p.parse_args(argv)
 
 

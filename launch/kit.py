@@ -80,6 +80,15 @@ def add_model_flags(p: argparse.ArgumentParser, model: str | None, n_embd: int, 
     p.add_argument("--seq", type=int, default=seq, help=f"tokens per row (default {seq})")
 
 
+def add_output_flags(p: argparse.ArgumentParser, report: str = "the report",
+                     logs: str = "the libraries'") -> None:
+    """--out and --json (what write_outputs writes), --seed, --verbose (what quiet_rank reads)."""
+    p.add_argument("--out", help=f"also write {report} to this file")
+    p.add_argument("--json", help="also write every number to this JSON file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help=f"keep {logs} info logs (stderr)")
+
+
 def check_launch(args, libs, cuda: bool | None = None, gpus: int | None = None) -> None:
     """What every benchmark checks before launching ranks: sets args.cuda, args.world_size
     (default 2, or min(2, GPUs)) and args.model_kw; one line for a library that is not
