@@ -116,7 +116,8 @@ def key(default, check, *, alias=None, acts=True, name=None):
 @dataclass
 class Section:
     """A config section parsed by its table: every field declared with `key` is one key."""
-    given: tuple = field(default=(), init=False, repr=False, compare=False)   # the keys the config wrote
+    # the keys the config wrote; set at construction, so a section's __post_init__ checks can read it
+    given: tuple = field(default=(), repr=False, compare=False, kw_only=True)
 
     @classmethod
     def rows(cls) -> dict:
@@ -147,9 +148,7 @@ class Section:
                 raise ConfigError(f"'{spelled[f.name]}' and '{full}' are two spellings of one key (DeepSpeed "
                                   f"would silently read only one); keep only '{main}'")
             values[f.name], spelled[f.name] = f.metadata["check"](v, full), full
-        section = cls(**values)
-        section.given = tuple(d)
-        return section
+        return cls(**values, given=tuple(d))
 
     def to_dict(self) -> dict:
         """{JSON key: value} of a section whose values are plain JSON values."""

@@ -95,7 +95,7 @@ class Engine(torch.nn.Module):
         self._global_grad_norm = None
         self.unit_marks = UnitMarks(self, find_units(model))
         self._configure_activation_checkpointing()
-        self._explain_ignored_performance_knobs()
+        self._log_config_notes()
         comm.announce("engine_ready", self)
 
     # ------------------------------------------------------------------ config accessors
@@ -367,7 +367,7 @@ class Engine(torch.nn.Module):
         if hasattr(self.module, "checkpoint_fn"):
             self.module.checkpoint_fn = checkpointing.checkpoint
 
-    def _explain_ignored_performance_knobs(self) -> None:
+    def _log_config_notes(self) -> None:
         for note in (ignored_knobs_note(self.config),   # DeepSpeed's buffer, copy and libaio knobs: accepted, no effect
                      renamed_keys_note(self.config)):   # a removed DeepSpeed key read under minizero's name
             if note and self.global_rank == 0:

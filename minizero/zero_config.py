@@ -162,7 +162,7 @@ class ZeroConfig(Section):
             raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it moves this rank's "
                               "optimizer shard to the CPU): set \"stage\" or remove offload_optimizer")
         if self.mics_shard_size > 0:
-            if self.hsdp_shard_size > 0:   # (`given` is set after this check runs: the value says it)
+            if "hsdp_shard_size" in self.given:
                 raise ConfigError("zero_optimization.mics_shard_size and hsdp_shard_size are two spellings of one "
                                   "setting; keep only hsdp_shard_size")
             self.hsdp_shard_size = self.mics_shard_size
