@@ -386,9 +386,12 @@ def floor_ranks(args_d: dict) -> dict:
     for op, numel in sorted({(op, numel) for req in res["required"].values() for op, numel, _ in req}):
         full = torch.randn(numel, generator=gen).to(device=device, dtype=dtype)
         part = torch.empty(numel // world, dtype=dtype, device=device)
+        # torch's current names where it has them, as minizero calls them (comm.py)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
         call = {"all_reduce": lambda i: dist.all_reduce(full),
-                "reduce_scatter": lambda i: dist.reduce_scatter_tensor(part, full),
-                "all_gather": lambda i: dist.all_gather_into_tensor(full, part)}[op]
+                "reduce_scatter": lambda i: scatter(part, full),
+                "all_gather": lambda i: gather(full, part)}[op]
         res["coll_s"][f"{op}:{numel}"] = timed(call)
     return res
 

@@ -54,7 +54,11 @@ COLLECTIVES_SWITCH = (ONE_RANK_ENV, "backend")
 DELAY_S = 1e-3            # how late each collective is issued
 SLEEP_CYCLES = 2_000_000  # torch.cuda._sleep's spin: about a millisecond at a GPU's 1.5-2 GHz
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-PATCHED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+# torch.distributed's collectives issued late, each counted under its classic name (torch
+# 2.13 added all_gather_single / reduce_scatter_single, which minizero calls where they exist)
+PATCHED = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather_into_tensor",
+           "reduce_scatter_tensor": "reduce_scatter_tensor", "broadcast": "broadcast",
+           "all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 # name -> (stage, dtype, zero_optimization keys beyond the stage)
 CASES = {
@@ -136,7 +140,7 @@ def late_collectives(calls: dict):
     import torch
     import torch.distributed as dist
     cuda = dist.get_backend() == "nccl"
-    originals = {name: getattr(dist, name) for name in PATCHED}
+    originals = {name: getattr(dist, name) for name in PATCHED if hasattr(dist, name)}
     if cuda:
         side = torch.cuda.Stream()
     else:
@@ -145,7 +149,7 @@ def late_collectives(calls: dict):
 
     def late(name, fn):
         def issue(*args, async_op=False, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
+            calls[PATCHED[name]] = calls.get(PATCHED[name], 0) + 1
             if cuda:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):

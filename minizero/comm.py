@@ -57,8 +57,13 @@ from .process_group import (ONE_RANK_ENV, LaunchError, barrier, destroy, free_po
                     get_rank, get_world_size, init_distributed, is_distributed, new_groups, node_of,
                     ranks_per_node, single_host_env)
 
-# torch 2.14 renamed these two to all_gather_single / reduce_scatter_single and warns on
-# every call. We keep the names the ZeRO literature (and DeepSpeed) use.
+# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single. The old names still work, through a wrapper that raises a
+# FutureWarning on every call: tens of microseconds of host time per collective, which a
+# ZeRO-3 step pays dozens of times. So the wrappers below keep the names the ZeRO literature
+# and DeepSpeed use, and call torch's current name where this torch has it (looked up at
+# each call, so a tool that wraps torch.distributed's functions still sees them).
+_SINGLE_NAMES = hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated")
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -347,7 +352,8 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str
     if local_at_one_rank(n):
         call = lambda: _done(output.copy_(shard.view_as(output)))
     else:
-        call = lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+        gather = dist.all_gather_single if _SINGLE_NAMES else dist.all_gather_into_tensor
+        call = lambda: gather(output, shard, group=group, async_op=async_op)
     pending = _issue("all_gather", label, call, _nbytes(output), _nbytes(output) * (n - 1) // n,
                      msg_bytes=_nbytes(shard), async_op=async_op, check=(shard, (output, shard)), group=group)
     return pending if async_op else output
@@ -361,7 +367,8 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str |
     if local_at_one_rank(n):
         call = lambda: _done(output.copy_(full.view_as(output)))
     else:
-        call = lambda: dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        scatter = dist.reduce_scatter_single if _SINGLE_NAMES else dist.reduce_scatter_tensor
+        call = lambda: scatter(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     pending = _issue("reduce_scatter", label, call, _nbytes(full), _nbytes(full) * (n - 1) // n,
                      msg_bytes=_nbytes(full), async_op=async_op, check=(full, (output, full)), group=group)
     return pending if async_op else output

@@ -29,7 +29,10 @@ from minizero.gpt.synthetic_images import synthetic_images
 from tests.support.launcher import run_ranks
 
 INJECTED = torch.device("meta")
-TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+# each logged under its classic name; torch >= 2.13's *_single spellings (which comm.py calls) too
+TENSOR_COLLECTIVES = {"all_reduce": "all_reduce", "broadcast": "broadcast",
+                      "all_gather_into_tensor": "all_gather_into_tensor", "reduce_scatter_tensor": "reduce_scatter_tensor",
+                      "all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
 class Misplaced(AssertionError):
@@ -46,6 +49,8 @@ def strict_collectives(fn, *args, **kwargs):
     log = []
 
     def checked(name):
+        name = TENSOR_COLLECTIVES[name]
+
         def collective(*a, **k):
             tensors = [x for x in (*a, *k.values()) if torch.is_tensor(x)]
             log.append((name, [str(t.device) for t in tensors]))
@@ -55,9 +60,9 @@ def strict_collectives(fn, *args, **kwargs):
                                     f"(here {INJECTED}): under NCCL this collective would fail")
         return collective
 
-    real_get_device, real = comm.get_device, {n: getattr(dist, n) for n in TENSOR_COLLECTIVES}
+    real_get_device, real = comm.get_device, {n: getattr(dist, n) for n in TENSOR_COLLECTIVES if hasattr(dist, n)}
     comm.get_device = lambda: INJECTED
-    for n in TENSOR_COLLECTIVES:
+    for n in real:
         setattr(dist, n, checked(n))
     try:
         fn(*args, **kwargs)

@@ -155,10 +155,12 @@ def _volume(lib: str, stage: int, steps: int, knobs: dict):
 
     import torch.distributed as dist
 
+    from tests.support.engine_runs import torch_names
     from tests.support.harness import SyntheticBatches, run
     seen = {"all_gather": 0, "reduce_scatter": 0}
-    for name, op, pick in (("all_gather_into_tensor", "all_gather", lambda a, k: a[0] if a else k["output_tensor"]),
-                           ("reduce_scatter_tensor", "reduce_scatter", lambda a, k: a[1] if len(a) > 1 else k["input"])):
+    picks = {"all_gather": lambda a, k: a[0] if a else k["output_tensor"],
+             "reduce_scatter": lambda a, k: a[1] if len(a) > 1 else k["input"]}
+    for name, op, pick in ((name, op, pick) for op, pick in picks.items() for name in torch_names(op)):
         orig = getattr(dist, name)
 
         def f(*a, _orig=orig, _op=op, _pick=pick, **k):

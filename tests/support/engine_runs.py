@@ -107,8 +107,21 @@ def _patch_dist(record):
 
     wrap("all_reduce", "all_reduce", lambda a, k: a[0] if a else k["tensor"])
     wrap("broadcast", "broadcast", lambda a, k: a[0] if a else k["tensor"])
-    wrap("all_gather_into_tensor", "all_gather", lambda a, k: a[0] if a else k["output_tensor"])
-    wrap("reduce_scatter_tensor", "reduce_scatter", lambda a, k: a[1] if len(a) > 1 else k["input"])
+    for name in torch_names("all_gather"):
+        wrap(name, "all_gather", lambda a, k: a[0] if a else k["output_tensor"])
+    for name in torch_names("reduce_scatter"):
+        wrap(name, "reduce_scatter", lambda a, k: a[1] if len(a) > 1 else k["input"])
+
+
+def torch_names(op: str) -> list[str]:
+    """torch.distributed's names for one collective in this torch: from 2.13 the gather and
+    the reduce-scatter have two (comm.py calls the new *_single; DeepSpeed the old). The old
+    name calls the new one inside torch, never through the module attribute, so wrapping
+    both counts each call once."""
+    import torch.distributed as dist
+    names = {"all_gather": ("all_gather_into_tensor", "all_gather_single"),
+             "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_single")}.get(op, (op,))
+    return [n for n in names if hasattr(dist, n)]
 
 
 # ----------------------------------------------------------------------------- the run

@@ -65,7 +65,8 @@ def train(stage: int, branch_rank, steps: int = 2, check: bool = False, timeout_
 
     calls = {"n": 0}
     if count_backend:   # count what really reaches torch.distributed
-        for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast"):
+        from tests.support.engine_runs import torch_names
+        for name in (n for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast") for n in torch_names(op)):
             real = getattr(dist, name)
 
             def counted(*a, _real=real, **k):

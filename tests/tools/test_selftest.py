@@ -42,12 +42,11 @@ def _broken_reduce_scatter_rank(stages):
     0 all-reduces them."""
     import torch.distributed as dist
 
-    real = dist.reduce_scatter_tensor
-
-    def neighbours_chunk(output, input, *a, **k):
-        return real(output, input.roll(output.numel()), *a, **k)
-
-    dist.reduce_scatter_tensor = neighbours_chunk
+    from tests.support.engine_runs import torch_names
+    for name in torch_names("reduce_scatter"):   # both spellings: comm.py calls torch's current one
+        def neighbours_chunk(output, input, *a, _real=getattr(dist, name), **k):
+            return _real(output, input.roll(output.numel()), *a, **k)
+        setattr(dist, name, neighbours_chunk)
     return selftest.minizero_rank(stages)
 
 

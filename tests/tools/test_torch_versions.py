@@ -28,6 +28,8 @@ SCANNED = ["minizero/**/*.py", "reference/*.py", "launch/*.py", "tests/support/*
 # name -> (the first torch that has it, what the code does on an older one)
 VERSION_GATED = {
     "torch.distributed.set_timeout": ("2.14", "observe/desync.py set_group_timeout: distributed_c10d._set_pg_timeout"),
+    "torch.distributed.all_gather_single": ("2.13", "comm.py all_gather_into_tensor: dist.all_gather_into_tensor"),
+    "torch.distributed.reduce_scatter_single": ("2.13", "comm.py reduce_scatter_tensor: dist.reduce_scatter_tensor"),
 }
 # Methods the package calls on objects, where no import names them.
 METHODS = {
@@ -127,3 +129,4 @@ def test_version_gated_names_are_used_only_behind_their_fallback():
         assert resolves(name) == (have >= first), (name, torch.__version__)
     from torch.distributed import distributed_c10d
     assert hasattr(distributed_c10d, "_set_pg_timeout")   # set_group_timeout's fallback
+    assert hasattr(distributed_c10d, "all_gather_into_tensor") and hasattr(distributed_c10d, "reduce_scatter_tensor")
