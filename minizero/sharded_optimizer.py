@@ -108,14 +108,15 @@ class ShardedOptimizer:
         # bf16/fp16 on the host: Adam converts each slice as it steps it (adam.ChunkedAdamW),
         # rather than a whole fresh fp32 copy of the gradient here
         sliced = self.optimizer.steps_in_slices()
+        inverse = 1.0 / combined   # once per step, not per FlatParam (ZeRO-3 has one per unit)
         for f, m, g in zip(self.flat_params, self.masters, grads):
             if g is None:
                 g = torch.zeros(f.shard_numel, dtype=torch.float32, device=m.device)
             if sliced and g.dtype != torch.float32 and g.is_contiguous():
-                self.optimizer.set_low_precision_grad(m, g, 1.0 / combined)
+                self.optimizer.set_low_precision_grad(m, g, inverse)
                 continue
             g = g.float()          # a copy in bf16/fp16; in fp32 the reduced buffer itself
-            g.mul_(1.0 / combined)
+            g.mul_(inverse)
             m.grad = g
         if self.on_host:
             self.states.before_adam(self.swappable())   # nvme: the states' reads, done
