@@ -96,6 +96,12 @@ class Unit(Bucket):
     # ------------------------------------------------------------------ the four hooks
     def attach(self, prefetcher) -> None:
         self.prefetcher = prefetcher
+        if not self.partitioned and not self.ends_forward:
+            # persistent parameters only: nothing to gather or free, so no hooks. Each would
+            # cost host time every step for nothing (two module hooks, an autograd node on the
+            # outputs, the Prefetcher's bookkeeping), and the trace would hold a unit whose
+            # fetches move no element. The root keeps its hooks: its post_forward ends the forward.
+            return
         self.module.register_forward_pre_hook(self.pre_forward)
         self.module.register_forward_hook(self.post_forward)
 

@@ -74,9 +74,9 @@ class Zero3(Zero2):
         #    Prefetcher's decision: on demand, or read ahead from a recorded trace.
         self.prefetcher = Prefetcher(units, int(zero_cfg.stage3_prefetch_bucket_size),
                                      int(zero_cfg.stage3_max_live_parameters), int(zero_cfg.stage3_max_reuse_distance))
+        units[-1].ends_forward = True   # find_units puts the root last
         for u in units:
             u.attach(self.prefetcher)
-        units[-1].ends_forward = True   # find_units puts the root last
 
     # ------------------------------------------------------------------ 1. layout
     def make_buckets(self, module: nn.Module, param_groups: list[dict], zero_cfg) -> list[Unit]:
