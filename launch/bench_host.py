@@ -43,7 +43,14 @@ and the split of a step's host time (medians over steps, the mean over ranks):
   optimizer step       step - collectives in it (clipping, the optimizer, rounding, gathers' setup)
   everything else      the step's wall time - forward - backward - step (the loop, the sync)
 
-It prints a table of host ms/step side by side (and each minizero column over the others),
+and, beside the wall time, the library's own CPU time: the main thread's CPU seconds
+(time.thread_time) for the step's forward, backward and step less the bare model's. On a
+CPU the forward, the backward and every hook run on that thread, so this is the host work
+the library adds; waiting is not in it (for a partner rank, for gloo's threads, for the
+scheduler of a busy machine), which makes it the steadier of the two at two ranks on two
+cores, and the part a fast GPU exposes.
+
+It prints a table of host ms/step side by side, then the added CPU ms/step (and each minizero column over the others),
 then the split and the counts per run; `--json` keeps every number. On a shared machine the
 milliseconds swing by tens of percent: compare columns of one run, never runs of two hours.
 The counts do not swing.
@@ -239,14 +246,14 @@ def plain_model(args_d: dict, dtype: str, device):
 
 
 def plain_step(model, x, y) -> tuple:
-    """Forward and backward seconds of the model alone."""
-    t0 = time.perf_counter()
+    """Forward and backward seconds of the model alone, and the CPU seconds of both."""
+    c0, t0 = time.thread_time(), time.perf_counter()
     loss = model(x, y)[1]
     t1 = time.perf_counter()
     loss.float().backward()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.thread_time()
     model.zero_grad(set_to_none=True)
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, c2 - c0
 
 
 def host_run(run: dict, args_d: dict) -> dict:
@@ -265,13 +272,14 @@ def host_run(run: dict, args_d: dict) -> dict:
     kit.timed_steps(engine, batches, 0, n_warm, 1, cuda)
     plain = plain_model(args_d, run["dtype"], kit.engine_device(engine))
     plain_step(plain, *batches[0])
-    phase_s, wall_s, comm_s = {"forward": [], "backward": [], "step": []}, [], []
+    phase_s, wall_s, comm_s, cpu_s = {"forward": [], "backward": [], "step": []}, [], [], []
     plain_s = {"forward": [], "backward": []}
     for step in range(n_warm, n_warm + n_time):
         clock.seconds = {}
         x, y = batches[step]
         clock.phase = "forward"
-        t0 = t1 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        t1 = t0
         loss = engine(x, y)[1]
         clock.phase = "backward"
         t2 = time.perf_counter()
@@ -279,7 +287,7 @@ def host_run(run: dict, args_d: dict) -> dict:
         clock.phase = "step"
         t3 = time.perf_counter()
         engine.step()
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.thread_time()
         clock.phase = "else"
         if cuda:
             torch.cuda.synchronize()
@@ -289,14 +297,16 @@ def host_run(run: dict, args_d: dict) -> dict:
         comm_s.append(dict(clock.seconds))
         # the compute alone right after, on the same batch: the load of a shared machine
         # changes between steps, and a part is a difference of two times taken together
-        for k, v in zip(plain_s, plain_step(plain, x, y)):
+        *plain_fb, plain_cpu = plain_step(plain, x, y)
+        for k, v in zip(plain_s, plain_fb):
             plain_s[k].append(v)
+        cpu_s.append((c4 - c0) - plain_cpu)
     clock.uninstall()
     first = n_warm + n_time
     py_calls = count_python_calls(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
     first += n_count
     ops = count_tensor_ops(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
-    return {"wall_s": wall_s, "phase_s": phase_s, "comm_s": comm_s,
+    return {"wall_s": wall_s, "phase_s": phase_s, "comm_s": comm_s, "added_cpu_s": cpu_s,
             "plain_s": {k: statistics.median(v) for k, v in plain_s.items()},
             "python_calls": py_calls / n_count, "tensor_ops": ops / n_count}
 
@@ -316,6 +326,7 @@ def split(per_rank: list[dict]) -> dict:
                       "optimizer_step": stp - comm["step"], "else": wall - fwd - bwd - stp})
     out = {k: statistics.fmean(p[k] for p in parts) for k in PHASES}
     out["host_ms"] = kit.step_ms([r["wall_s"] for r in per_rank])[0]
+    out["added_cpu_ms"] = statistics.fmean(med(r["added_cpu_s"]) for r in per_rank)
     out["python_calls"] = statistics.fmean(r["python_calls"] for r in per_rank)
     out["tensor_ops"] = statistics.fmean(r["tensor_ops"] for r in per_rank)
     return out
@@ -370,8 +381,8 @@ def worker(root: str, spec: str, out: str) -> int:
 
 # ----------------------------------------------------------------------------- the report
 
-def side_by_side(results: list[dict], args) -> str:
-    """Host ms/step per column, each cell's median over repetitions, and minizero over the others."""
+def side_by_side(results: list[dict], args, key: str = "host_ms") -> str:
+    """`key` (ms per step) per column, each cell's median over repetitions, and minizero over the others."""
     cols = [c["column"] for c in columns(args)]
     mz = "minizero" if "minizero" in cols else None
     ratio_cols = [c for c in cols if c != mz] if mz else []
@@ -380,7 +391,7 @@ def side_by_side(results: list[dict], args) -> str:
     for world in args.world_sizes:
         for dtype in args.dtypes:
             for stage in args.stages:
-                here = {c: [r["host_ms"] for r in results if (r["column"], r["world"], r["dtype"], r["stage"]) ==
+                here = {c: [r[key] for r in results if (r["column"], r["world"], r["dtype"], r["stage"]) ==
                             (c, world, dtype, stage)] for c in cols}
                 med = {c: statistics.median(v) if v else None for c, v in here.items()}
                 rows.append([str(world), dtype, str(stage)] + [fmt(med[c], ".2f") for c in cols]
@@ -408,6 +419,11 @@ def report(info: dict, results: list[dict], args) -> str:
              "- torch: DDP at stage 0, FSDP2 reshard_after_forward=False at 2, FSDP2 at 3 (no ZeRO-1, no fp16)", "",
              "Host ms per optimizer step (the slowest rank's median step; median over repetitions):", "",
              side_by_side(results, args), "",
+             "The library's own CPU ms per step: the main thread's CPU time for forward, backward and step, "
+             "less the bare model's forward and backward right after (median over steps, mean over ranks; median "
+             "over repetitions). Waiting is not in it (for a partner rank, for gloo's threads), nor being "
+             "descheduled on a busy machine: it is the host work a GPU would expose.", "",
+             side_by_side(results, args, "added_cpu_ms"), "",
              "Where the host time goes (ms per step, medians over steps, mean over ranks; launch/bench_host.py's "
              "docstring defines each part) and what a step launches:", "",
              split_table(results)]
