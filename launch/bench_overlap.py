@@ -105,7 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = kit.OneLineParser(prog="python3 launch/bench_overlap.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--libs", default="minizero,deepspeed", help="comma-separated, of minizero, deepspeed, torch")
     p.add_argument("--stages", help="comma-separated ZeRO stages (default 0,1,2,3; --step5: 3)")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32, bf16, fp16 (default fp32,bf16)")
+    p.add_argument("--dtypes", default="fp32,bf16",
+                   help="comma-separated, of fp32, bf16, fp16 (default fp32,bf16; a CPU without AVX-512 runs bf16 "
+                        "several times slower than fp32: there, --dtypes fp32 first)")
     p.add_argument("--knobs", help="comma-separated, of default, off, on (default: default,off; --step5: default)")
     p.add_argument("--reps", type=int, default=2, help="repetitions of every cell, interleaved (default 2)")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2; on a GPU machine min(2, GPUs))")
