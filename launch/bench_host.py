@@ -48,7 +48,9 @@ and, beside the wall time, the library's own CPU time: the main thread's CPU sec
 CPU the forward, the backward and every hook run on that thread, so this is the host work
 the library adds; waiting is not in it (for a partner rank, for gloo's threads, for the
 scheduler of a busy machine), which makes it the steadier of the two at two ranks on two
-cores, and the part a fast GPU exposes.
+cores, and the part a fast GPU exposes. For scale, each run also times PyTorch alone doing
+the optimizer's part on the plain model (clip_grad_norm_ and a foreach AdamW step over its
+parameter tensors, CPU time): what any library's step must at least do.
 
 It prints a table of host ms/step side by side, then the added CPU ms/step (and each minizero column over the others),
 then the split and the counts per run; `--json` keeps every number. On a shared machine the
@@ -256,6 +258,25 @@ def plain_step(model, x, y) -> tuple:
     return t1 - t0, t2 - t1, c2 - c0
 
 
+def bare_optimizer_cpu_s(model, batches: list, steps: int) -> float:
+    """CPU seconds per step of what any library's step must at least do, done by PyTorch
+    alone on the plain model: clip_grad_norm_ and AdamW (foreach, the config's
+    hyperparameters) over its parameters, then zero_grad. Median over `steps` steps, each
+    after a forward and backward (not counted)."""
+    import torch
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), foreach=True)
+    took = []
+    for x, y in batches[:steps]:
+        model(x, y)[1].float().backward()
+        c0 = time.thread_time()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        took.append(time.thread_time() - c0)
+    return statistics.median(took)
+
+
 def host_run(run: dict, args_d: dict) -> dict:
     """One rank of one run: warm up, time, count (module docstring)."""
     import torch
@@ -302,11 +323,12 @@ def host_run(run: dict, args_d: dict) -> dict:
             plain_s[k].append(v)
         cpu_s.append((c4 - c0) - plain_cpu)
     clock.uninstall()
+    bare_opt_s = bare_optimizer_cpu_s(plain, batches[n_warm:n_warm + n_time], n_time)
     first = n_warm + n_time
     py_calls = count_python_calls(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
     first += n_count
     ops = count_tensor_ops(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
-    return {"wall_s": wall_s, "phase_s": phase_s, "comm_s": comm_s, "added_cpu_s": cpu_s,
+    return {"wall_s": wall_s, "phase_s": phase_s, "comm_s": comm_s, "added_cpu_s": cpu_s, "bare_optimizer_s": bare_opt_s,
             "plain_s": {k: statistics.median(v) for k, v in plain_s.items()},
             "python_calls": py_calls / n_count, "tensor_ops": ops / n_count}
 
@@ -327,6 +349,7 @@ def split(per_rank: list[dict]) -> dict:
     out = {k: statistics.fmean(p[k] for p in parts) for k in PHASES}
     out["host_ms"] = kit.step_ms([r["wall_s"] for r in per_rank])[0]
     out["added_cpu_ms"] = statistics.fmean(med(r["added_cpu_s"]) for r in per_rank)
+    out["bare_optimizer_cpu_ms"] = statistics.fmean(1e3 * r["bare_optimizer_s"] for r in per_rank)
     out["python_calls"] = statistics.fmean(r["python_calls"] for r in per_rank)
     out["tensor_ops"] = statistics.fmean(r["tensor_ops"] for r in per_rank)
     return out
@@ -381,12 +404,14 @@ def worker(root: str, spec: str, out: str) -> int:
 
 # ----------------------------------------------------------------------------- the report
 
-def side_by_side(results: list[dict], args, key: str = "host_ms") -> str:
-    """`key` (ms per step) per column, each cell's median over repetitions, and minizero over the others."""
+def side_by_side(results: list[dict], args, key: str = "host_ms", bare: bool = False) -> str:
+    """`key` (ms per step) per column, each cell's median over repetitions, and minizero over
+    the others; bare: then the bare optimizer's CPU ms (bare_optimizer_cpu_s), over every run of the cell."""
     cols = [c["column"] for c in columns(args)]
     mz = "minizero" if "minizero" in cols else None
     ratio_cols = [c for c in cols if c != mz] if mz else []
-    head = ["ranks", "dtype", "stage"] + [f"{c} ms" for c in cols] + [f"minizero / {c}" for c in ratio_cols]
+    head = ["ranks", "dtype", "stage"] + [f"{c} ms" for c in cols] + [f"minizero / {c}" for c in ratio_cols] + \
+        (["bare AdamW + clip ms"] if bare else [])
     rows = []
     for world in args.world_sizes:
         for dtype in args.dtypes:
@@ -394,8 +419,11 @@ def side_by_side(results: list[dict], args, key: str = "host_ms") -> str:
                 here = {c: [r[key] for r in results if (r["column"], r["world"], r["dtype"], r["stage"]) ==
                             (c, world, dtype, stage)] for c in cols}
                 med = {c: statistics.median(v) if v else None for c, v in here.items()}
+                cell = [r["bare_optimizer_cpu_ms"] for r in results if (r["world"], r["dtype"], r["stage"]) ==
+                        (world, dtype, stage) and "bare_optimizer_cpu_ms" in r]
                 rows.append([str(world), dtype, str(stage)] + [fmt(med[c], ".2f") for c in cols]
-                            + [fmt(med[mz] / med[c], ".2f") if med[mz] and med[c] else "-" for c in ratio_cols])
+                            + [fmt(med[mz] / med[c], ".2f") if med[mz] and med[c] else "-" for c in ratio_cols]
+                            + ([fmt(statistics.median(cell), ".2f") if cell else "-"] if bare else []))
     return md_table(head, rows)
 
 
@@ -422,8 +450,10 @@ def report(info: dict, results: list[dict], args) -> str:
              "The library's own CPU ms per step: the main thread's CPU time for forward, backward and step, "
              "less the bare model's forward and backward right after (median over steps, mean over ranks; median "
              "over repetitions). Waiting is not in it (for a partner rank, for gloo's threads), nor being "
-             "descheduled on a busy machine: it is the host work a GPU would expose.", "",
-             side_by_side(results, args, "added_cpu_ms"), "",
+             "descheduled on a busy machine: it is the host work a GPU would expose. The last column is what "
+             "PyTorch alone spends on the plain model's clip_grad_norm_ and AdamW (foreach) step: the work any "
+             "library's step must at least do, for scale.", "",
+             side_by_side(results, args, "added_cpu_ms", bare=True), "",
              "Where the host time goes (ms per step, medians over steps, mean over ranks; launch/bench_host.py's "
              "docstring defines each part) and what a step launches:", "",
              split_table(results)]
