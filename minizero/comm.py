@@ -57,7 +57,7 @@ from .process_group import (ONE_RANK_ENV, LaunchError, barrier, destroy, free_po
                     get_rank, get_world_size, init_distributed, is_distributed, new_groups, node_of,
                     ranks_per_node, single_host_env)
 
-# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
 # reduce_scatter_single. The old names still work, through a wrapper that raises a
 # FutureWarning on every call: tens of microseconds of host time per collective, which a
 # ZeRO-3 step pays dozens of times. So the wrappers below keep the names the ZeRO literature
