@@ -76,9 +76,8 @@ def parse_args(argv=None):
 def run_op(op: str | None, full: list, part: list, async_op: bool, compute=None):
     """Every bucket's collective (op None: none), each after one slice of compute if given."""
     import torch.distributed as dist
-    # torch's current names where it has them, as minizero calls them (comm.py)
-    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    from minizero import comm
+    scatter, gather = comm.torch_reduce_scatter(), comm.torch_all_gather()   # as minizero calls them
     call = {"all_reduce": lambda i: dist.all_reduce(full[i], async_op=async_op),
             "reduce_scatter": lambda i: scatter(part[i], full[i], async_op=async_op),
             "all_gather": lambda i: gather(full[i], part[i], async_op=async_op),

@@ -388,9 +388,7 @@ def floor_ranks(args_d: dict) -> dict:
     for op, numel in sorted({(op, numel) for req in res["required"].values() for op, numel, _ in req}):
         full = torch.randn(numel, generator=gen).to(device=device, dtype=dtype)
         part = torch.empty(numel // world, dtype=dtype, device=device)
-        # torch's current names where it has them, as minizero calls them (comm.py)
-        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        scatter, gather = comm.torch_reduce_scatter(), comm.torch_all_gather()   # as minizero calls them
         call = {"all_reduce": lambda i: dist.all_reduce(full),
                 "reduce_scatter": lambda i: scatter(part, full),
                 "all_gather": lambda i: gather(full, part)}[op]

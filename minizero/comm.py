@@ -66,6 +66,17 @@ from .process_group import (ONE_RANK_ENV, LaunchError, barrier, destroy, free_po
 _SINGLE_NAMES = hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated")
 
+
+def torch_all_gather():
+    """torch.distributed's all-gather into one tensor, under this torch's current name."""
+    return dist.all_gather_single if _SINGLE_NAMES else dist.all_gather_into_tensor
+
+
+def torch_reduce_scatter():
+    """torch.distributed's reduce-scatter of one tensor, under this torch's current name."""
+    return dist.reduce_scatter_single if _SINGLE_NAMES else dist.reduce_scatter_tensor
+
+
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 COPIES = ("d2h", "h2d")   # offload's copies between this rank's device and host memory (offload.py)
 
@@ -352,7 +363,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, label: str
     if local_at_one_rank(n):
         call = lambda: _done(output.copy_(shard.view_as(output)))
     else:
-        gather = dist.all_gather_single if _SINGLE_NAMES else dist.all_gather_into_tensor
+        gather = torch_all_gather()
         call = lambda: gather(output, shard, group=group, async_op=async_op)
     pending = _issue("all_gather", label, call, _nbytes(output), _nbytes(output) * (n - 1) // n,
                      msg_bytes=_nbytes(shard), async_op=async_op, check=(shard, (output, shard)), group=group)
@@ -367,7 +378,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, label: str |
     if local_at_one_rank(n):
         call = lambda: _done(output.copy_(full.view_as(output)))
     else:
-        scatter = dist.reduce_scatter_single if _SINGLE_NAMES else dist.reduce_scatter_tensor
+        scatter = torch_reduce_scatter()
         call = lambda: scatter(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     pending = _issue("reduce_scatter", label, call, _nbytes(full), _nbytes(full) * (n - 1) // n,
                      msg_bytes=_nbytes(full), async_op=async_op, check=(full, (output, full)), group=group)

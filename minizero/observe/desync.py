@@ -138,8 +138,7 @@ def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
                          guard.global_step, guard.micro_step, guard.seq, 0], dtype=torch.int64)
     n = dist.get_world_size()
     everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)   # torch's current name (comm.py)
-    gather(everyone, mine.to(t.device))
+    comm.torch_all_gather()(everyone, mine.to(t.device))
     wait_named(t, op, label, t.numel() * t.element_size())   # a rank left alone times out here, named
     rows = everyone.view(n, -1)[:, :4].cpu()
     if bool((rows == rows[0]).all()):

@@ -68,8 +68,7 @@ def mean_across_ranks_many(values: list, device) -> list[float]:
     if world == 1:
         return local.tolist()
     gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)   # torch's current name (comm.py)
-    gather(gathered, local)
+    comm.torch_all_gather()(gathered, local)
     rows = gathered.view(world, len(values)).tolist()
     return [sum(r[i] for r in rows) / world for i in range(len(values))]
 
