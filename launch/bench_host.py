@@ -52,8 +52,8 @@ cores, and the part a fast GPU exposes. For scale, each run also times PyTorch a
 the optimizer's part on the plain model (clip_grad_norm_ and a foreach AdamW step over its
 parameter tensors, CPU time): what any library's step must at least do.
 
-It prints a table of host ms/step side by side, then the added CPU ms/step (and each minizero column over the others),
-then the split and the counts per run; `--json` keeps every number. On a shared machine the
+It prints a table of host ms/step side by side and one of the added CPU ms/step (each with
+minizero's column over the others), then the split and the counts per run; `--json` keeps every number. On a shared machine the
 milliseconds swing by tens of percent: compare columns of one run, never runs of two hours.
 The counts do not swing.
 """
@@ -419,8 +419,8 @@ def side_by_side(results: list[dict], args, key: str = "host_ms", bare: bool = F
                 here = {c: [r[key] for r in results if (r["column"], r["world"], r["dtype"], r["stage"]) ==
                             (c, world, dtype, stage)] for c in cols}
                 med = {c: statistics.median(v) if v else None for c, v in here.items()}
-                cell = [r["bare_optimizer_cpu_ms"] for r in results if (r["world"], r["dtype"], r["stage"]) ==
-                        (world, dtype, stage) and "bare_optimizer_cpu_ms" in r]
+                cell = [r["bare_optimizer_cpu_ms"] for r in results if bare and
+                        (r["world"], r["dtype"], r["stage"]) == (world, dtype, stage)]
                 rows.append([str(world), dtype, str(stage)] + [fmt(med[c], ".2f") for c in cols]
                             + [fmt(med[mz] / med[c], ".2f") if med[mz] and med[c] else "-" for c in ratio_cols]
                             + ([fmt(statistics.median(cell), ".2f") if cell else "-"] if bare else []))
