@@ -8,7 +8,9 @@ import torch
 from minizero.adam import ChunkedAdam, ChunkedAdamW
 from minizero.adam import build_optimizer
 
-HYPER = [dict(), dict(weight_decay=0.1, amsgrad=True), dict(betas=(0.8, 0.95), eps=1e-6, maximize=True)]
+# the first two take adam.py's own foreach calls (AdamW; Adam only without weight decay), the rest torch's function
+HYPER = [dict(), dict(weight_decay=0.1), dict(weight_decay=0.1, amsgrad=True),
+         dict(betas=(0.8, 0.95), eps=1e-6, maximize=True)]
 
 
 def run(cls, numel, hyper, steps=4, chunk=None, state=None):
@@ -119,3 +121,32 @@ def test_torchs_foreach_step_whole_is_its_foreach_step_in_slices(dtype):
     finally:
         adam._chunkable = old
     assert torch.equal(sliced_p, whole_p)
+
+
+@pytest.mark.parametrize("pair", [(torch.optim.AdamW, ChunkedAdamW), (torch.optim.Adam, ChunkedAdam)])
+def test_several_masters_and_groups_with_a_changing_lr_are_torchs_step(pair):
+    """What the engine hands over: several flat masters per group (ZeRO-3 has one per unit),
+    a group without weight decay, the lr moved by a schedule between steps. adam.py's own
+    foreach calls (and, for Adam with weight decay, torch's function) give torch's numbers."""
+    from minizero import adam
+    torch.manual_seed(0)
+    sizes = [(700, 33, 1), (5, 260)]
+    ref_ps = [[torch.randn(n) for n in g] for g in sizes]
+    got_ps = [[p.clone() for p in g] for g in ref_ps]
+    groups = lambda ps: [{"params": ps[0], "weight_decay": 0.1}, {"params": ps[1], "weight_decay": 0.0}]
+    ref, got = pair[0](groups(ref_ps), lr=1e-2, betas=(0.9, 0.95)), pair[1](groups(got_ps), lr=1e-2, betas=(0.9, 0.95))
+    got.chunk_numel, got.batch_numel = 96, 300      # several slices, several calls per group
+    if pair[0] is torch.optim.AdamW:
+        assert all(adam._direct(g) for g in got.param_groups)
+    for step in range(5):
+        for opt in (ref, got):
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 * (0.5 + step / 4)
+        for r, g in zip(sum(ref_ps, []), sum(got_ps, [])):
+            r.grad = torch.randn(r.numel()) * 10 ** -step
+            g.grad = r.grad.clone()
+        ref.step()
+        got.step()
+    for r, g in zip(sum(ref_ps, []), sum(got_ps, [])):
+        assert torch.equal(r, g)
+        assert all(torch.equal(ref.state[r][k], got.state[g][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
