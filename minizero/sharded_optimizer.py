@@ -72,12 +72,16 @@ class ShardedOptimizer:
         chunk (~1e-16), which the norm's rounding to fp32 (6e-8) almost always absorbs.
         Padding is zero, so it adds nothing.
         """
-        total = torch.zeros((), dtype=torch.float64, device=self.flat_params[0].device)
+        total = None   # the first partial sum itself: 0 + x is x, so no zeros to add it to
         for f in self.flat_params:
             g = f.grad_shard
             if g is not None:
                 for i in range(0, g.numel(), GRAD_SQ_CHUNK):
-                    total += g[i:i + GRAD_SQ_CHUNK].double().pow_(2).sum()   # in place on the fp64 copy: one temporary, not two
+                    chunk = g if g.numel() <= GRAD_SQ_CHUNK else g[i:i + GRAD_SQ_CHUNK]
+                    part = chunk.double().pow_(2).sum()   # in place on the fp64 copy: one temporary, not two
+                    total = part if total is None else total.add_(part)
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=self.flat_params[0].device)
         if self.grads_sharded():   # over the ranks of one shard group (HSDP: its replicas hold the same)
             comm.all_reduce(total, label="grad_norm", group=self.flat_params[0].sharding.group)
         return total
@@ -90,12 +94,11 @@ class ShardedOptimizer:
         # torch.full, not torch.tensor(loss_scale, device=...): the same fp32 number, made by a
         # fill kernel on the device rather than a blocking copy from pageable host memory (a
         # host sync on a GPU; the step's one sync is the engine's read of the norm).
-        combined = torch.full((), loss_scale, dtype=torch.float32, device=norm_sq.device)
-        if clip_value > 0:
-            norm = norm_sq.sqrt().float()
-            clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_value, min=1.0)
-            combined = clip * loss_scale
-        return combined
+        if clip_value <= 0:
+            return torch.full((), loss_scale, dtype=torch.float32, device=norm_sq.device)
+        norm = norm_sq.sqrt().float()
+        clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_value, min=1.0)
+        return clip * loss_scale
 
     def step(self, norm_sq: torch.Tensor, loss_scale: float, clip_value: float) -> None:
         """Unscale and clip the gradient shards into fp32, Adam on the masters, round back."""
