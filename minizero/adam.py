@@ -148,11 +148,12 @@ class _StepsInChunks:
         cols, per_slice, numel = [[] for _ in range(5 if group["amsgrad"] else 4)], [], 0
         for p, step in zip(params, counters):
             state, lp = self.state[p], low.get(p)
-            flat = [p.view(-1), p.grad.view(-1) if lp is None else lp[0], state["exp_avg"].view(-1),
-                    state["exp_avg_sq"].view(-1)] + ([state["max_exp_avg_sq"].view(-1)] if group["amsgrad"] else [])
+            flat = [_flat(p), _flat(p.grad) if lp is None else lp[0], _flat(state["exp_avg"]),
+                    _flat(state["exp_avg_sq"])] + ([_flat(state["max_exp_avg_sq"])] if group["amsgrad"] else [])
             corrections = _bias_corrections(group, step.item()) if direct else None
+            whole = p.numel() <= self.chunk_numel   # one slice: the tensors themselves, no views to make
             for a in range(0, p.numel(), self.chunk_numel):
-                piece = [t[a:a + self.chunk_numel] for t in flat]
+                piece = list(flat) if whole else [t[a:a + self.chunk_numel] for t in flat]
                 if lp is not None:   # what the whole gradient's .float().mul_ gives here
                     piece[1] = piece[1].float().mul_(lp[1])
                 for col, t in zip(cols, piece):
@@ -180,6 +181,11 @@ class _StepsInChunks:
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as one dimension (every stage's master already is: no view to make then)."""
+    return t if t.dim() == 1 else t.view(-1)
 
 
 # torch's functional `adam()` spends more host time on bookkeeping (argument checks, grouping
