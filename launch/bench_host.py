@@ -50,7 +50,9 @@ the library adds; waiting is not in it (for a partner rank, for gloo's threads, 
 scheduler of a busy machine), which makes it the steadier of the two at two ranks on two
 cores, and the part a fast GPU exposes. For scale, each run also times PyTorch alone doing
 the optimizer's part on the plain model (clip_grad_norm_ and a foreach AdamW step over its
-parameter tensors, CPU time): what any library's step must at least do.
+parameter tensors, CPU time): what any library's step must at least do; and the same work
+done over flat buffers by hand, with nothing else (`flat_floor_cpu_s`): the floor of
+minizero's design, which no bookkeeping cut can go below.
 
 It prints a table of host ms/step side by side and one of the added CPU ms/step (each with
 minizero's column over the others), then the split and the counts per run; `--json` keeps every number. On a shared machine the
@@ -277,6 +279,52 @@ def bare_optimizer_cpu_s(model, batches: list, steps: int) -> float:
     return statistics.median(took)
 
 
+def flat_floor_cpu_s(model, batches: list, steps: int) -> float:
+    """CPU seconds per step of the tensor work a step over flat buffers cannot skip, written out
+    by hand on the plain model with no bookkeeping at all: per param group (minGPT's decay and
+    no-decay), the parameters' gradients copied into one flat buffer and set to None, the squared
+    norm in fp64, the clip factor, the gradient in fp32 divided by it, AdamW on one fp32 master,
+    and in bf16 the master rounded into a flat low-precision copy. That is minizero's step at
+    one rank (stage 0/1) with everything but the arithmetic taken away: the floor of its design.
+    Median over `steps` steps, each after a forward and backward (not counted)."""
+    import torch
+    flats = []
+    for g in model.configure_param_groups(0.1):
+        params = [p for p in g["params"] if p.requires_grad]
+        numel = sum(p.numel() for p in params)
+        grads = torch.zeros(numel, dtype=params[0].dtype)
+        views = [v.view_as(p) for v, p in zip(grads.split([p.numel() for p in params]), params)]
+        master = torch.cat([p.detach().reshape(-1) for p in params]).float()
+        flats.append((params, views, grads, master, torch.zeros_like(master), torch.zeros_like(master),
+                      torch.empty_like(grads), g["weight_decay"]))
+    took = []
+    for x, y in batches[:steps]:
+        model(x, y)[1].float().backward()
+        c0 = time.thread_time()
+        for params, views, *_ in flats:
+            torch._foreach_copy_(views, [p.grad for p in params])
+            for p in params:
+                p.grad = None
+        norm_sq = None
+        for _, _, grads, *_ in flats:
+            part = grads.double().pow_(2).sum()
+            norm_sq = part if norm_sq is None else norm_sq.add_(part)
+        float(norm_sq)   # the step's one host sync
+        inverse = 1.0 / torch.clamp((norm_sq.sqrt().float() + 1e-6) / 1.0, min=1.0)
+        for _, _, grads, master, exp_avg, exp_avg_sq, weights, wd in flats:
+            g = grads.float() if grads.dtype != torch.float32 else grads
+            g.mul_(inverse)
+            if wd:
+                master.mul_(1 - 3e-4 * wd)
+            exp_avg.lerp_(g, 0.1)
+            exp_avg_sq.mul_(0.95).addcmul_(g, g, value=0.05)
+            master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(0.5).add_(1e-8), value=-1e-3)
+            if weights.dtype != torch.float32:
+                weights.copy_(master)
+        took.append(time.thread_time() - c0)
+    return statistics.median(took)
+
+
 def host_run(run: dict, args_d: dict) -> dict:
     """One rank of one run: warm up, time, count (module docstring)."""
     import torch
@@ -324,11 +372,13 @@ def host_run(run: dict, args_d: dict) -> dict:
         cpu_s.append((c4 - c0) - plain_cpu)
     clock.uninstall()
     bare_opt_s = bare_optimizer_cpu_s(plain, batches[n_warm:n_warm + n_time], n_time)
+    floor_s = flat_floor_cpu_s(plain, batches[n_warm:n_warm + n_time], n_time)
     first = n_warm + n_time
     py_calls = count_python_calls(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
     first += n_count
     ops = count_tensor_ops(lambda: [kit.one_step(engine, batches, s, 1) for s in range(first, first + n_count)])
     return {"wall_s": wall_s, "phase_s": phase_s, "comm_s": comm_s, "added_cpu_s": cpu_s, "bare_optimizer_s": bare_opt_s,
+            "flat_floor_s": floor_s,
             "plain_s": {k: statistics.median(v) for k, v in plain_s.items()},
             "python_calls": py_calls / n_count, "tensor_ops": ops / n_count}
 
@@ -350,6 +400,7 @@ def split(per_rank: list[dict]) -> dict:
     out["host_ms"] = kit.step_ms([r["wall_s"] for r in per_rank])[0]
     out["added_cpu_ms"] = statistics.fmean(med(r["added_cpu_s"]) for r in per_rank)
     out["bare_optimizer_cpu_ms"] = statistics.fmean(1e3 * r["bare_optimizer_s"] for r in per_rank)
+    out["flat_floor_cpu_ms"] = statistics.fmean(1e3 * r["flat_floor_s"] for r in per_rank)
     out["python_calls"] = statistics.fmean(r["python_calls"] for r in per_rank)
     out["tensor_ops"] = statistics.fmean(r["tensor_ops"] for r in per_rank)
     return out
@@ -406,12 +457,13 @@ def worker(root: str, spec: str, out: str) -> int:
 
 def side_by_side(results: list[dict], args, key: str = "host_ms", bare: bool = False) -> str:
     """`key` (ms per step) per column, each cell's median over repetitions, and minizero over
-    the others; bare: then the bare optimizer's CPU ms (bare_optimizer_cpu_s), over every run of the cell."""
+    the others; bare: then the bare optimizer's CPU ms (bare_optimizer_cpu_s) and the flat step's floor
+    (flat_floor_cpu_s), each the median over every run of the cell."""
     cols = [c["column"] for c in columns(args)]
     mz = "minizero" if "minizero" in cols else None
     ratio_cols = [c for c in cols if c != mz] if mz else []
     head = ["ranks", "dtype", "stage"] + [f"{c} ms" for c in cols] + [f"minizero / {c}" for c in ratio_cols] + \
-        (["bare AdamW + clip ms"] if bare else [])
+        (["bare AdamW + clip ms", "flat step floor ms"] if bare else [])
     rows = []
     for world in args.world_sizes:
         for dtype in args.dtypes:
@@ -419,11 +471,11 @@ def side_by_side(results: list[dict], args, key: str = "host_ms", bare: bool = F
                 here = {c: [r[key] for r in results if (r["column"], r["world"], r["dtype"], r["stage"]) ==
                             (c, world, dtype, stage)] for c in cols}
                 med = {c: statistics.median(v) if v else None for c, v in here.items()}
-                cell = [r["bare_optimizer_cpu_ms"] for r in results if bare and
-                        (r["world"], r["dtype"], r["stage"]) == (world, dtype, stage)]
+                cell = [r for r in results if bare and (r["world"], r["dtype"], r["stage"]) == (world, dtype, stage)]
                 rows.append([str(world), dtype, str(stage)] + [fmt(med[c], ".2f") for c in cols]
                             + [fmt(med[mz] / med[c], ".2f") if med[mz] and med[c] else "-" for c in ratio_cols]
-                            + ([fmt(statistics.median(cell), ".2f") if cell else "-"] if bare else []))
+                            + ([fmt(statistics.median(r[k] for r in cell), ".2f") if cell else "-"
+                                for k in ("bare_optimizer_cpu_ms", "flat_floor_cpu_ms")] if bare else []))
     return md_table(head, rows)
 
 
@@ -450,9 +502,10 @@ def report(info: dict, results: list[dict], args) -> str:
              "The library's own CPU ms per step: the main thread's CPU time for forward, backward and step, "
              "less the bare model's forward and backward right after (median over steps, mean over ranks; median "
              "over repetitions). Waiting is not in it (for a partner rank, for gloo's threads), nor being "
-             "descheduled on a busy machine: it is the host work a GPU would expose. The last column is what "
-             "PyTorch alone spends on the plain model's clip_grad_norm_ and AdamW (foreach) step: the work any "
-             "library's step must at least do, for scale.", "",
+             "descheduled on a busy machine: it is the host work a GPU would expose. For scale, the last two "
+             "columns: what PyTorch alone spends on the plain model's clip_grad_norm_ and AdamW (foreach) step, "
+             "the work any library's step must at least do; and the flat step's floor, the tensor work of "
+             "minizero's step at one rank written out by hand with no bookkeeping (flat_floor_cpu_s).", "",
              side_by_side(results, args, "added_cpu_ms", bare=True), "",
              "Where the host time goes (ms per step, medians over steps, mean over ranks; launch/bench_host.py's "
              "docstring defines each part) and what a step launches:", "",

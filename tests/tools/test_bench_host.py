@@ -45,11 +45,11 @@ def test_split_adds_up_to_the_step():
     the added CPU ms is the median of the per-step differences, averaged over ranks."""
     rank = {"wall_s": [0.100], "phase_s": {"forward": [0.020], "backward": [0.050], "step": [0.025]},
             "comm_s": [{"backward": 0.010, "step": 0.005}], "plain_s": {"forward": 0.012, "backward": 0.030},
-            "added_cpu_s": [0.004], "bare_optimizer_s": 0.003, "python_calls": 1000.0, "tensor_ops": 500.0}
+            "added_cpu_s": [0.004], "bare_optimizer_s": 0.003, "flat_floor_s": 0.002, "python_calls": 1000.0, "tensor_ops": 500.0}
     other = {**rank, "added_cpu_s": [0.001, 0.002, 0.009]}
     s = bench.split([rank])
     assert s["added_cpu_ms"] == pytest.approx(4) and bench.split([rank, other])["added_cpu_ms"] == pytest.approx(3)
-    assert s["bare_optimizer_cpu_ms"] == pytest.approx(3)
+    assert s["bare_optimizer_cpu_ms"] == pytest.approx(3) and s["flat_floor_cpu_ms"] == pytest.approx(2)
     assert s["compute"] == pytest.approx(42) and s["forward_hooks"] == pytest.approx(8)
     assert s["backward_hooks"] == pytest.approx(10) and s["collectives"] == pytest.approx(15)
     assert s["optimizer_step"] == pytest.approx(20) and s["else"] == pytest.approx(5)
@@ -92,14 +92,14 @@ def test_tiny_run_with_a_column_from_another_checkout(tmp_path, monkeypatch):
     assert len(tables) == 3   # wall ms, added CPU ms, the split
     head = [c.strip() for c in tables[0][0].strip("|").split("|")]
     assert head == ["ranks", "dtype", "stage", "minizero ms", f"{other} ms", f"minizero / {other}"]
-    assert [c.strip() for c in tables[1][0].strip("|").split("|")] == head + ["bare AdamW + clip ms"]
+    assert [c.strip() for c in tables[1][0].strip("|").split("|")] == head + ["bare AdamW + clip ms", "flat step floor ms"]
     results = {x["column"]: x for x in json.loads(js.read_text())["results"]}
     assert set(results) == {"minizero", other}
     for x in results.values():
         assert x["host_ms"] > 0 and x["compute"] > 0 and x["python_calls"] > 100 and x["tensor_ops"] > 100
         assert x["host_ms"] == pytest.approx(sum(x[p] for p in bench.PHASES), rel=1e-6)
         assert x["added_cpu_ms"] < x["host_ms"]   # the library's own CPU time, without the model's
-        assert 0 < x["bare_optimizer_cpu_ms"] < x["host_ms"]
+        assert 0 < x["bare_optimizer_cpu_ms"] < x["host_ms"] and 0 < x["flat_floor_cpu_ms"] < x["host_ms"]
     # the same checkout in both columns: the same calls and ops, exactly
     assert results["minizero"]["python_calls"] == results[other]["python_calls"]
     assert results["minizero"]["tensor_ops"] == results[other]["tensor_ops"]
