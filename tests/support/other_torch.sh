@@ -22,9 +22,10 @@
 # The version-sensitive tests: the torch names the repository uses (test_torch_versions.py),
 # the group timeout (test_desync.py: torch.distributed.set_timeout is 2.14+), every ZeRO stage
 # (gradient hooks, storage resizing), activation checkpointing (autocast state, pytree),
-# offload, overlap, checkpoints (torch.load with mmap), FSDP2/DDP and DeepSpeed agreement on
-# that torch, the training command line and the rank launcher. The versions they passed
-# under, with the date, machine and counts: docs/results/torch-versions.md.
+# offload, overlap, checkpoints (torch.load with mmap), adam.py's own foreach AdamW against
+# that torch's AdamW (test_adam.py), FSDP2/DDP and DeepSpeed agreement on that torch, the
+# training command line and the rank launcher. The versions they passed under, with the
+# date, machine and counts: docs/results/torch-versions.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -43,6 +44,7 @@ VERSION_SENSITIVE=(
     tests/tools/test_torch_versions.py
     tests/tools/test_desync.py
     tests/core/test_engine.py
+    tests/core/test_adam.py
     tests/core/test_checkpointing.py
     tests/core/test_offload.py
     tests/core/test_overlap.py
