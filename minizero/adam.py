@@ -27,12 +27,18 @@ def init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             st = optimizer.state[p]
             if len(st) == 0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_param else \
-                    torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                _fill_state(st, p, bool(group.get("amsgrad")), on_param)
+
+
+def _fill_state(st: dict, p: torch.Tensor, amsgrad: bool, on_param: bool = False) -> None:
+    """A fresh Adam state for p, as torch's _init_group makes it: `step` a CPU scalar, or on
+    p's device for a fused or capturable Adam (on_param); the moments zeros like p."""
+    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_param else \
+        torch.tensor(0.0, dtype=torch.float32)
+    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if amsgrad:
+        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def build_optimizer(param_groups, opt_cfg, on_host: bool = False) -> torch.optim.Optimizer:
@@ -175,11 +181,7 @@ class _StepsInChunks:
         makes it at init anyway)."""
         state = self.state[p]
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            _fill_state(state, p, group["amsgrad"])
         return state
 
 
