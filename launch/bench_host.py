@@ -55,9 +55,9 @@ done over flat buffers by hand, with nothing else (`flat_floor_cpu_s`): the floo
 minizero's design, which no bookkeeping cut can go below.
 
 It prints a table of host ms/step side by side and one of the added CPU ms/step (each with
-minizero's column over the others), then the split and the counts per run; `--json` keeps every number. On a shared machine the
-milliseconds swing by tens of percent: compare columns of one run, never runs of two hours.
-The counts do not swing.
+minizero's column over the others), then the split and the counts per run; `--json` keeps
+every number. On a shared machine the milliseconds swing by tens of percent: compare columns
+of one run, never runs of two hours. The counts do not swing.
 """
 from __future__ import annotations
 
@@ -84,6 +84,9 @@ STAGES = (0, 1, 2, 3)
 PHASES = ("compute", "forward_hooks", "backward_hooks", "collectives", "optimizer_step", "else")
 PHASE_TITLES = {"compute": "compute", "forward_hooks": "forward hooks", "backward_hooks": "backward hooks & bucketing",
                 "collectives": "collectives", "optimizer_step": "optimizer step", "else": "everything else"}
+# the config's AdamW (minGPT's), which every library gets and the bare and floor steps use too;
+# its weight decay is torch's default, which "torch_adam" keeps
+LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.01
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base",
                "_reduce_scatter_base", "all_gather", "reduce_scatter", "broadcast", "all_reduce_coalesced",
                "all_gather_single", "reduce_scatter_single")
@@ -147,7 +150,7 @@ def make_config(stage: int, dtype: str, args) -> dict:
     """The same config in every library: minGPT's AdamW as minizero.train's default, the
     overlap and prefetch knobs at DeepSpeed's defaults, a 500,000-element reduce bucket."""
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "torch_adam": True}},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "torch_adam": True}},
            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500_000, "memory_efficient_linear": False}}
     if dtype != "fp32":
@@ -267,7 +270,7 @@ def bare_optimizer_cpu_s(model, batches: list, steps: int) -> float:
     after a forward and backward (not counted)."""
     import torch
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), foreach=True)
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, foreach=True)
     took = []
     for x, y in batches[:steps]:
         model(x, y)[1].float().backward()
@@ -289,7 +292,7 @@ def flat_floor_cpu_s(model, batches: list, steps: int) -> float:
     Median over `steps` steps, each after a forward and backward (not counted)."""
     import torch
     flats = []
-    for g in model.configure_param_groups(0.1):
+    for g in model.configure_param_groups(WEIGHT_DECAY):
         params = [p for p in g["params"] if p.requires_grad]
         numel = sum(p.numel() for p in params)
         grads = torch.zeros(numel, dtype=params[0].dtype)
@@ -315,10 +318,11 @@ def flat_floor_cpu_s(model, batches: list, steps: int) -> float:
             g = grads.float() if grads.dtype != torch.float32 else grads
             g.mul_(inverse)
             if wd:
-                master.mul_(1 - 3e-4 * wd)
-            exp_avg.lerp_(g, 0.1)
-            exp_avg_sq.mul_(0.95).addcmul_(g, g, value=0.05)
-            master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(0.5).add_(1e-8), value=-1e-3)
+                master.mul_(1 - LR * wd)
+            exp_avg.lerp_(g, 1 - BETAS[0])
+            exp_avg_sq.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+            # Adam's bias corrections as fixed stand-ins: scalars, the same cost whatever they are
+            master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(0.5).add_(1e-8), value=-LR / 0.1)
             if weights.dtype != torch.float32:
                 weights.copy_(master)
         took.append(time.thread_time() - c0)
