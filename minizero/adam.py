@@ -192,9 +192,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 # torch's functional `adam()` spends more host time on bookkeeping (argument checks, grouping
 # the tensors by device and dtype, a copy of every step counter) than the arithmetic takes on a
-# small model's masters: on a CPU about 0.3 ms a param group against 0.1 ms of kernels. The
-# common case, AdamW (or Adam without weight decay) with no amsgrad and no maximize, is eight
-# foreach calls: torch's `_multi_tensor_adam` for host tensors, the same calls with the same
+# small model's masters (`python3 launch/bench_host.py` times a step's parts). The common
+# case, AdamW (or Adam without weight decay) with no amsgrad and no maximize, is eight foreach
+# calls: torch's `_multi_tensor_adam` for host tensors, the same calls with the same
 # scalars in the same order, so the same bits (tests/core/test_adam.py compares every
 # variant with torch's own class). Every other variant goes through torch's function.
 
