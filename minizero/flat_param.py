@@ -94,14 +94,18 @@ class FlatParam:
         # This rank's reduced gradient (its shard; the whole buffer at stage 0), kept across
         # micro-steps at ZeRO-2/3, consumed by the optimizer step.
         self.grad_shard: torch.Tensor | None = None
-        # Stage 0 and ZeRO-1 on a CPU (zero0.py, zero1.py) keep the flat gradient buffer from
-        # step to step: they hold the full gradient anyway, and a fresh one is an mmap of the
-        # whole bucket that the kernel zeroes page by page, every step (glibc maps any block
-        # over 32 MB). On a GPU the caching allocator keeps the block between steps already.
+        # The flat gradient buffer and its views in each parameter's shape, built at the first
+        # reduction and kept: cutting a buffer into views costs a tensor per parameter, more
+        # host time than copying the gradients into them. Its *storage* is released once the
+        # reduction has read it (release_grad_buffer) and re-allocated at the next one, as
+        # `full`'s is for the parameters: the views survive the resize. Stage 0 and ZeRO-1 on a
+        # CPU (zero0.py, zero1.py) keep the storage too (keep_grad_buffer): they hold the full
+        # gradient anyway, and a fresh block is an mmap of the whole bucket that the kernel
+        # zeroes page by page, every step (glibc maps any block over 32 MB). On a GPU the
+        # caching allocator keeps the block between steps already.
         self.keep_grad_buffer = False
         self._grad_buffer: torch.Tensor | None = None
-        self._grad_views: list = []   # the kept buffer cut into each parameter's shape
-        self._grad_padding = torch.zeros(self.padded_numel - self.numel, dtype=self.dtype, device=self.device)
+        self._grad_views: list = []
 
     # -- parameters: gather, free ---------------------------------------------------------
     def full_is_allocated(self) -> bool:
@@ -173,36 +177,39 @@ class FlatParam:
     # -- gradients: reduce ----------------------------------------------------------------
     def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
         """Padded flat copy of the parameters' `.grad` (zeros where a parameter got none),
-        pre-divided by `divide_by` in the gradients' own dtype. With keep_grad_buffer the
-        same buffer every call (its previous contents are no longer read by then: the
-        reduction that used it was waited for, and the step that read grad_shard is over).
+        pre-divided by `divide_by` in the gradients' own dtype: one foreach copy into the
+        views of the same buffer every call (__init__). Its previous contents are no longer
+        read by then: the reduction that used them was waited for, and the step that read
+        grad_shard is over.
 
         Dividing *before* summing across ranks is what DeepSpeed does (`average_tensor`):
         in bf16/fp16 it keeps the sum from overflowing and rounds the same way, so the
         reduced gradient is lp(g0/N) + lp(g1/N) + ... exactly as in DeepSpeed.
         """
         grads = [p.grad for p in self.params]
+        buf = self._grad_buffer
+        if buf is None:
+            buf = self._grad_buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            self._grad_views = list(unflatten(buf, self.names, self.shapes).values())
+        elif buf.untyped_storage().nbytes() == 0:   # released after the last reduction: new memory
+            buf.untyped_storage().resize_(self.padded_numel * buf.element_size())
+            if self.padded_numel > self.numel:
+                buf[self.numel:].zero_()
         try:
-            if self.keep_grad_buffer:   # one foreach copy into the kept buffer's views
-                if self._grad_buffer is None:
-                    self._grad_buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-                    self._grad_views = list(unflatten(self._grad_buffer, self.names, self.shapes).values())
-                buf = self._grad_buffer
-                torch._foreach_copy_(self._grad_views, grads)
-            else:                       # a fresh buffer, laid out by one C++ call, padding included
-                buf = torch._C._nn.flatten_dense_tensors(grads + [self._grad_padding])
+            torch._foreach_copy_(self._grad_views, grads)
         except TypeError:                   # a parameter got no gradient (None): zeros in its place
-            buf = self._grad_buffer if self.keep_grad_buffer else \
-                torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-            for piece, g in zip(buf[:self.numel].split(self.numels), grads):   # views, no copy
-                if g is not None:
-                    piece.copy_(g.reshape(-1))
-                else:
-                    piece.zero_()
-            buf[self.numel:].zero_()
+            for view, g in zip(self._grad_views, grads):
+                view.copy_(g) if g is not None else view.zero_()
         if divide_by != 1:
             buf.div_(divide_by)
         return buf
+
+    def release_grad_buffer(self) -> None:
+        """The flat gradient has been reduced and nothing reads it any more: free its storage,
+        unless keep_grad_buffer. Never while a reduction may still read it (its wait comes
+        first: GradReduction.wait, zero_grad)."""
+        if self._grad_buffer is not None and not self.keep_grad_buffer:
+            self._grad_buffer.untyped_storage().resize_(0)
 
     def reduce_scatter_grad(self, async_op: bool = False) -> "GradReduction | None":
         """grad_shard += this rank's chunk of the rank-averaged gradient; drop the full one.
@@ -215,7 +222,6 @@ class FlatParam:
         out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
         pending = comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads", group=self.sharding.group,
                                              async_op=async_op)
-        del full
         self.clear_param_grads()
         reduction = GradReduction(self, out, pending if async_op else None, accumulate=True)
         if async_op:
@@ -242,6 +248,7 @@ class FlatParam:
     def zero_grad(self) -> None:
         self.clear_param_grads()
         self.grad_shard = None
+        self.release_grad_buffer()   # stage 0's grad_shard was the flat buffer itself
 
     def __repr__(self) -> str:
         return (f"FlatParam({self.label}: {len(self.params)} params, Ψ={self.numel}, "
@@ -260,6 +267,8 @@ class GradReduction:
         if self.pending is not None:
             self.pending.wait()
         f = self.flat
+        if self.accumulate:   # a reduce-scatter: its input, the flat gradient, is read no more
+            f.release_grad_buffer()
         if f.sharding.replicas is not None:   # HSDP: the same shard of the other groups, summed in
             comm.all_reduce(self.result, label=f"{f.label}.grads.replicas", group=f.sharding.replicas)
         if self.accumulate and f.grad_shard is not None:
