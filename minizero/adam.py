@@ -198,11 +198,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 # scalars in the same order, so the same bits (tests/core/test_adam.py compares every
 # variant with torch's own class). Every other variant goes through torch's function.
 
+def _foreach_matches_loop(group: dict) -> bool:
+    """Do torch's foreach Adam kernels give its for-loop's bits for this group? AdamW, or Adam
+    without weight decay, and no amsgrad: the same operations, element by element."""
+    return not group["amsgrad"] and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
+
+
 def _direct(group: dict) -> bool:
-    """Does this group take `_adamw_foreach`? Plain float hyperparameters, and the variants
-    whose foreach kernels match the for-loop element by element."""
-    return (not group["amsgrad"] and not group["maximize"]
-            and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
+    """Does this group take `_adamw_foreach`? A group whose foreach kernels match the for-loop,
+    without maximize, with plain float hyperparameters."""
+    return (_foreach_matches_loop(group) and not group["maximize"]
             and all(isinstance(v, float | int) for v in (group["lr"], *group["betas"])))
 
 
@@ -236,12 +241,11 @@ def _torch_adam(group: dict, cols: list, steps: list) -> None:
     kernels where they give the for-loop's bits (Adam without weight decay, or decoupled), else
     its for-loop."""
     beta1, beta2 = group["betas"]
-    foreach = not group["amsgrad"] and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
     adam_update(cols[0], cols[1], cols[2], cols[3], cols[4] if len(cols) > 4 else [], steps,
                 amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                foreach=foreach, capturable=False, differentiable=False, fused=None, has_complex=False,
-                decoupled_weight_decay=group["decoupled_weight_decay"])
+                foreach=_foreach_matches_loop(group), capturable=False, differentiable=False, fused=None,
+                has_complex=False, decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
 def _chunkable(group: dict) -> bool:
