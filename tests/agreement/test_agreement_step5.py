@@ -8,42 +8,23 @@ optimizer.params (reference/ds_run.prepare_ds_config with zero3_exact=False): De
 a CPU cannot build its own CPU Adam without compiling it, and torch's Adam is what both
 then run.
 
-The model is the step's 24-layer GPT (`tutorial-24`) shrunk only where this 2-core CPU
+The model is the step's 24-layer GPT (`tutorial-24`) shrunk only where a 2-core CPU
 needs it: n_embd 256 -> 16 (n_head stays 8) and sequences of 3 tokens (block_size 1023 ->
 3, a 2x2 image); 24 layers, dropout 0, vocabulary 512, micro-batch 128 and accumulation 4
 as in the tutorial. World size 2, 10 optimizer steps: 10 x 4 x 2 x 128 = 10,240 sequences
-through 24 layers per library (at width 32 and 63 tokens one library's 20 steps took over
-five minutes here).
+through 24 layers per library.
 
 What this test is about, the tutorial's config value for value at the tutorial's depth,
 bitwise, needs neither width nor length; three tokens still give causal attention a mask
-and a softmax over more than one position. The sequence was 15 tokens (a 4x4 image) until
-the suite's time budget (issue 22) asked for less: on a CPU without AVX-512 every fp16 op
-here is slower, and this file was the suite's heaviest. Measured on this 2-core machine,
-two variants at a time, each pinned to its own core (`taskset -c N python -m pytest -q -s`
-on a copy of this file; the fixture prints the two halves):
+and a softmax over more than one position. fp16 attention and matmuls, whose cost grows
+with the sequence, are most of minizero's half of the time; width barely matters. The
+file's time at each length and width is measured in
+docs/results/test-suite-step5-tokens.md.
 
-| tokens | n_embd | kernels | file | DeepSpeed | minizero |
-|---|---|---|---|---|---|
-| 15 | 16 | native (AVX-512) | 140.5 s | 89 s | 48 s |
-| 8 | 16 | native | 108.0 s | 73 s | 32 s |
-| 15 | 8 | native | 145.5 s | 91 s | 50 s |
-| 8 | 8 | native | 111.8 s | 75 s | 32 s |
-| 8 | 16 | native, another hour | 73.5 s | 49 s | 23 s |
-| 3 | 16 | native, beside it | 56.8 s | 40 s | 15 s |
-| 8 | 16 | AVX2 | 100.8 s | 60 s | 40 s |
-| 3 | 16 | AVX2, beside it | 66.0 s | 44 s | 20 s |
-
-(AVX2: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`, torch's and oneDNN's kernels
-without AVX-512, as on a CPU that lacks it.) fp16 attention and matmuls, whose cost grows
-with the sequence, are most of minizero's half; width barely matters, so it stays at 16.
-All six tests passed in every variant.
-
-Why 10 steps show what 20 did: every step takes the same path in both
-libraries (no overflow, so no skipped step and no scale change: the scale grows only after
-1000 clean steps; no clipping: `test_clip_never_fires`), and a step is bitwise equal when
-its inputs are, so a further step repeats the same operations on equal state. It was 20
-(measured on a loaded 2-core machine: DeepSpeed 85 s + minizero 54 s for 20 steps).
+Why 10 steps show what more would: every step takes the same path in both libraries (no
+overflow, so no skipped step and no scale change: the scale grows only after 1000 clean
+steps; no clipping: `test_clip_never_fires`), and a step is bitwise equal when its inputs
+are, so a further step repeats the same operations on equal state.
 
 Why bitwise is the right expectation, operation by operation:
 - DeepSpeed's ZeRO-3 replaces F.linear by `LinearFunctionForZeroStage3` (matmul, then

@@ -205,7 +205,7 @@ def test_world_size_4_tiny_stage2_small_buckets_equals_stage0():
 
     Not bitwise: gloo's ring adds the 4 ranks' terms in an order that depends on where an
     element falls among the chunks, and ZeRO-2's buckets move the chunk boundaries. The
-    bound comes from the same kind of reordering measured in this session: stage 0 with
+    bound comes from the same kind of reordering, measured here: stage 0 with
     the same rows handed to the ranks in another order (N4_PERMS: every element's 4-term
     sum is added in another order, nothing else changes). noise = the largest loss /
     weight gap of those 5 runs from stage 0; bound = 2 * noise (the gap is one more draw of
