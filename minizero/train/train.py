@@ -10,8 +10,9 @@ reference/train.py (it imports this module's parser and loop, and swaps the engi
 Read train_loop first: one optimizer step in a dozen lines, like nanoGPT's; the rest is
 named helpers. What comes before the first step is in minizero/train/runsetup.py, the command
 line and the config dict in minizero/train/train_args.py, the non-finite-loss guard in
-minizero/train/divergence.py, and what both scripts share (test loss, sampling, metrics and
-summary files) in minizero/train/runlog.py.
+minizero/train/divergence.py, the progress bar and the run's clock in minizero/train/progress.py,
+and what both scripts share (test loss, sampling, metrics and summary files) in
+minizero/train/runlog.py.
 
 A run writes into --save-dir (default runs/minizero-<stage>-<dtype>), on rank 0:
 
@@ -45,7 +46,6 @@ import argparse
 import contextlib
 import io
 import itertools
-import logging
 import os
 import sys
 import time
@@ -58,6 +58,7 @@ from minizero.train import rundir, runlog, train_args
 from minizero.train.divergence import NonFiniteGuard, TrainingDiverged, diverged_message, what_diverged
 # What differs between minizero and DeepSpeed in this script: library.py.
 from minizero.train.library import MINIZERO, USER_ERRORS, Library
+from minizero.train.progress import Progress
 # Before the first step (config, save folder, data, model, engine, schedule, resume): runsetup.py.
 from minizero.train.runsetup import Run, setup
 # The command line (flags, checks, CPU/GPU defaults) and the config dict: train_args.py.
@@ -269,53 +270,6 @@ def save_checkpoint(run: Run, progress: Progress, step: int, position: tuple[int
                      rng=torch.get_rng_state(),
                      cuda_rng=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
     run.engine.save_checkpoint(run.save_dir, client_state={"train_state": run.state})
-
-
-class Progress:
-    """What the loop shows and times: tqdm's bar (rank 0), the run's clock (carried across a
-    resume) and the seconds and steps of the current logged interval (for samples/s).
-
-    Inside `with Progress(run)`, records of minizero's and DeepSpeed's loggers go through the
-    bar so they don't tear it; on the way out the clock is kept in run.state."""
-
-    def __init__(self, run: Run):
-        from tqdm import tqdm
-        self.state = run.state
-        self.start = time.perf_counter() - run.state["elapsed_s"]
-        self.interval_s, self.interval_steps = 0.0, 0
-        self.bar = tqdm(total=run.max_steps, initial=run.state["step"], disable=comm.get_rank() != 0,
-                        dynamic_ncols=True, desc=run.lib.name)
-
-    def __enter__(self) -> Progress:
-        from tqdm.contrib.logging import logging_redirect_tqdm
-        self.redirect = logging_redirect_tqdm(loggers=[logging.getLogger("minizero"), logging.getLogger("DeepSpeed")])
-        self.redirect.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.redirect.__exit__(*exc)
-        finally:
-            self.state["elapsed_s"] = self.elapsed_s()
-            self.bar.close()
-
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.start
-
-    def step_begins(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def step_ends(self) -> None:
-        self.interval_s += time.perf_counter() - self.t0
-        self.interval_steps += 1
-
-    def new_interval(self) -> None:
-        self.interval_s, self.interval_steps = 0.0, 0
-
-    def say(self, line: str) -> None:
-        """Rank 0 prints a line above the bar."""
-        if comm.get_rank() == 0:
-            self.bar.write(line)
 
 
 # ----------------------------------------------------------------------------- main
