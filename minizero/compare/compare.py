@@ -35,28 +35,25 @@ config.json (the config both got), and <lib>-stage<N>/ (each run's save dir and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
 
 from minizero.train import output_dir
 from minizero.comm import free_port
-from minizero.compare.compare_comms import comms_section
-from minizero.compare.compare_nodes import link_bytes, nodes_section
-from minizero.compare.compare_memory import (LIBS, moments_section, offloaded, placed_bytes, state_bytes,
-                                             state_entries)
-# How the results are shown (the table, the pictures): render.py.
-from minizero.compare.render import NAMES, SHORT, moments_by_lib, plot_losses, plot_memory, table
+from minizero.process_group import RANKS_PER_NODE_ENV as NODE_ENV   # the runs pretend nodes of k (or S) ranks
+from minizero.compare import REPO
+from minizero.compare.compare_nodes import HIERARCHY, hierarchy_keys, link_bytes, ranks_per_node
+from minizero.compare.compare_memory import LIBS, offloaded, placed_bytes, state_bytes, state_entries
+# How the results are shown: the report's words in report.py, the table and pictures in render.py.
+from minizero.compare.report import machine, report_md, versions
+from minizero.compare.render import plot_losses, plot_memory, table
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # minizero/compare/ -> the repository
 STAGES = (0, 1, 2, 3)
 ALL_LIBS = ("minizero", "deepspeed", "torch")
 SCRIPTS = {"minizero": ["-m", "minizero.train"], "deepspeed": [os.path.join(REPO, "reference", "train.py")],
@@ -145,12 +142,9 @@ def check_args(args) -> None:
                                f"{', ...' if len(earlier) > 3 else ''}); pass a new --out, or remove that folder")
 
 
-# The multi-node keys, the libraries that have each, and the stages it applies to (minizero's
-# at stage 3 only: MINIZERO_STAGES).
-HIERARCHY = {"zero_hpz_partition_size": ("--hpz", {"deepspeed", "torch"}, {3}),
-             "hsdp_shard_size": ("--hsdp", {"torch"}, {2, 3})}
+# The stages minizero has each multi-node key at (compare_nodes.HIERARCHY: the libraries and
+# stages of the others), and why a library lacks one.
 MINIZERO_STAGES = {"zero_hpz_partition_size": {3}, "hsdp_shard_size": {3}}
-NODE_ENV = "MINIZERO_RANKS_PER_NODE"   # process_group.ranks_per_node: the runs pretend nodes of k (or S) ranks
 LACKS = {("deepspeed", "hsdp_shard_size"): "DeepSpeed 0.19.8 has no HSDP (its MiCS keys mics_shard_size / "
                                           "mics_hierarchical_params_gather were removed and now raise)"}
 
@@ -164,23 +158,6 @@ def minizero_knows(key: str) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def hierarchy_keys(args) -> dict:
-    """{key: size} of the multi-node keys this comparison runs: the flags, else --config's."""
-    keys = {}
-    config = getattr(args, "config", None)
-    if config and os.path.isfile(config):
-        with contextlib.suppress(OSError, ValueError):
-            with open(config) as f:
-                zero = json.load(f).get("zero_optimization")
-            if isinstance(zero, dict):
-                keys.update({k: zero[k] for k in HIERARCHY if k in zero})
-    for key, (flag, _, _) in HIERARCHY.items():
-        value = getattr(args, flag[2:], None)
-        if value is not None:
-            keys[key] = value
-    return keys
 
 
 def check_hierarchy(args) -> None:
@@ -248,13 +225,6 @@ def run_command(lib, stage, args, extra, config_path, save_dir) -> list:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script, *flags, *extra]
 
 
-def ranks_per_node(args) -> int | None:
-    """The "node" the runs pretend with --hpz k / --hsdp S: k (or S) consecutive ranks, as
-    both libraries group them; None without either (one node)."""
-    sizes = set(hierarchy_keys(args).values())
-    return min(sizes) if sizes else None
-
-
 def run_one(cmd, save_dir, label, per_node: int | None = None) -> dict:
     """Run one training launch, its output into <save_dir>/run.log; return its summary.json.
     per_node: the ranks of one pretended node (MINIZERO_RANKS_PER_NODE), so that every
@@ -312,130 +282,6 @@ def stage_row(stage, *summaries, libs=LIBS) -> dict:
     return row
 
 
-def machine() -> str:
-    import torch
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"CPU: {cpu} ({os.cpu_count()} cores), no GPU"
-
-
-def versions() -> dict:
-    def version(p):
-        try:
-            return importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-    return {"python": platform.python_version(), **{p: version(p) for p in ("torch", "deepspeed")}}
-
-
-def note(args, offload: bool = False) -> str:
-    agreement = os.path.join(REPO, "docs", "agreement.md")   # relative when the report is inside the repo
-    agreement = os.path.relpath(agreement, args.out) if args.out.startswith(REPO + os.sep) else agreement
-    lines = [
-        f"Known differences (details and sources: [docs/agreement.md]({agreement})):", "",
-        "- Wire bytes: DeepSpeed's ZeRO-1/2 \"reduce-scatter\" is an all-reduce (`average_tensor` pre-divides "
-        "the bucket and calls `all_reduce`; each rank keeps its slice): 2Ψ for gradients plus Ψ for the "
-        "parameter all-gather, 1.5x the paper's 2Ψ that minizero moves. "
-        + ("At ZeRO-3 both libraries run the config's own prefetch and reuse knobs (--own-knobs): with "
-           "DeepSpeed's defaults each keeps every unit gathered from forward into backward and gathers once "
-           "per step (2Ψ), and minizero moves DeepSpeed's bytes (docs/zero.md, \"Hiding communication\")."
-           if getattr(args, "own_knobs", False) else
-           "At ZeRO-3 minizero all-gathers in forward and again in backward (the paper's 3Ψ); so does "
-           "DeepSpeed with the settings below (with its defaults both keep a small model gathered from forward "
-           "into backward and gather once: --own-knobs)."),
-        "- Memory: both libraries are measured at the same two moments of the last step, from the buffers they "
-        "really hold (minizero's `memory.held_bytes`, DeepSpeed's `reference/ds_memory.py` walker): the state "
-        "columns above are the end of backward; the section below has both moments, and names every byte "
-        "that differs. On CPU, peak MB is the process RSS.",
-        f"- This comparison adds {json.dumps(pinned_knobs(args))} "
-        "to `zero_optimization` unless the config sets "
-        "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
-        "in bf16/fp16), keep parameters under 1e5 elements unpartitioned (a small model would show no ZeRO-3 "
-        "saving) and allocate a 5e8-element reduce bucket at init.",
-        "- samples/s: median over logged intervals after the first; noisy (+-30%) on a shared CPU."
-        + (" With the comms logger on, both libraries time every collective; DeepSpeed's wrapper costs 0.3-1 ms "
-           "per collective on a CPU (measured on 2 gloo ranks: an 8 B all-reduce 0.4 -> 0.7-1.4 ms, a 200 KB one "
-           "1.0-1.7 -> 1.9-2.2 ms), so its samples/s drop most at ZeRO-3, which issues the most collectives "
-           "(`--no-comms-logger` for speed)." if getattr(args, "comms_logger", False) else "")]
-    if offload:
-        lines.append("- Offload (host B > 0): minizero moves exactly the optimizer shard (fp32 master + Adam "
-                     "moments, 12 bytes per element of the rank's shard in mixed precision) to the host and, with "
-                     "`offload_param`, ZeRO-3's partitioned low-precision parameters. DeepSpeed also keeps an fp32 "
-                     "gradient partition on the host (4 bytes per element), at ZeRO-3 its low-precision gradient "
-                     "partition there too, and at ZeRO-1/2 a low-precision staging copy of the shard plus two "
-                     "staging buffers of the largest parameter's size, one on each side ("
-                     """docs/deepspeed.md, "ZeRO-Offload's extra host buffers"). On a CPU-only machine """
-                     "the device and the host are the same memory: the split says where the bytes would live "
-                     "beside a GPU.")
-    if args.dtype != "fp32" and 0 in args.stages:
-        lines.append("- Stage 0 in fp16/bf16: DeepSpeed's stage-0 wrappers take one Adam step with zero gradients "
-                     "at init (losses drift, bf16 up to ~6e-3 in 20 steps); its stage-0 fp16 never multiplies "
-                     "the loss by the scale (gradients 1/65536 too small) and its loss scaler has no hysteresis. "
-                     "minizero does not copy these quirks.")
-    if args.dtype != "fp32":
-        lines.append("- Expected loss agreement in low precision is op-order noise (bf16 ~2e-4, fp16 ~3e-5 "
-                     "over 20 steps); fp32 agrees to ~1e-6.")
-    return "\n".join(lines)
-
-
-def torch_note(args) -> str:
-    fsdp = os.path.join(REPO, "docs", "fsdp.md")   # relative when the report is inside the repo
-    fsdp = os.path.relpath(fsdp, args.out) if args.out.startswith(REPO + os.sep) else fsdp
-    return ("- PT = PyTorch itself (reference/torch_train.py, docs/fsdp.md): stage 0 is DistributedDataParallel, "
-            "stage 3 FSDP2 `fully_shard` per block then the root (`reshard_after_forward=True`), stage 2 the same "
-            "with `reshard_after_forward=False` (ZeRO-3's sharded states, ZeRO-2's bytes on the wire). FSDP2 pads "
-            "each parameter's dim 0 to a multiple of N (minizero pads each flat unit), frees gradients at "
-            "`zero_grad`, and its optimizer steps the fp32 shard itself (no separate master). Its gradient-norm "
-            "all-reduce goes through DTensor's functional collectives and is not counted. "
-            f"Details: [docs/fsdp.md]({fsdp})."
-            + (" hsdp_shard_size S: the same on a 2-D mesh (N/S replicas, S shard ranks): gathers and the "
-               "reduce-scatter inside a row of S ranks, then the gradient shard all-reduced across the rows."
-               if "hsdp_shard_size" in hierarchy_keys(args) else "")
-            + (" zero_hpz_partition_size k: `reshard_after_forward=k`, FSDP2's hpZ: after forward each block keeps "
-               "a copy sharded over k ranks, which backward all-gathers from (freed after backward; DeepSpeed's "
-               "secondary partition lives until the step)."
-               if "zero_hpz_partition_size" in hierarchy_keys(args) else ""))
-
-
-def report_md(info, args, rows, offload: bool = False, results=None) -> str:
-    placed = (" device B / host B = the same split by where it lives: host memory with ZeRO-Offload."
-              if offload else "")
-    results = results or {}
-    libs = getattr(args, "libs", list(LIBS))
-    pair = all(lib in libs for lib in LIBS)   # minizero and deepspeed: the sections that name every byte
-    ds_results = {s: {lib: r[lib] for lib in LIBS} for s, r in results.items()} if pair else {}
-    return "\n".join([
-        f"# {' vs '.join(NAMES[lib] for lib in libs)}: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
-        f"{args.nproc} rank(s)" + "".join(f", {key} {size}" for key, size in hierarchy_keys(args).items()), "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
-        f"- date: {info['date']}", "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
-        f"- config: [config.json](config.json), each run with `--stage N --dtype {args.dtype}`", "",
-        table(rows), "",
-        ", ".join(f"{SHORT[lib]} = {NAMES[lib]}" for lib in libs) + ". state B = model-state bytes per rank at the end of the last step's "
-        "backward (params + grads + master params + optimizer states); max abs dloss/step = max over optimizer steps of "
-        f"|loss_{SHORT[libs[0]]} - loss_other|; "
-        "wire B/step = ring-algorithm bytes per rank per optimizer step."
-        + (" link B/step = the bytes node 0's ranks sent to another node per step (the section below)."
-           if ranks_per_node(args) else "") + placed, "",
-        *([note(args, offload)] if pair else []), *([torch_note(args)] if "torch" in libs else []), "",
-        "![loss curves](loss_curves.png)", "",
-        *(moments_section(ds_results, args.dtype) if pair else []),
-        *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
-        "![memory](memory.png)", "",
-        *(nodes_section(results, args, libs, ranks_per_node(args), scheme_of(args)) if ranks_per_node(args) else []),
-        *(comms_section(ds_results) if pair else [])])
-
-
-def scheme_of(args) -> str | None:
-    """"hpz" or "hsdp": the multi-node key this comparison runs (check_hierarchy allows one size)."""
-    keys = hierarchy_keys(args)
-    return "hsdp" if "hsdp_shard_size" in keys else "hpz" if "zero_hpz_partition_size" in keys else None
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parse_args(argv)
@@ -461,7 +307,7 @@ def main(argv=None) -> None:
     info = {"command": command, "machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": versions(), "nproc": args.nproc, "dtype": args.dtype, "extra_flags": extra}
     with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(report_md(info, args, rows, offloaded(results), results))
+        f.write(report_md(info, args, rows, pinned_knobs(args), offloaded(results), results))
     plot_losses(os.path.join(args.out, "loss_curves.png"), results)
     plot_memory(os.path.join(args.out, "memory.png"), results)
     with open(os.path.join(args.out, "results.json"), "w") as f:

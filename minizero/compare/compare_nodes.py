@@ -31,6 +31,10 @@ records, once per run). A measured number that the prediction does not give is m
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+
 from ..hierarchy import step_traffic
 from ..partition import padded_numel
 
@@ -40,6 +44,42 @@ NORMS = {"minizero": 1, "deepspeed": 2, "torch": 0}   # fp64 gradient-norm all-r
 PADDING = {"minizero": "each FlatParam padded to a multiple of {n}",
            "deepspeed": "each parameter padded to a multiple of {n}",
            "torch": "each parameter's dim 0 padded to a multiple of {n}"}
+
+
+# The multi-node keys, the libraries that have each, and the stages it applies to (minizero's
+# at stage 3 only: compare.MINIZERO_STAGES).
+HIERARCHY = {"zero_hpz_partition_size": ("--hpz", {"deepspeed", "torch"}, {3}),
+             "hsdp_shard_size": ("--hsdp", {"torch"}, {2, 3})}
+
+
+def hierarchy_keys(args) -> dict:
+    """{key: size} of the multi-node keys this comparison runs: the flags, else --config's."""
+    keys = {}
+    config = getattr(args, "config", None)
+    if config and os.path.isfile(config):
+        with contextlib.suppress(OSError, ValueError):
+            with open(config) as f:
+                zero = json.load(f).get("zero_optimization")
+            if isinstance(zero, dict):
+                keys.update({k: zero[k] for k in HIERARCHY if k in zero})
+    for key, (flag, _, _) in HIERARCHY.items():
+        value = getattr(args, flag[2:], None)
+        if value is not None:
+            keys[key] = value
+    return keys
+
+
+def ranks_per_node(args) -> int | None:
+    """The "node" the runs pretend with --hpz k / --hsdp S: k (or S) consecutive ranks, as
+    both libraries group them; None without either (one node)."""
+    sizes = set(hierarchy_keys(args).values())
+    return min(sizes) if sizes else None
+
+
+def scheme_of(args) -> str | None:
+    """"hpz" or "hsdp": the multi-node key this comparison runs (check_hierarchy allows one size)."""
+    keys = hierarchy_keys(args)
+    return "hsdp" if "hsdp_shard_size" in keys else "hpz" if "zero_hpz_partition_size" in keys else None
 
 
 def link_bytes(summary: dict) -> dict | None:
