@@ -37,8 +37,8 @@ import os
 
 from ..hierarchy import step_traffic
 from ..partition import padded_numel
+from .render import SHORT   # the table's column suffixes, one per library
 
-SHORT = {"minizero": "mz", "deepspeed": "DS", "torch": "PT"}
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 NORMS = {"minizero": 1, "deepspeed": 2, "torch": 0}   # fp64 gradient-norm all-reduces per step the counter sees
 PADDING = {"minizero": "each FlatParam padded to a multiple of {n}",
