@@ -85,11 +85,12 @@ def test_help_lists_the_flags_in_model_and_data():
 # assertions need: the shrunk model built, the config read, the run completed under both
 # libraries. 128 training images: one step's 64 rows (8 x 4 x 2 ranks), and 640 pixels for the
 # 512-colour k-means (5 per image; 103 images is its floor). 16 test images: one evaluation
-# batch per rank. One sample: the 63-token sampling loop runs whole either way (in DeepSpeed's
-# ZeRO-3 a third of the run, cProfile of rank 0: 63 forwards through 24 hooked layers), its batch is free.
+# batch per rank. No sample: sampling is 63 forwards through 24 hooked layers (a third of
+# DeepSpeed's run, cProfile of rank 0), and both libraries sample under ZeRO-3 with offload in
+# tests/tools/test_compare.py's offload run.
 STEP5 = ["--config", "launch/ds_config_step5.json", "--model", "tutorial-24", "--n-embd", "32", "--image-size", "8",
          "--micro-batch", "8", "--max-steps", "1", "--dataset", "synthetic", "--synthetic-train", "128",
-         "--synthetic-test", "16", "--num-samples", "1"]
+         "--synthetic-test", "16", "--num-samples", "0"]
 NOTE = ("model tutorial-24 with n_embd=32 (--n-embd), block_size=63 (--image-size 8) instead of the preset's "
         "n_embd=256, block_size=1023")
 
