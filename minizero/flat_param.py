@@ -96,14 +96,14 @@ class FlatParam:
         self.grad_shard: torch.Tensor | None = None
         # The flat gradient buffer and its views in each parameter's shape, built at the first
         # reduction and kept: cutting a buffer into views costs a tensor per parameter, more
-        # host time than copying the gradients into them. Its *storage* is released once the
-        # reduction has read it (release_grad_buffer) and re-allocated at the next one, as
-        # `full`'s is for the parameters: the views survive the resize. Stage 0 and ZeRO-1 on a
-        # CPU (zero0.py, zero1.py) keep the storage too (keep_grad_buffer): they hold the full
-        # gradient anyway, and a fresh block is an mmap of the whole bucket that the kernel
-        # zeroes page by page, every step (glibc maps any block over 32 MB). On a GPU the
-        # caching allocator keeps the block between steps already.
-        self.keep_grad_buffer = False
+        # host time than copying the gradients into them. Its *storage* is released once nothing
+        # reads it (release_grad_buffer: after a reduce-scatter's wait; at zero_grad for stage
+        # 0, whose all-reduced buffer is the gradient the step reads) and re-allocated at the
+        # next reduction, as `full`'s is for the parameters: the views survive the resize. So no
+        # stage holds a flat gradient beside the parameters' own between steps, which is what
+        # the layout formulas (memory.py) and DeepSpeed hold. The price, on a CPU only: a
+        # bucket over 32 MB (glibc's largest mmap threshold) comes back as a fresh mmap the
+        # kernel zeroes page by page (docs/zero.md, "The optimizer step on a CPU").
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
 
@@ -204,11 +204,17 @@ class FlatParam:
             buf.div_(divide_by)
         return buf
 
+    @property
+    def grad_buffer(self) -> torch.Tensor | None:
+        """The flat gradient buffer (None before the first reduction); its storage is empty
+        whenever no reduction or step needs it (release_grad_buffer)."""
+        return self._grad_buffer
+
     def release_grad_buffer(self) -> None:
-        """The flat gradient has been reduced and nothing reads it any more: free its storage,
-        unless keep_grad_buffer. Never while a reduction may still read it (its wait comes
-        first: GradReduction.wait, zero_grad)."""
-        if self._grad_buffer is not None and not self.keep_grad_buffer:
+        """The flat gradient has been reduced and nothing reads it any more: free its storage.
+        Never while a reduction may still read it (its wait comes first: GradReduction.wait,
+        zero_grad)."""
+        if self._grad_buffer is not None:
             self._grad_buffer.untyped_storage().resize_(0)
 
     def reduce_scatter_grad(self, async_op: bool = False) -> "GradReduction | None":

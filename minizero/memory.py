@@ -129,7 +129,8 @@ def held_bytes(engine) -> dict:
     backward, whatever the moment. This reads the tensors themselves, so it changes as a step
     goes on: the gradients exist from backward to the step and are gone after it (stage 0
     and ZeRO-1 hold them in each p.grad until the step reduces them, ZeRO-2/3 in the reduced
-    grad_shard), and a ZeRO-3 unit gathered at that moment counts its full buffer. Each
+    grad_shard; the flat buffer a reduction reads counts while its storage is allocated), and
+    a ZeRO-3 unit gathered at that moment counts its full buffer. Each
     storage is counted once, whole (the ZeRO-0/1/2 shard is a view of the full buffer; in
     fp32 the master is the shard), in the first category that holds it, in the order
     params, master_params, optimizer_states, grads: the way reference/ds_memory.py walks a
@@ -166,7 +167,7 @@ def held_bytes(engine) -> dict:
     claim("optimizer_states", [v for st in opt.optimizer.state.values() for v in st.values()
                                if torch.is_tensor(v) and v.dim() > 0], opt.on_host)   # not Adam's scalar step
     for f in zero.flat_params:
-        claim("grads", [f.grad_shard] + [p.grad for p in f.params], False)
+        claim("grads", [f.grad_shard, f.grad_buffer] + [p.grad for p in f.params], False)
     elements = {"full": sum(f.padded_numel for f in zero.flat_params if f.persistent),
                 "shard": sum(f.shard_numel for f in zero.flat_params)}
     if nvme is None:

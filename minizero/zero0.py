@@ -49,10 +49,6 @@ class DataParallel:
         self.flat_params = [f for b in self.buckets for f in b.flats]
         self.grad_buckets = GradBuckets(self.buckets, self.reduce, every_micro_step=self.reduce_every_micro_step,
                                         overlap=bool(zero_cfg.overlap_comm))
-        # On a CPU, reuse each bucket's flat gradient buffer every step (flat_param.py,
-        # keep_grad_buffer): this stage holds the full gradient at the end of backward anyway.
-        for f in self.flat_params:
-            f.keep_grad_buffer = f.device.type == "cpu"
 
     def make_buckets(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg) -> list[Bucket]:
         return replicated_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))

@@ -34,12 +34,10 @@ against 2Ψ(N-1)/N for stage 0 and ZeRO-1, which reduce once per step.
 
 What this file adds to ZeRO-1 (zero1.py): reduce in every micro-step (`reduce_every_micro_step`,
 so the hooks are on and the full gradient is dropped bucket by bucket), nothing left to
-reduce at the boundary, no kept full-size gradient buffer, and the shard as the gradient
-bytes a rank holds. ZeRO-3 (zero3.py) builds on this class in turn.
+reduce at the boundary, and the shard as the gradient bytes a rank holds. ZeRO-3 (zero3.py)
+builds on this class in turn.
 """
 from __future__ import annotations
-
-import torch
 
 from .zero1 import Zero1
 
@@ -50,11 +48,6 @@ class Zero2(Zero1):
     the averaged slice r only, accumulated over the micro-steps."""
     stage = 2
     reduce_every_micro_step = True
-
-    def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg):
-        super().__init__(module, param_groups, zero_cfg)
-        for f in self.flat_params:   # the full gradient must not outlive its reduction
-            f.keep_grad_buffer = False
 
     def reduce_gradients(self) -> None:
         """Nothing left to do at the boundary: every micro-step was reduced in backward."""

@@ -85,18 +85,20 @@ def test_reduce_scatter_accumulates_micro_steps_and_drops_the_param_grads():
     assert f.grad_shard is None
 
 
-def test_all_reduce_grad_replaces_and_a_kept_buffer_is_reused():
+def test_all_reduce_grad_replaces_and_zero_grad_frees_the_buffer_it_reuses():
     ps = _params()
     f = _flat(ps)
-    f.keep_grad_buffer = True
     for p in ps:
         p.grad = torch.ones_like(p)
     f.all_reduce_grad()
     first = f.grad_shard
+    assert first is f.grad_buffer   # stage 0: the all-reduced buffer is the gradient the step reads
+    f.zero_grad()
+    assert f.grad_shard is None and first.untyped_storage().nbytes() == 0
     for p in ps:
-        p.grad = torch.ones_like(p)
+        p.grad = torch.full_like(p, 2.0)
     f.all_reduce_grad()
-    assert f.grad_shard is first and torch.equal(first, torch.ones(11))
+    assert f.grad_shard is first and torch.equal(first, torch.full((11,), 2.0))   # its memory back
 
 
 def test_asynchronous_reduction_completes_at_wait():
