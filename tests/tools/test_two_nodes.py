@@ -126,8 +126,13 @@ def test_eight_rank_checkpoint_resumes_in_minizero(library, nproc, request, tmp_
 
 def test_deepspeed_runs_the_same_command_with_the_same_losses(minizero_run, deepspeed_run):
     """Real DeepSpeed under the same two torchruns: one world of 8, and, in fp32, minizero's
-    losses bit for bit (the same sums in the same order, as the agreement tests pin at 2 ranks;
-    gloo's reduce over 8 ranks adds in the same order for both libraries' buffers)."""
+    losses bit for bit over these 3 steps. Measured for this model and world, not derived: over
+    more than 2 ranks gloo adds an element's terms in an order set by where it sits in the
+    buffer (tests/core/test_engine.py), and the two libraries lay their gradient buffers out
+    differently (each FlatParam padded to N, against each parameter), so equal losses here
+    are what this run measures, not what the order guarantees as it does at 2 ranks. The same
+    command at 2 nodes x 2 ranks differs in the last bit of a loss by step 3
+    (docs/results/test-suite-cuts-avx2.md)."""
     ds, mz = summary(deepspeed_run), summary(minizero_run)
     assert (ds["library"], ds["status"], ds["world_size"], ds["steps"]) == ("deepspeed", "completed", WORLD, STEPS)
     assert ds["losses"] == mz["losses"]
