@@ -95,7 +95,7 @@ def note(args, pinned: dict, offload: bool = False) -> str:
 
 
 def torch_note(args) -> str:
-    fsdp = doc_link("fsdp.md", args.out)
+    fsdp, keys = doc_link("fsdp.md", args.out), hierarchy_keys(args)
     return ("- PT = PyTorch itself (reference/torch_train.py, docs/fsdp.md): stage 0 is DistributedDataParallel, "
             "stage 3 FSDP2 `fully_shard` per block then the root (`reshard_after_forward=True`), stage 2 the same "
             "with `reshard_after_forward=False` (ZeRO-3's sharded states, ZeRO-2's bytes on the wire). FSDP2 pads "
@@ -105,11 +105,11 @@ def torch_note(args) -> str:
             f"Details: [docs/fsdp.md]({fsdp})."
             + (" hsdp_shard_size S: the same on a 2-D mesh (N/S replicas, S shard ranks): gathers and the "
                "reduce-scatter inside a row of S ranks, then the gradient shard all-reduced across the rows."
-               if "hsdp_shard_size" in hierarchy_keys(args) else "")
+               if "hsdp_shard_size" in keys else "")
             + (" zero_hpz_partition_size k: `reshard_after_forward=k`, FSDP2's hpZ: after forward each block keeps "
                "a copy sharded over k ranks, which backward all-gathers from (freed after backward; DeepSpeed's "
                "secondary partition lives until the step)."
-               if "zero_hpz_partition_size" in hierarchy_keys(args) else ""))
+               if "zero_hpz_partition_size" in keys else ""))
 
 
 def report_md(info, args, rows, pinned: dict, offload: bool = False, results=None) -> str:
@@ -119,9 +119,11 @@ def report_md(info, args, rows, pinned: dict, offload: bool = False, results=Non
     libs = getattr(args, "libs", list(LIBS))
     pair = all(lib in libs for lib in LIBS)   # minizero and deepspeed: the sections that name every byte
     ds_results = {s: {lib: r[lib] for lib in LIBS} for s, r in results.items()} if pair else {}
+    per_node = ranks_per_node(args)   # the ranks of one pretended node; None on one node
     return "\n".join([
         f"# {' vs '.join(NAMES[lib] for lib in libs)}: ZeRO stage(s) {', '.join(map(str, args.stages))}, {args.dtype}, "
-        f"{args.nproc} rank(s)" + "".join(f", {key} {size}" for key, size in hierarchy_keys(args).items()), "", f"- command: `{info['command']}`", f"- machine: {info['machine']}",
+        f"{args.nproc} rank(s)" + "".join(f", {key} {size}" for key, size in hierarchy_keys(args).items()), "",
+        f"- command: `{info['command']}`", f"- machine: {info['machine']}",
         f"- date: {info['date']}", "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
         f"- config: [config.json](config.json), each run with `--stage N --dtype {args.dtype}`", "",
         table(rows), "",
@@ -130,11 +132,11 @@ def report_md(info, args, rows, pinned: dict, offload: bool = False, results=Non
         f"|loss_{SHORT[libs[0]]} - loss_other|; "
         "wire B/step = ring-algorithm bytes per rank per optimizer step."
         + (" link B/step = the bytes node 0's ranks sent to another node per step (the section below)."
-           if ranks_per_node(args) else "") + placed, "",
+           if per_node else "") + placed, "",
         *([note(args, pinned, offload)] if pair else []), *([torch_note(args)] if "torch" in libs else []), "",
         "![loss curves](loss_curves.png)", "",
         *(moments_section(ds_results, args.dtype) if pair else []),
         *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
         "![memory](memory.png)", "",
-        *(nodes_section(results, args, libs, ranks_per_node(args), scheme_of(args)) if ranks_per_node(args) else []),
+        *(nodes_section(results, args, libs, per_node, scheme_of(args)) if per_node else []),
         *(comms_section(ds_results) if pair else [])])
