@@ -130,11 +130,11 @@ def held_bytes(engine) -> dict:
     goes on: the gradients exist from backward to the step and are gone after it (stage 0
     and ZeRO-1 hold them in each p.grad until the step reduces them, ZeRO-2/3 in the reduced
     grad_shard; the flat buffer a reduction reads counts while its storage is allocated), and
-    a ZeRO-3 unit gathered at that moment counts its full buffer. Each
-    storage is counted once, whole (the ZeRO-0/1/2 shard is a view of the full buffer; in
-    fp32 the master is the shard), in the first category that holds it, in the order
-    params, master_params, optimizer_states, grads: the way reference/ds_memory.py walks a
-    DeepSpeed engine, so the two libraries are measured alike (runlog.MemoryMoments).
+    a ZeRO-3 unit gathered at that moment counts its full buffer. Each storage is counted
+    once, whole (the ZeRO-0/1/2 shard is a view of the full buffer; in fp32 the master is
+    the shard), in the first category that holds it, in the order params, master_params,
+    optimizer_states, grads: the way reference/ds_memory.py walks a DeepSpeed engine, so the
+    two libraries are measured alike (runlog.MemoryMoments).
     Place is logical, as in memory_breakdown: a shard or master in host memory (offload.py)
     counts on the host even when the training device is the CPU too.
 
