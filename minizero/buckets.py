@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
 from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan, bucketize
+from .sharding import Sharding, plain, replicated
 
 
 MAX_IN_FLIGHT = 1   # reductions in flight with overlap_comm (module docstring)
@@ -137,19 +137,19 @@ class GradBuckets:
         self.in_flight.clear()
 
 
-def size_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
-    """One Bucket (holding one FlatParam, padded and sharded on its own, so every rank owns
-    slice r of every bucket) per entry of bucket_plan."""
+def size_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int,
+                 sharding: Sharding | None = None) -> list[Bucket]:
+    """One Bucket per entry of bucket_plan, holding one FlatParam cut as `sharding` says (default:
+    over all ranks, as ZeRO-1/2 cut it, so every rank owns slice r of every bucket)."""
     by_name = dict(module.named_parameters())
-    return [Bucket(plan.label, [build_flat(plan, by_name, comm.get_world_size(), comm.get_rank())])
+    sharding = sharding or plain()
+    return [Bucket(plan.label, [build_flat(plan, by_name, sharding)])
             for plan in bucket_plan(module, param_groups, bucket_numel)]
 
 
 def replicated_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
-    """Stage 0's buckets: the same plan, not sharded (num_shards 1: a rank's shard is the whole)."""
-    by_name = dict(module.named_parameters())
-    return [Bucket(plan.label, [build_flat(plan, by_name, num_shards=1, shard_index=0)])
-            for plan in bucket_plan(module, param_groups, bucket_numel)]
+    """Stage 0's buckets: the same plan, not cut (one shard: a rank's shard is the whole)."""
+    return size_buckets(module, param_groups, bucket_numel, replicated())
 
 
 def bucket_plan(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[FlatPlan]:

@@ -428,6 +428,21 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+_side_streams: dict = {}
+
+
+def side_stream(device: torch.device, purpose: str):
+    """A CUDA stream of its own for `purpose` on `device` (made on first use: "offload_copy",
+    offload_param's prefetched copies; "replicas", HSDP's all-reduce across the replicas); None
+    on a CPU, where there are no streams."""
+    if device.type != "cuda":
+        return None
+    key = (device, purpose)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device)
+    return _side_streams[key]
+
+
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
     """dst (host memory) <- src (this rank's device)."""
     _issue("d2h", label, lambda: dst.copy_(src, non_blocking=True), _nbytes(src), 0)

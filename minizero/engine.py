@@ -230,6 +230,8 @@ class Engine(torch.nn.Module):
         where[opt_place]["master_params"] = opt.master_bytes()
         where[opt_place]["optimizer_states"] = opt.state_bytes()
         nvme = self.offload.nvme_places(where) if self.offload is not None and self.offload.tier is not None else None
+        for f in self.stage.flat_params:   # hpZ: from forward to the step, where the shard is (never a file)
+            where["host" if f.storage.on_host else "device"]["params"] += f.sharding.secondary_bytes(f)
         return placed(where["device"], where["host"], nvme)
 
     def comm_stats(self) -> dict:
@@ -271,7 +273,7 @@ class Engine(torch.nn.Module):
     @property
     def partition(self) -> tuple[int, int]:
         """(shards each parameter is cut into, this rank's shard): (1, 0) at stage 0, (N, rank)
-        at ZeRO-1/2/3, (S, rank mod S) with HSDP's shard groups of S (hierarchy.py)."""
+        at ZeRO-1/2/3, (S, rank mod S) with HSDP's shard groups of S (sharding.py)."""
         s = self.stage.flat_params[0].sharding
         return s.num_shards, s.shard_index
 
@@ -320,8 +322,7 @@ class Engine(torch.nn.Module):
             with torch.no_grad():
                 for f, m, saved_m, saved_s in zip(opt.flat_params, opt.masters, state["masters"], shards):
                     m.copy_(saved_m)
-                    f.shard.copy_(saved_s if saved_s is not None else m)
-                    f.drop_secondary()                      # hpZ: cut from the old parameters
+                    f.load_shard(saved_s if saved_s is not None else m)
                     if f.persistent and f.num_shards > 1:   # ZeRO-1/2 and persistent ZeRO-3: the full buffer
                         f.all_gather(label="load")
             if load_optimizer_states and state.get("optimizer") is not None:

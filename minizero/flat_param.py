@@ -34,6 +34,11 @@ Every collective that moves a FlatParam is a method here, so they read together:
     all_reduce_grad()      grad_shard  = the whole rank-averaged gradient        (stage 0)
 
 (Averaged: each rank divides its gradient by N before the collective sums, as DeepSpeed does.)
+Which ranks each runs among, and from which shard, is the FlatParam's `sharding`'s decision
+(sharding.py: all ranks; with HSDP a group of them and its replicas; with hpZ the node's
+secondary shards); where this rank's shard lives between uses is its `storage`'s (device
+memory here; host memory and NVMe files in offload.py and nvme.py), which does two things
+only: hand the shard over as a device tensor, and take the updated values back.
 
 Each takes async_op (overlap_comm, ZeRO-3 prefetch): the collective is issued and a handle
 returned, whose wait() must come before the result is read or the buffers are touched.
@@ -42,23 +47,22 @@ from __future__ import annotations
 
 import torch
 
-from . import comm, hierarchy
-from .hierarchy import Sharding
+from . import comm
 from .partition import FlatPlan, padded_numel, shard_range, unflatten
+from .sharding import Sharding
 
 
 class FlatParam:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], label: str, *, group: int,
-                 num_shards: int, shard_index: int, persistent: bool = True, sharding: Sharding | None = None):
-        """sharding: which ranks this FlatParam is cut over and gathered among (hierarchy.py);
-        default: num_shards ranks, all of them."""
+                 sharding: Sharding, persistent: bool = True):
+        """sharding: which ranks this FlatParam is cut over, gathered and reduced among (sharding.py)."""
         assert params, "a FlatParam needs at least one parameter"
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"{label}: parameters of one FlatParam must share a dtype, got {dtypes}"
         self.params, self.names, self.label = params, names, label
         self.group = group                                    # index of the optimizer param group
-        self.sharding = sharding or hierarchy.plain(num_shards, shard_index)
-        num_shards, shard_index = self.sharding.num_shards, self.sharding.shard_index
+        self.sharding = sharding
+        num_shards, shard_index = sharding.num_shards, sharding.shard_index
         self.num_shards, self.shard_index = num_shards, shard_index   # 1 and 0 at stage 0
         self.dtype, self.device = params[0].dtype, params[0].device
         self.shapes = [p.shape for p in params]
@@ -80,12 +84,9 @@ class FlatParam:
         # anything is sharded, so a model initialised differently per rank still agrees.
         comm.broadcast(self.full, src=0, label=f"{label}.init")
         self.persistent = persistent
-        # Where this rank's shard lives between uses: a policy the FlatParam owns. Device memory
-        # here; offload_param moves a partitioned shard to host memory or NVMe files
-        # (move_shard; offload.HostShard, with an nvme.ShardFile), which change how it reaches a gather.
-        # hpZ (hierarchy.py): a second shard among the ranks of this rank's node, cut from the
-        # full buffer at each release until the step changes the parameters.
-        self.secondary: torch.Tensor | None = None
+        # Where this rank's shard lives between uses: device memory here; offload_param moves a
+        # partitioned shard to host memory or NVMe files (move_shard; offload.HostShard, with an
+        # nvme.ShardFile), which hand it over to a gather on the device.
         if persistent:
             self.storage = DeviceShard(self.full[self.shard_start:self.shard_end])   # a view: in-place all-gather
         else:
@@ -111,28 +112,16 @@ class FlatParam:
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
 
-    def free_full(self) -> None:
-        """Drop the full buffer's storage. Never while an all-gather into it may still run:
-        on NCCL the asynchronous gather writes from its own stream, and the allocator would
-        hand the memory to the next tensor under it. Every caller guarantees the wait first
-        (prefetch.py: a prefetched unit is waited for before use and drained before free)."""
+    def release_full(self) -> None:
+        """A partitioned FlatParam is done with its full buffer (a unit's reshard): drop its
+        storage (with hpZ, the sharding keeps this rank's secondary shard of it first). Never
+        while an all-gather into it may still run: on NCCL the asynchronous gather writes from
+        its own stream, and the allocator would hand the memory to the next tensor under it.
+        Every caller guarantees the wait first (unit.Unit.reshard waits for its gathers)."""
+        self.sharding.keep_secondary(self)
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self._placeholder
-
-    def release_full(self) -> None:
-        """A partitioned FlatParam is done with its full buffer (a unit's release): with hpZ keep
-        this rank's secondary shard of it first, then free it."""
-        k = self.sharding.secondary_size
-        if k > 1 and self.secondary is None:
-            part = self.padded_numel // k
-            i = self.sharding.secondary_index
-            self.secondary = self.full[i * part:(i + 1) * part].clone()
-        self.free_full()
-
-    def drop_secondary(self) -> None:
-        """The step changed the shards: a secondary shard holds last step's values."""
-        self.secondary = None
 
     def alloc_full(self) -> None:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
@@ -140,14 +129,12 @@ class FlatParam:
             p.data = v
 
     def all_gather(self, label: str = "params", async_op: bool = False):
-        """full <- every rank's shard. With persistent the shard is already in place; a shard
-        elsewhere is the gather's input, or is first copied into this rank's slice of `full`
-        (host memory, NVMe: the storage policy says how). async_op (ZeRO-3 prefetch, ZeRO-1/2's
-        gather after the step): returns the Pending; `full` must be neither read nor freed
-        before its wait()."""
+        """full <- every rank's shard, among the ranks and from the shard the sharding says.
+        async_op (ZeRO-3 prefetch, ZeRO-1/2's gather after the step): returns the Pending; `full`
+        must be neither read nor freed before its wait()."""
         if not self.full_is_allocated():
             self.alloc_full()
-        return self.storage.all_gather(self, f"{self.label}.{label}", async_op)
+        return self.sharding.all_gather(self, f"{self.label}.{label}", async_op)
 
     # -- where the shard lives --------------------------------------------------------------
     @property
@@ -167,12 +154,18 @@ class FlatParam:
         divide (counted as h2d / d2h). from_host: the values are in host memory; pin: stage
         them in pinned memory (a GPU's asynchronous copy)."""
         self.storage.write(values, from_host, pin, f"{self.label}.params")
+        self.sharding.changed(self)
+
+    def load_shard(self, values: torch.Tensor) -> None:
+        """The shard <- `values` as they are (a checkpoint's; no copy counted)."""
+        self.shard.copy_(values)
+        self.sharding.changed(self)
 
     def param_bytes(self) -> int:
-        """Bytes of low-precision parameters this rank keeps between uses (wherever the shard
-        lives), an hpZ secondary shard included: it lives from forward to the step."""
-        secondary = self.padded_numel // self.sharding.secondary_size if self.sharding.secondary_size > 1 else 0
-        return ((self.padded_numel if self.persistent else self.shard_numel) + secondary) * self.full.element_size()
+        """Bytes of low-precision parameters this rank keeps between uses, wherever its shard
+        lives: the gathered buffer of a persistent FlatParam, else its shard. (An hpZ secondary
+        shard is the sharding's: Sharding.secondary_bytes.)"""
+        return (self.padded_numel if self.persistent else self.shard_numel) * self.full.element_size()
 
     # -- gradients: reduce ----------------------------------------------------------------
     def flat_grad(self, divide_by: int = 1) -> torch.Tensor:
@@ -226,10 +219,9 @@ class FlatParam:
         way: their values are in the flat buffer, which the Pending keeps until the wait."""
         full = self.flat_grad(divide_by=self.sharding.ranks)   # N: every rank's gradient is averaged
         out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
-        pending = comm.reduce_scatter_tensor(out, full, label=f"{self.label}.grads", group=self.sharding.group,
-                                             async_op=async_op)
+        pending = self.sharding.reduce_scatter(out, full, label=f"{self.label}.grads", async_op=async_op)
         self.clear_param_grads()
-        reduction = GradReduction(self, out, pending if async_op else None, accumulate=True)
+        reduction = GradReduction(self, out, pending, accumulate=True)
         if async_op:
             return reduction
         reduction.wait()
@@ -238,10 +230,10 @@ class FlatParam:
     def all_reduce_grad(self, async_op: bool = False) -> "GradReduction | None":
         """Stage 0: grad_shard = the whole rank-averaged gradient (one flat all-reduce, so
         the ledger counts 2Ψ(N-1)/N per rank, the ring all-reduce). async_op: as above."""
-        buf = self.flat_grad(divide_by=comm.get_world_size())
-        pending = comm.all_reduce(buf, label=f"{self.label}.grads", async_op=async_op)
+        buf = self.flat_grad(divide_by=self.sharding.ranks)
+        pending = self.sharding.all_reduce(buf, label=f"{self.label}.grads", async_op=async_op)
         self.clear_param_grads()
-        reduction = GradReduction(self, buf, pending if async_op else None, accumulate=False)
+        reduction = GradReduction(self, buf, pending, accumulate=False)
         if async_op:
             return reduction
         reduction.wait()
@@ -262,9 +254,10 @@ class FlatParam:
 
 
 class GradReduction:
-    """A FlatParam's gradient reduction, possibly still in flight (comm.Pending). wait()
-    completes it and puts the result where the optimizer reads it: added into grad_shard
-    (reduce-scatter: micro-steps accumulate) or as grad_shard (stage 0's all-reduce)."""
+    """A FlatParam's gradient reduction, possibly still in flight (what the sharding returned:
+    a comm.Pending, or HSDP's reduce-scatter and replica all-reduce). wait() completes it and
+    puts the result where the optimizer reads it: added into grad_shard (reduce-scatter:
+    micro-steps accumulate) or as grad_shard (stage 0's all-reduce)."""
 
     def __init__(self, flat: FlatParam, result: torch.Tensor, pending, accumulate: bool):
         self.flat, self.result, self.pending, self.accumulate = flat, result, pending, accumulate
@@ -275,8 +268,6 @@ class GradReduction:
         f = self.flat
         if self.accumulate:   # a reduce-scatter: its input, the flat gradient, is read no more
             f.release_grad_buffer()
-        if f.sharding.replicas is not None:   # HSDP: the same shard of the other groups, summed in
-            comm.all_reduce(self.result, label=f"{f.label}.grads.replicas", group=f.sharding.replicas)
         if self.accumulate and f.grad_shard is not None:
             f.grad_shard.add_(self.result)
         else:
@@ -292,14 +283,7 @@ def all_gather_coalesced(flats: list[FlatParam], label: str) -> None:
     if len(flats) == 1:
         flats[0].all_gather()
         return
-    n = flats[0].num_shards
-    mine = torch.cat([f.shard for f in flats])
-    everyone = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
-    comm.all_gather_into_tensor(everyone, mine, label=label, group=flats[0].sharding.group)
-    rows, at = everyone.view(n, -1), 0
-    for f in flats:
-        f.full.view(n, f.shard_numel).copy_(rows[:, at:at + f.shard_numel])
-        at += f.shard_numel
+    flats[0].sharding.all_gather_coalesced(flats, label)
 
 
 def all_gather_params(flats: list[FlatParam]) -> None:
@@ -322,28 +306,29 @@ def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_inde
 
 
 class DeviceShard:
-    """A shard that lives in device memory: the gather reads it where it is. The protocol of
-    every shard storage (offload.HostShard, nvme.NvmeShard):
+    """A shard that lives in device memory. The protocol of every shard storage (offload.HostShard,
+    with an nvme.ShardFile for NVMe), two things only:
 
-        tensor                the shard (its place is logical: "host" may be the CPU device too)
-        on_host               whether it lives in host memory between uses
-        all_gather(f, ...)    f.full <- every rank's shard, this rank's read from here
-        write(values, ...)    the optimizer's new values into the shard
-        written()             after the step's writes (NVMe: to the file)
+        to_device(into, label) -> the shard as a device tensor, for a gather (`into`: this rank's
+                                  slice of the full buffer, where a copy from elsewhere goes)
+        write(values, ...)        the optimizer's new values into the shard; written() once all
+                                  of a step's writes are done (NVMe: to the file)
+
+    and `tensor` (the shard, wherever it is: its place is logical, "host" may be the CPU device
+    too), `on_host` (whether it lives in host memory between uses), and `blank(numel)`, an
+    empty storage of the same kind (hpZ's secondary shard is kept where the shard is).
     """
     on_host = False
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
 
-    def all_gather(self, f: FlatParam, label: str, async_op: bool):
-        if f.secondary is not None:   # hpZ: among the ranks of this node, from the secondary shard
-            pending = comm.all_gather_into_tensor(f.full, f.secondary, label=label, group=f.sharding.secondary_group,
-                                                  async_op=async_op)
-        else:
-            pending = comm.all_gather_into_tensor(f.full, self.tensor, label=label, group=f.sharding.group,
-                                                  async_op=async_op)
-        return pending if async_op else None
+    def blank(self, numel: int) -> "DeviceShard":
+        return DeviceShard(torch.empty(numel, dtype=self.tensor.dtype, device=self.tensor.device))
+
+    def to_device(self, into: torch.Tensor, label: str) -> torch.Tensor:
+        """Already there: the gather reads it where it is (a persistent shard *is* `into`)."""
+        return self.tensor
 
     def write(self, values: torch.Tensor, from_host: bool, pin: bool, label: str) -> None:
         if not from_host:

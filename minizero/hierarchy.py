@@ -1,77 +1,11 @@
-"""ZeRO-3 that knows where the nodes are: which ranks a parameter is sharded over, and which
-ranks its gathers and reductions run among.
+"""What ZeRO-3, hpZ and HSDP cost on several nodes: bytes per rank and per link, from the layout.
 
-Plain ZeRO-3 shards every parameter over all N ranks, so each of its per-step all-gathers
-(forward and backward) runs over all N, and on several nodes most of those bytes cross the
-slow link between nodes. Two answers keep gathers inside a node (nodes are blocks of
-consecutive ranks, as torchrun and srun number them: process_group.ranks_per_node):
-
-hpZ, ZeRO++'s hierarchical partitioning (Wang et al., "ZeRO++", arXiv 2306.10209, section
-3.2; DeepSpeed's `zero_hpz_partition_size: k`). Parameters stay sharded over all N ranks
-(the primary shard, which the optimizer updates), and each rank also keeps a *secondary*
-shard: its 1/k of the full parameter among the k ranks of its node, cut when a gathered unit
-is released and dropped after every optimizer step (its values change). A gather uses the
-secondary whenever there is one, over the node's k ranks. So backward's gathers stay inside
-the node; forward's go over all N, except in the first step, whose secondaries were cut at
-initialisation (as in DeepSpeed). Cost: 2Ψ/k more bytes per rank (bf16) from forward to the
-step. Gradients are reduce-scattered over all N, as plain ZeRO-3.
-
-HSDP, hybrid sharding (Zhao et al., "PyTorch FSDP", VLDB'23, arXiv 2304.11277, section 3.2.2;
-MiCS, Zhang et al., VLDB'23, in DeepSpeed before 0.19.8; minizero's key `hsdp_shard_size: S`).
-Every parameter, gradient and optimizer state is sharded over S consecutive ranks only, and
-replicated across the N/S such groups. Both gathers and the reduce-scatter stay inside the
-group; a rank then all-reduces its gradient shard with the ranks that hold the same shard in
-the other groups (the one collective between nodes: 2Ψ/S·(R-1)/R per rank, R = N/S). Cost:
-model states of 16Ψ/S per rank instead of 16Ψ/N.
-
-`Sharding` says, for one rank, which ranks each collective runs among; every FlatParam of a
-ZeRO-3 engine holds it (flat_param.py). Plain ZeRO-3 (and stages 1-2) is the Sharding of all
-N ranks and no secondary, where every group is the default one.
+The mechanisms themselves are sharding.py's (which ranks each collective runs among); this
+file only counts: `step_traffic`, one rank's wire and inter-node bytes in one step, byte for
+byte what a real run's ledger records; `paper_costs`, the papers' accounting without padding.
+Nodes are blocks of consecutive ranks, as torchrun and srun number them.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-from . import comm
-
-
-@dataclass(frozen=True)
-class Sharding:
-    num_shards: int            # ranks one parameter is cut over (N; S with HSDP)
-    shard_index: int           # this rank's shard among them
-    ranks: int                 # ranks that average the gradient: every shard of every replica (N)
-    group: object = None       # the process group of those ranks (None: all ranks)
-    replicas: object = None    # HSDP: the ranks holding the same shard, one per group (None: no replicas)
-    num_replicas: int = 1
-    secondary_size: int = 1    # hpZ: k, the ranks a secondary shard is cut over (1: no secondary)
-    secondary_index: int = 0   # this rank's secondary among them
-    secondary_group: object = None
-
-
-def plain(world_size: int, rank: int) -> Sharding:
-    """ZeRO as the paper draws it: one shard per rank, over all ranks."""
-    return Sharding(world_size, rank, world_size)
-
-
-def for_config(zero_cfg) -> Sharding:
-    """This rank's Sharding from zero_optimization (hsdp_shard_size, zero_hpz_partition_size).
-    A collective: every rank makes every group, in the same order."""
-    world, rank = comm.get_world_size(), comm.get_rank()
-    hsdp, hpz = int(zero_cfg.hsdp_shard_size), int(zero_cfg.zero_hpz_partition_size)
-    if hsdp and hsdp < world:
-        shards = consecutive_groups(world, hsdp)                     # [0..S-1], [S..2S-1], ...
-        replicas = [list(range(j, world, hsdp)) for j in range(hsdp)]   # {j, j+S, j+2S, ...}
-        return Sharding(hsdp, rank % hsdp, world, group=comm.new_groups(shards), replicas=comm.new_groups(replicas),
-                        num_replicas=world // hsdp)
-    if hpz > 1 and hpz < world:
-        return Sharding(world, rank, world, secondary_size=hpz, secondary_index=rank % hpz,
-                        secondary_group=comm.new_groups(consecutive_groups(world, hpz)))
-    return plain(world, rank)
-
-
-def consecutive_groups(world_size: int, size: int) -> list[list[int]]:
-    """Blocks of `size` consecutive ranks: the nodes, when size is the ranks per node."""
-    return [list(range(i, i + size)) for i in range(0, world_size, size)]
 
 
 # ----------------------------------------------------------------------------- what each costs

@@ -163,6 +163,9 @@ def held_bytes(engine) -> dict:
     for f in zero.flat_params:
         claim("params", [f.full], False)              # allocated: ZeRO-0/1/2, persistent, or gathered now
         claim("params", [f.shard], f.storage.on_host)   # ZeRO-3's own shard (a view of full otherwise)
+        secondary = f.sharding.secondary(f)                 # hpZ: this rank's node-local shard, while cut
+        if secondary is not None:
+            claim("params", [secondary.tensor], secondary.on_host)
     claim("master_params", opt.masters, opt.on_host)
     claim("optimizer_states", [v for st in opt.optimizer.state.values() for v in st.values()
                                if torch.is_tensor(v) and v.dim() > 0], opt.on_host)   # not Adam's scalar step

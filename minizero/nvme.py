@@ -331,7 +331,7 @@ class ReadAhead:
     def __init__(self, count: int):
         self.count, self.last, self.now = count, [], []
 
-    def fetched(self, shard: "NvmeShard") -> list:
+    def fetched(self, shard: "ShardFile") -> list:
         """`shard` is being read for a gather: the shards to read ahead of it."""
         i = len(self.now)
         self.now.append(shard)

@@ -17,8 +17,8 @@ device saves 8Ψ/N and the host holds 12Ψ/N (memory.py).
 
 `offload_param` (ZeRO-Infinity's CPU tier, Rajbhandari et al., SC'21) moves ZeRO-3's
 partitioned low-precision parameter shards to the host too (another 2Ψ/N): a unit's
-shard is copied to the device only to be all-gathered (flat_param.FlatParam.all_gather:
-straight into this rank's slice of the gather's output, no temporary), and the optimizer
+shard is copied to the device only to be all-gathered (HostShard.to_device: straight into
+this rank's slice of the gather's output, no temporary), and the optimizer
 writes the new shard on the host, so nothing of it stays on the device between uses.
 Persistent (small, always-gathered) parameters have no shard of their own to move.
 
@@ -39,9 +39,10 @@ Staging buffers (the gradient shard as it lands on the host, the low-precision s
 its way back) live for one step, like the fp32 gradient the step makes without offload;
 they are not model state and memory_breakdown does not count them.
 
-Who owns what: a parameter shard's place is its FlatParam's storage policy (`HostShard`
-here, flat_param.DeviceShard by default): it says how the shard reaches a gather and how the
-optimizer's new values reach it. The optimizer's place is the ShardedOptimizer's `states`
+Who owns what: a parameter shard's place is its FlatParam's storage (`HostShard` here,
+flat_param.DeviceShard by default): it hands the shard over to a gather as a device tensor
+and takes the optimizer's new values back; which ranks gather it, and when a prefetched copy
+runs on a side stream, is the FlatParam's sharding's (sharding.py). The optimizer's place is the ShardedOptimizer's `states`
 (`HostStates` here): its masters, the gradient copies in, the step's calls around Adam.
 `Offload`, read from the config, only decides and sets both up.
 
@@ -198,10 +199,10 @@ class Offload:
 # ----------------------------------------------------------------------------- a parameter shard in host memory
 
 class HostShard(DeviceShard):
-    """A partitioned parameter shard in host memory (offload_param). A gather first copies it
-    into this rank's slice of the full buffer, which is then the gather's input: in place, no
-    temporary on the device. With "device": "nvme" its bytes wait in a file between uses
-    (`file`, nvme.ShardFile)."""
+    """A partitioned parameter shard in host memory (offload_param). A gather first has it
+    copied into this rank's slice of the full buffer, which is then the gather's input: in
+    place, no temporary on the device. With "device": "nvme" its bytes wait in a file between
+    uses (`file`, nvme.ShardFile)."""
     on_host = True
 
     def __init__(self, tensor: torch.Tensor, pin: bool):
@@ -213,32 +214,19 @@ class HostShard(DeviceShard):
         """"device": "nvme": between uses the bytes wait in `file` (nvme.ShardFile)."""
         self.file = file
 
-    def all_gather(self, f: FlatParam, label: str, async_op: bool):
-        mine = f.full[f.shard_start:f.shard_end]
+    def blank(self, numel: int) -> "HostShard":
+        """In host memory (never in a file: hpZ's secondary lives only from a release to the step)."""
+        return HostShard(comm.host_empty(numel, self.tensor.dtype, self.pin), self.pin)
+
+    def to_device(self, into: torch.Tensor, label: str) -> torch.Tensor:
+        """Copied into `into` on the device (on the caller's stream: a prefetch's side stream)."""
         if self.file is not None:
             self.file.read()                     # the shard's bytes from its file into host memory
-        side = copy_stream(f.device) if async_op else None
-        if side is not None:
-            # A prefetch on a GPU: the copy, and the gather that reads it, go on a side stream, so
-            # the copy runs beside the compute queued after this point instead of ahead of it on
-            # the compute stream (which would stall the next unit's forward). NCCL's stream waits
-            # for the stream that issues the gather (so the gather follows the copy), and
-            # wait() makes the compute stream wait for NCCL's. First the side stream waits for the
-            # compute stream's work so far: `full` was just given memory that kernels queued there
-            # may still be using. At world size 1 the "gather" is a copy on the side stream
-            # itself: the returned wait() also waits for its event.
-            side.wait_stream(torch.cuda.current_stream(f.device))
-            with torch.cuda.stream(side):
-                comm.copy_to_device(mine, self.tensor, label=label)
-                pending = comm.all_gather_into_tensor(f.full, mine, label=label, async_op=True)
-                if self.file is not None:
-                    self.file.drop()             # pinned: torch's host allocator keeps it until the copy ran
-                return CopiedThenGathered(pending, side.record_event(), f.device)
-        comm.copy_to_device(mine, self.tensor, label=label)
+        comm.copy_to_device(into, self.tensor, label=label)
         if self.file is not None:
-            self.file.drop()                     # its file still holds it: dropped, not written
-        pending = comm.all_gather_into_tensor(f.full, mine, label=label, async_op=async_op)
-        return pending if async_op else None
+            self.file.drop()                     # its file still holds it: dropped, not written (pinned:
+                                                 # torch's host allocator keeps it until the copy ran)
+        return into
 
     def write(self, values: torch.Tensor, from_host: bool, pin: bool, label: str) -> None:
         if self.file is not None:
@@ -251,31 +239,6 @@ class HostShard(DeviceShard):
     def written(self) -> None:
         if self.file is not None:
             self.file.write()
-
-
-class CopiedThenGathered:
-    """A prefetched gather of a host shard (HostShard.all_gather on a GPU): wait() waits for
-    the gather (its Pending) and makes the compute stream wait for the side stream's work."""
-
-    def __init__(self, pending, event, device: torch.device):
-        self.pending, self.event, self.device = pending, event, device
-
-    def wait(self) -> None:
-        self.pending.wait()
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-
-
-_copy_streams: dict = {}
-
-
-def copy_stream(device: torch.device):
-    """The side stream offload_param's prefetched host-to-device copies run on (one per GPU,
-    made on first use); None on a CPU, where there are no streams."""
-    if device.type != "cuda":
-        return None
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device)
-    return _copy_streams[device]
 
 
 # ----------------------------------------------------------------------------- the optimizer in host memory

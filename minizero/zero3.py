@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import comm, hierarchy
+from . import sharding
 from .flat_param import all_gather_coalesced, build_flat
 from .partition import FlatPlan
 from .prefetch import Prefetcher
@@ -66,8 +66,8 @@ class Zero3(Zero2):
 
     def __init__(self, module: nn.Module, param_groups: list[dict], zero_cfg):
         # which ranks each parameter is cut over and gathered among: all of them, or the node
-        # (hpZ's secondary shard, HSDP's shard groups: hierarchy.py)
-        self.sharding = hierarchy.for_config(zero_cfg)
+        # (hpZ's secondary shard, HSDP's shard groups: sharding.py)
+        self.sharding = sharding.for_config(zero_cfg)
         super().__init__(module, param_groups, zero_cfg)
         units = self.buckets
         # 2. forward and backward: each unit's hooks; when it is gathered and freed is the
@@ -97,21 +97,17 @@ class Zero3(Zero2):
         persistent (small, always-gathered) ones need an all-gather now."""
         for u in self.prefetcher.reset():
             u.reshard()
-        for f in self.flat_params:
-            f.drop_secondary()   # hpZ: the next release cuts it from the new parameters
         persistent = [f for f in self.flat_params if f.persistent]
         if persistent:
             all_gather_coalesced(persistent, label="all.persist.params")
 
 
 def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int,
-                 sharding: hierarchy.Sharding | None = None) -> list[Unit]:
-    """One Unit per entry of unit_plan, its FlatParams built from the plan (cut over all ranks,
-    or as `sharding` says)."""
+                 sharding: sharding.Sharding) -> list[Unit]:
+    """One Unit per entry of unit_plan, its FlatParams built from the plan, cut as `sharding` says."""
     by_name = dict(model.named_parameters())
-    s = sharding or hierarchy.plain(comm.get_world_size(), comm.get_rank())
     live = LiveNumel()
-    return [Unit(name, m, [build_flat(plan, by_name, s.num_shards, s.shard_index, s) for plan in plans], live)
+    return [Unit(name, m, [build_flat(plan, by_name, sharding) for plan in plans], live)
             for name, m, plans in unit_plan(model, param_groups, persistence_threshold)]
 
 

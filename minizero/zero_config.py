@@ -174,9 +174,6 @@ class ZeroConfig(Section):
         if self.zero_hpz_partition_size > 1 and self.hsdp_shard_size > 0:
             raise ConfigError("zero_optimization: zero_hpz_partition_size and hsdp_shard_size are two answers to one "
                               "question (keep parameter gathers inside a node); set one of them")
-        if self.zero_hpz_partition_size > 1 and self.offload_param_enabled:
-            raise ConfigError("zero_optimization.zero_hpz_partition_size with offload_param is not implemented in "
-                              "minizero (the secondary shard lives on the device); remove one of them")
         if self.offload_optimizer is not None and self.offload_optimizer.ratio != 1.0 and self.stage != 3:
             raise ConfigError(f"zero_optimization.offload_optimizer.ratio = {self.offload_optimizer.ratio}: "
                               f"partial offload is a stage-3 option (as in DeepSpeed); remove it")

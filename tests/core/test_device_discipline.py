@@ -153,7 +153,7 @@ class _Flat:
     """The parts of a FlatParam that full_fp32_state reads: 2 ranks, a 2x2 parameter."""
 
     def __init__(self):
-        from minizero.hierarchy import plain
+        from minizero.sharding import plain
         self.padded_numel, self.num_shards, self.names, self.shapes = 4, 2, ["w"], [(2, 2)]
         self.sharding = plain(2, comm.get_rank())
         self.device = comm.get_device()

@@ -15,6 +15,7 @@ from torch import nn
 
 from minizero import comm
 from minizero.flat_param import DeviceShard, FlatParam
+from minizero.sharding import Sharding
 
 
 def _params(dtype=torch.float32):
@@ -23,7 +24,7 @@ def _params(dtype=torch.float32):
 
 
 def _flat(params, persistent=True, num_shards=1, shard_index=0):
-    return FlatParam(params, ["a", "b"], "t", group=0, num_shards=num_shards, shard_index=shard_index,
+    return FlatParam(params, ["a", "b"], "t", group=0, sharding=Sharding(num_shards, shard_index, num_shards),
                      persistent=persistent)
 
 
@@ -51,13 +52,13 @@ def test_a_partitioned_shard_is_its_own_and_the_full_buffer_is_freed():
     assert f.param_bytes() == f.shard_numel * 4
 
 
-def test_all_gather_brings_the_views_back_and_free_full_lets_them_go():
+def test_all_gather_brings_the_views_back_and_release_full_lets_them_go():
     ps = _params()
     f = _flat(ps, persistent=False)
     f.all_gather()
     assert f.full_is_allocated() and ps[0].shape == (3, 2)
     view = ps[0].data
-    f.free_full()
+    f.release_full()
     f.all_gather()
     assert view.untyped_storage().data_ptr() == f.full.untyped_storage().data_ptr()   # the same storage, resized
 

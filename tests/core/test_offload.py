@@ -308,15 +308,16 @@ def test_memory_table_prints_device_and_host(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_offload_param_prefetch_copies_on_a_side_stream_and_changes_no_number():
     """offload_param with prefetch: each prefetched unit's host-to-device copy runs on a side
-    stream (flat_param.copy_stream), ordered before its gather and before the unit's use by
-    events; the losses and weights equal those of the run without prefetch, bit for bit."""
-    from minizero import flat_param
+    stream (comm.side_stream "offload_copy", sharding.Sharding.all_gather), ordered before its
+    gather and before the unit's use by events; the losses and weights equal those of the run
+    without prefetch, bit for bit."""
+    from minizero import comm
     runs = []
-    flat_param._copy_streams.clear()
+    comm._side_streams.clear()
     for prefetch in (0, 10 ** 9):
         engine = _cuda_engine({**OPT, **PAR, "stage3_prefetch_bucket_size": prefetch, "stage3_max_reuse_distance": 0})
         losses = [_cuda_step(engine) for _ in range(3)]
         runs.append((losses, engine.full_fp32_state_dict()))
-    assert flat_param._copy_streams, "no prefetched copy ran on the side stream"
+    assert any(purpose == "offload_copy" for _, purpose in comm._side_streams), "no prefetched copy ran on the side stream"
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])

@@ -7,6 +7,7 @@ from torch import nn
 
 from minizero import comm
 from minizero.flat_param import FlatParam
+from minizero.sharding import replicated
 from minizero.unit import ShardState, Unit, UnitMarks, find_units, on_backward
 
 
@@ -34,7 +35,7 @@ class Net(nn.Module):
 def _unit():
     torch.manual_seed(0)
     b = Block()
-    flat = FlatParam(list(b.parameters()), ["fc.weight", "fc.bias"], "u.g0", group=0, num_shards=1, shard_index=0,
+    flat = FlatParam(list(b.parameters()), ["fc.weight", "fc.bias"], "u.g0", group=0, sharding=replicated(1),
                      persistent=False)
     return Unit("u", b, [flat]), b
 

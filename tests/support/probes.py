@@ -87,11 +87,11 @@ def watch_z3_gathered(engine) -> dict:
 def watch_live_numel() -> dict:
     """ZeRO-3's live parameters, the elements stage3_max_live_parameters bounds: partitioned
     FlatParams whose full buffer is allocated, in this process. Wraps FlatParam.alloc_full and
-    free_full (where the storage is really allocated and freed) for the rest of the process
+    release_full (where the storage is really allocated and freed) for the rest of the process
     (a rank of run_ranks); the returned dict's "now" and "peak" follow, from this call on."""
     from minizero.flat_param import FlatParam
     live, count = set(), {"now": 0, "peak": 0}
-    alloc, free = FlatParam.alloc_full, FlatParam.free_full
+    alloc, free = FlatParam.alloc_full, FlatParam.release_full
 
     def alloc_full(f):
         alloc(f)
@@ -100,12 +100,12 @@ def watch_live_numel() -> dict:
             count["now"] += f.padded_numel
             count["peak"] = max(count["peak"], count["now"])
 
-    def free_full(f):
+    def release_full(f):
         if id(f) in live:
             live.discard(id(f))
             count["now"] -= f.padded_numel
         free(f)
-    FlatParam.alloc_full, FlatParam.free_full = alloc_full, free_full
+    FlatParam.alloc_full, FlatParam.release_full = alloc_full, release_full
     return count
 
 
