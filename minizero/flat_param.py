@@ -188,11 +188,11 @@ class FlatParam:
             buf.untyped_storage().resize_(self.padded_numel * buf.element_size())
             if self.padded_numel > self.numel:
                 buf[self.numel:].zero_()
-        try:
-            torch._foreach_copy_(self._grad_views, grads)
-        except TypeError:                   # a parameter got no gradient (None): zeros in its place
+        if any(g is None for g in grads):   # a parameter got no gradient: zeros in its place
             for view, g in zip(self._grad_views, grads):
                 view.copy_(g) if g is not None else view.zero_()
+        else:
+            torch._foreach_copy_(self._grad_views, grads)
         if divide_by != 1:
             buf.div_(divide_by)
         return buf
