@@ -296,13 +296,29 @@ def all_gather_params(flats: list[FlatParam]) -> None:
         pending.wait()
 
 
+def write_shards(flats: list[FlatParam], values: list[torch.Tensor], from_host: bool, pin: bool = False) -> None:
+    """Each FlatParam's write_shard(value), the step's write-back; the shards on the device fed
+    from device values (no offload) by one foreach copy (rounding to the low precision as
+    copy_ does), the rest one by one through their storage. In fp32 without offload a master
+    *is* its shard: nothing to copy."""
+    local = [(f, v) for f, v in zip(flats, values) if not from_host and not f.storage.on_host]
+    copies = [(f.shard, v) for f, v in local if v is not f.shard]
+    if copies:
+        torch._foreach_copy_([s for s, _ in copies], [v for _, v in copies])
+    for f, _ in local:
+        f.sharding.changed(f)
+    if len(local) < len(flats):
+        for f, v in zip(flats, values):
+            if from_host or f.storage.on_host:
+                f.write_shard(v, from_host, pin)
+
+
 # ----------------------------------------------------------------------------- layout plans -> FlatParams
 
-def build_flat(plan: FlatPlan, params_by_name: dict, num_shards: int, shard_index: int,
-               sharding: Sharding | None = None) -> FlatParam:
+def build_flat(plan: FlatPlan, params_by_name: dict, sharding: Sharding) -> FlatParam:
     """The FlatParam a plan describes, over the module's parameters of those names."""
     return FlatParam([params_by_name[n] for n in plan.names], list(plan.names), plan.label, group=plan.group,
-                     num_shards=num_shards, shard_index=shard_index, persistent=plan.persistent, sharding=sharding)
+                     sharding=sharding, persistent=plan.persistent)
 
 
 class DeviceShard:

@@ -29,7 +29,7 @@ import torch
 
 from . import comm
 from .adam import init_optimizer_states
-from .flat_param import FlatParam
+from .flat_param import FlatParam, write_shards
 from .partition import unflatten
 
 GRAD_SQ_CHUNK = 1 << 20  # elements per fp64 temporary in grad_norm_sq (8 MB)
@@ -64,23 +64,23 @@ class ShardedOptimizer:
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared global norm of the reduced gradient, in fp64, on the device (no host sync).
 
-        The square of an fp32/bf16/fp16 number is exact in fp64; only the additions round.
-        Chunk by chunk, so the fp64 temporaries are GRAD_SQ_CHUNK elements (8 MB each)
-        rather than 8 bytes per gradient element of the shard. A shard of at most one chunk
-        is summed exactly as in one `sum()`; a longer one as its chunk sums added in order:
-        another order of fp64 additions, a relative change of about one fp64 rounding per
-        chunk (~1e-16), which the norm's rounding to fp32 (6e-8) almost always absorbs.
-        Padding is zero, so it adds nothing.
+        Every gradient shard's norm in fp64 by one foreach call (`torch._foreach_norm`: one
+        kernel launch on a GPU, one C++ loop on a CPU, whatever the number of FlatParams), then
+        squared and summed. A shard longer than GRAD_SQ_CHUNK elements is cut into chunks of
+        that size first, so no fp64 temporary exceeds 8 MB (a CPU's foreach norm converts each
+        tensor to fp64 whole) rather than 8 bytes per gradient element of the shard. The
+        squares of fp32/bf16/fp16 numbers are exact in fp64; the additions, each chunk's square
+        root and its square round, each about 1e-16 relative, which the norm's rounding to fp32
+        (6e-8) almost always absorbs. Padding is zero, so it adds nothing.
         """
-        total = None   # the first partial sum itself: 0 + x is x, so no zeros to add it to
+        pieces = []
         for f in self.flat_params:
             g = f.grad_shard
             if g is not None:
-                for i in range(0, g.numel(), GRAD_SQ_CHUNK):
-                    chunk = g if g.numel() <= GRAD_SQ_CHUNK else g[i:i + GRAD_SQ_CHUNK]
-                    part = chunk.double().pow_(2).sum()   # in place on the fp64 copy: one temporary, not two
-                    total = part if total is None else total.add_(part)
-        if total is None:
+                pieces += g.split(GRAD_SQ_CHUNK) if g.numel() > GRAD_SQ_CHUNK else [g]
+        if pieces:
+            total = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
+        else:
             total = torch.zeros((), dtype=torch.float64, device=self.flat_params[0].device)
         if self.grads_sharded():   # over the ranks of one shard group (HSDP: its replicas hold the same)
             comm.all_reduce(total, label="grad_norm", group=self.flat_params[0].sharding.group)
@@ -112,21 +112,24 @@ class ShardedOptimizer:
         # rather than a whole fresh fp32 copy of the gradient here
         sliced = self.optimizer.steps_in_slices()
         inverse = 1.0 / combined   # once per step, not per FlatParam (ZeRO-3 has one per unit)
-        for f, m, g in zip(self.flat_params, self.masters, grads):
-            if g is None:
-                g = torch.zeros(f.shard_numel, dtype=torch.float32, device=m.device)
+        grads = [g if g is not None else torch.zeros(f.shard_numel, dtype=torch.float32, device=m.device)
+                 for f, m, g in zip(self.flat_params, self.masters, grads)]
+        unscaled = []              # (master, fp32 gradient) to unscale here, all in one foreach call
+        for m, g in zip(self.masters, grads):
             if sliced and g.dtype != torch.float32 and g.is_contiguous():
                 self.optimizer.set_low_precision_grad(m, g, inverse)
-                continue
-            g = g.float()          # a copy in bf16/fp16; in fp32 the reduced buffer itself
-            g.mul_(inverse)
-            m.grad = g
+            else:
+                unscaled.append((m, g.float()))   # a copy in bf16/fp16; in fp32 the reduced buffer itself
+        if unscaled:
+            torch._foreach_mul_([g for _, g in unscaled], inverse)
+            for m, g in unscaled:
+                m.grad = g
         if self.on_host:
             self.states.before_adam(self.swappable())   # nvme: the states' reads, done
         self.optimizer.step()
-        for f, m in zip(self.flat_params, self.masters):
+        for m in self.masters:
             m.grad = None
-            f.write_shard(m, from_host=self.on_host, pin=self.on_host and self.states.pin)
+        write_shards(self.flat_params, self.masters, from_host=self.on_host, pin=self.on_host and self.states.pin)
         if not self.on_host and any(f.storage.on_host for f in self.flat_params):
             # offload_param alone wrote the host shards by asynchronous device-to-host copies:
             # wait for them before anything on the CPU (a file, a checkpoint) reads them.
