@@ -45,8 +45,10 @@ it is sharded, being gathered or gathered, whether it is being computed, and its
 flight). At each of its hooks the unit asks: `before_fetch` (units to free first: the trace
 was left), `make_room` (kept units to free so that this one fits under the live limit),
 `ahead` (units to prefetch now), `keep` (stay gathered after use?). The Prefetcher reads
-units' `state`, `in_use`, `partitioned_numel` and their shared count of elements gathered
-(unit.LiveNumel); what it holds is the trace and where the step is in it.
+units' `state`, `in_use`, `partitioned_numel` and the units' shared record of which of them
+are gathered (unit.LiveNumel); what it holds is the trace and where the step is in it, and
+how far ahead every fetch is already gathered (`issued_to`), so each fetch looks only at what
+is new: no answer walks every unit.
 """
 from __future__ import annotations
 
@@ -69,10 +71,13 @@ class Prefetcher:
         self.prefetch_numel, self.max_live_numel, self.reuse_numel = prefetch_numel, max_live_numel, reuse_numel
         self.reads_ahead = prefetch_numel > 0 or reuse_numel > 0   # else: the paper's on-demand ZeRO-3
         self.units = units
+        self.rank_of = {u: i for i, u in enumerate(units)}   # which to free first: module order
+        self.live = units[0].live if units else None         # the gathered units (unit.LiveNumel)
         self.mode = TraceMode.RECORD
         self.order: list = []            # the recorded fetch order: units
         self.next = 0                    # index into order of the next fetch
         self.walked_to = -1              # the furthest trace index a prefetch walk passed this pass
+        self.issued_to = -1              # every fetch from `next` to here is gathered or being gathered
         # once the trace is complete: where each unit comes in it, and the elements fetched
         # before each index (so "used again within N elements" is a lookup, not a walk)
         self.positions: dict = {}
@@ -94,14 +99,17 @@ class Prefetcher:
 
     def make_room(self, numel: int) -> list:
         """Kept (gathered, idle, no gather in flight) units to free until `numel` more fit
-        under the live limit."""
+        under the live limit, in module order."""
         live, free = self.live_numel(), []
-        for u in self.units:
+        if live + numel <= self.max_live_numel:
+            return free
+        for u in self._gathered():
             if live + numel <= self.max_live_numel:
                 break
             if not u.in_use and u.state is ShardState.UNSHARDED:
                 live -= u.partitioned_numel
                 free.append(u)
+                self._not_issued(u)
         return free
 
     def ahead(self) -> list:
@@ -112,20 +120,30 @@ class Prefetcher:
         order, start = self.order, self.next + 1
         if self.mode is TraceMode.COMPLETE and start < len(order):
             live = self.live_numel()
+            # The fetches up to issued_to (this one's included: it is gathered) are all gathered
+            # or being gathered: a walk would pass them, choosing none, so it starts after them.
+            self.issued_to = max(self.issued_to, self.next)
+            begin = self.issued_to + 1
+            last = len(order) - 1            # passing every fetch left, choosing none
             if live == self.total_numel and self.all_partitioned:
-                last = len(order) - 1        # all gathered: the walk passes every unit, choosing none
-            else:
+                self.issued_to = last        # all gathered
+            elif begin < len(order):
                 budget = min(self.max_live_numel - live, self.prefetch_numel)
-                issued = 0
-                for last in range(start, len(order)):
+                issued, contiguous = 0, True
+                for last in range(begin, len(order)):
                     u = order[last]
                     if u.state is not ShardState.SHARDED or u in chosen:   # gathered, or chosen already
+                        if contiguous:
+                            self.issued_to = last
                         continue
                     numel = u.partitioned_numel
                     if issued + numel > budget:
                         break
                     if numel:   # a unit of persistent parameters only is never gathered
                         chosen.append(u)
+                        if contiguous:
+                            self.issued_to = last
+                    contiguous = contiguous and numel > 0
                     issued += numel
                     if issued >= budget:
                         break
@@ -137,8 +155,18 @@ class Prefetcher:
     def keep(self, unit) -> bool:
         """The unit is done (its post_forward / post_backward): keep it gathered, because it
         is used again soon (reuse) and the live limit allows?"""
-        return (self.mode is TraceMode.COMPLETE and self._used_again_soon(unit)
+        kept = (self.mode is TraceMode.COMPLETE and self._used_again_soon(unit)
                 and self.live_numel() <= self.max_live_numel)
+        if not kept:
+            self._not_issued(unit)
+        return kept
+
+    def _not_issued(self, unit) -> None:
+        """`unit` is about to be freed: its next fetch is no longer gathered ahead."""
+        at = self.positions.get(unit, ())
+        i = bisect.bisect_left(at, self.next)
+        if i < len(at) and at[i] <= self.issued_to:
+            self.issued_to = at[i] - 1
 
     def _used_again_soon(self, unit) -> bool:
         """Its next use is within stage3_max_reuse_distance elements of upcoming fetches
@@ -157,8 +185,9 @@ class Prefetcher:
         """Execution left the trace: free what was prefetched (its gathers are waited for by
         the unit's reshard), read nothing ahead until the next micro-step has recorded a new
         trace."""
-        free = [u for u in self.units if u.state is ShardState.UNSHARDING and not u.in_use]
+        free = [u for u in self._gathered() if u.state is ShardState.UNSHARDING and not u.in_use]
         self.mode, self.order = TraceMode.INVALID, []
+        self.issued_to = -1
         return free
 
     def end_of_backward(self) -> list:
@@ -171,7 +200,7 @@ class Prefetcher:
             self._index_trace()
         elif self.mode is TraceMode.INVALID:
             self.mode, self.order = TraceMode.RECORD, []
-        self.next, self.walked_to = 0, -1
+        self.next, self.walked_to, self.issued_to = 0, -1, -1
         return free
 
     def _index_trace(self) -> None:
@@ -189,12 +218,13 @@ class Prefetcher:
         free = self._gathered()
         if self.mode is TraceMode.RECORD:
             self.order = []
-        self.next, self.walked_to = 0, -1
+        self.next, self.walked_to, self.issued_to = 0, -1, -1
         return free
 
     def _gathered(self) -> list:
-        return [u for u in self.units if u.state is not ShardState.SHARDED]
+        """The units gathered or being gathered, in module order."""
+        return sorted(self.live.units, key=self.rank_of.__getitem__) if self.live is not None else []
 
     def live_numel(self) -> int:
         """Gathered elements of partitioned units (being gathered included), as the units count them."""
-        return self.units[0].live.numel if self.units else 0
+        return self.live.numel if self.live is not None else 0

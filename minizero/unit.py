@@ -36,10 +36,14 @@ class ShardState(Enum):
 
 
 class LiveNumel:
-    """Elements of partitioned parameters gathered right now, over the units of one stage (the
-    number stage3_max_live_parameters bounds): each unit adds its own as it unshards and takes
-    them off as it reshards."""
-    numel = 0
+    """The units of one stage gathered right now (or being gathered), and their elements of
+    partitioned parameters (the number stage3_max_live_parameters bounds): each unit adds
+    itself as it unshards and takes itself off as it reshards, so the Prefetcher reads what is
+    gathered without looking at every unit."""
+
+    def __init__(self):
+        self.numel = 0
+        self.units: dict = {}   # the gathered units (a dict: ordered, O(1) to remove)
 
 
 class Unit(Bucket):
@@ -69,6 +73,7 @@ class Unit(Bucket):
         with comm.profiled(f"minizero::unshard::{self.name}"):
             pendings = [f.all_gather(label=why, async_op=async_op) for f in self.partitioned]
         self.live.numel += self.partitioned_numel
+        self.live.units[self] = None
         if async_op:
             self.gathers, self.state = pendings, ShardState.UNSHARDING
         else:
@@ -91,6 +96,7 @@ class Unit(Bucket):
         for f in self.partitioned:
             f.release_full()
         self.live.numel -= self.partitioned_numel
+        del self.live.units[self]
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------------ the four hooks

@@ -1,7 +1,7 @@
 """prefetch.py as a unit: the Prefetcher's decisions on fake units, no process, no tensor.
 
-A fake unit has what the Prefetcher reads (state, in_use, partitioned_numel, the shared count
-of gathered elements) and acts on the answers as the real Unit does (unit.py, `_fetch` /
+A fake unit has what the Prefetcher reads (state, in_use, partitioned_numel, the shared record
+of gathered units and elements) and acts on the answers as the real Unit does (unit.py, `_fetch` /
 `_release`), so a whole forward + backward can be replayed and the gathers counted.
 """
 from __future__ import annotations
@@ -15,9 +15,13 @@ class FakeUnit:
         self.state, self.in_use, self.live = ShardState.SHARDED, False, live or LiveNumel()
 
     def set(self, state: ShardState) -> None:
-        """As Unit.unshard / wait_unshard / reshard change it, the shared count with it."""
+        """As Unit.unshard / wait_unshard / reshard change it, the shared record with it."""
         gathered = lambda st: st is not ShardState.SHARDED
         self.live.numel += self.partitioned_numel * (gathered(state) - gathered(self.state))
+        if gathered(state):
+            self.live.units[self] = None
+        else:
+            self.live.units.pop(self, None)
         self.state = state
 
     def __repr__(self):
