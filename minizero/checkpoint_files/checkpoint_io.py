@@ -18,7 +18,23 @@ re-reads the folders for up to a minute: a shared file system's cache, shared_fo
 (Supporting node-local saving would mean one rank per node publishing and `latest` per
 node; not worth it for a teaching tool.)
 
-Two more things are refused with one line instead of written or loaded half-way:
+Loading never runs code: every file is read with torch.load(weights_only=True), and a save
+writes only what that loads, so a `client_state` holding anything but tensors and plain
+data (dict, list, tuple, str, numbers, None) is refused on every rank before a file is
+written, in one line naming the entry (safe_load.refuse_unsafe_values). (Converting it
+instead would hand the user back another type than they saved, silently.) A file that
+names any other global when unpickled is refused on every rank, naming it (safe_load.py).
+
+Every file is fsynced as it is written, and each rank fsyncs the `<tag>.tmp` folder after
+its files, before the barrier that lets rank 0 publish it (durable.py): a checkpoint
+`latest` names survives a crash of a node or of the file server.
+
+Resuming on several nodes: rank 0 alone reads `latest` (after re-reading the folder, for a
+shared file system's cache) and tells the others the tag; a rank that does not see that
+tag's folder yet looks again, as for a save (shared_folder.py), instead of reading a stale
+`latest` of its own, or none.
+
+Three more things are refused with one line instead of written or loaded half-way:
 
 - Non-finite weights. `save` checks every rank's master and low-precision shards and
   agrees through one MAX all-reduce: if any rank holds an inf/NaN, every rank raises
@@ -62,9 +78,10 @@ import socket
 import torch
 
 from .. import comm
-from . import shared_folder
+from . import durable, shared_folder
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
                                 optim_file, publish, read_latest, resolve_tag, rng_file)
+from .safe_load import refuse_unsafe_values
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
                                fill_missing_hparams, rank_state)
 from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # noqa: F401  (rank_span: reshard.py)
@@ -102,6 +119,10 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if tag.endswith(".tmp"):
         raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
                               f"unfinished saves)")
+    try:   # every rank alike (client_state is the same everywhere), before any collective
+        refuse_unsafe_values(client_state or {}, "client_state")
+    except ValueError as e:
+        raise CheckpointError(f"refusing to save checkpoint {tag}: {e}; nothing was written") from None
     state = engine.state_dict()
     _refuse_non_finite(engine, state, save_dir, tag)
     final = os.path.join(save_dir, tag)
@@ -113,7 +134,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     comm.barrier()
     _refuse_unshared(engine, save_dir, tmp)
     if rank == 0:
-        torch.save({
+        durable.save({
             "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
             "partition_count": state["partition_count"],
             "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
@@ -121,12 +142,13 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
             "client_state": client_state or {}, "config": state["config"],
         }, os.path.join(tmp, MODEL_FILE))
     if rank == shard:   # the first rank of each shard writes it (stage 0 and HSDP: copies elsewhere)
-        torch.save({
+        durable.save({
             "rank": shard, "masters": state["masters"], "shards": state["shards"], "optimizer": state["optimizer"],
             "partition_count": state["partition_count"],
         }, os.path.join(tmp, optim_file(shard)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
-    torch.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
+    durable.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
+    durable.fsync_dir(tmp)   # this rank's names in the folder on disk, before rank 0 publishes it
     comm.barrier()
     if rank == 0:
         publish(save_dir, tag, save_latest)
@@ -260,6 +282,22 @@ def open_checkpoint(folder: str, meta: dict | None = None):
     load_dir, tag = os.path.split(os.path.normpath(folder))
     meta = meta if meta is not None else _minizero_meta(load_dir, tag)
     return MinizeroSource(folder, meta) if meta is not None else _deepspeed_source(folder)
+
+
+def read_every_file(source) -> None:
+    """Open every file of the source's tag folder through its library's allow-list, mmap'd
+    (the pickles are read, the tensors' bytes are not): a file that would run code, or a
+    damaged one, is one CheckpointError before anything is written."""
+    if source.library == "deepspeed":
+        from .deepspeed_pickle import torch_load
+        for name in sorted(os.listdir(source.folder)):
+            if name.endswith(".pt"):
+                torch_load(os.path.join(source.folder, name))
+        return
+    load_dir, tag = os.path.split(source.folder)
+    for name in sorted(os.listdir(source.folder)):
+        if name.endswith(".pt"):
+            load_file(load_dir, tag, name, mmap=True)
 
 
 def saved_batch(folder: str) -> tuple[int, int | None]:
