@@ -201,18 +201,20 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     saved: each rank reads its own file. Any other (another world size or stage, another
     bucket size, or a DeepSpeed folder) is resharded: each rank builds its shards from the
     saved slices that it needs (checkpoint_state.py)."""
-    tag = resolve_tag(load_dir, tag)
+    tag, named, seen = agreed_tag(load_dir, tag)
     if tag is None:
         logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return None, None
     path = os.path.join(load_dir, tag)
     rank, stage = engine.global_rank, engine.zero_optimization_stage()
+    if seen:   # rank 0 sees the tag's folder: every rank must (after a while, on a lagging NFS client)
+        _refuse_unseen(engine, load_dir, path)
     meta = shard_state = rng = source = None
     err = None
     try:
-        if not os.path.isdir(path):
-            named = " ('latest' names it)" if tag == read_latest(load_dir) else ""
-            raise CheckpointError(f"{path}: no such checkpoint{named}; {describe_tags(load_dir)}")
+        if not seen:
+            why = " ('latest' names it)" if named else ""
+            raise CheckpointError(f"{path}: no such checkpoint{why}; {describe_tags(load_dir)}")
         meta = _minizero_meta(load_dir, tag)
         if meta is not None and _same_layout(meta, engine):
             shard_state = load_file(load_dir, tag, optim_file(engine.partition[1]))
@@ -251,6 +253,34 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     elif not same_dtype and rank == 0:
         logger.warning(_dtype_change(meta, engine, path))
     return path, meta["client_state"]
+
+
+def agreed_tag(load_dir: str, tag: str | None) -> tuple[str | None, bool, bool]:
+    """Collective: (the tag to load, whether `latest` named it, whether rank 0 sees its
+    folder), the same on every rank. Rank 0 alone reads `latest` (after listing the folder,
+    which makes an NFS client drop what it remembered of it: shared_folder.py), so that a rank
+    on a node with a stale view neither loads another tag nor finds none."""
+    decided = None
+    if comm.get_rank() == 0:
+        shared_folder.reread_toward(os.path.join(load_dir, "latest"))
+        named = tag is None
+        tag = resolve_tag(load_dir, tag)
+        decided = (tag, named, tag is not None and os.path.isdir(os.path.join(load_dir, tag)))
+    return comm.broadcast_object(decided)
+
+
+def _refuse_unseen(engine, load_dir: str, path: str) -> None:
+    """Collective: every rank sees the tag folder rank 0 sees, after re-reading its folders
+    for up to VISIBLE_WAIT_S (shared_folder.py), or every rank raises one line."""
+    blind = shared_folder.ranks_blind_to(path, os.path.isdir, shared_folder.uncounted_max, engine.device)
+    if not blind:
+        os.listdir(path)   # opened once: a name this node remembered missing inside it is looked up again
+        return
+    hosts = comm.all_gather_object(socket.gethostname())
+    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
+    raise CheckpointError(f"{path}: {where} cannot see this checkpoint, which rank 0 (on {hosts[0]}) sees, after "
+                          f"{shared_folder.VISIBLE_WAIT_S:g} s of looking: the folder a run resumes from must be on a "
+                          f"file system every node mounts (NFS, Lustre, ...)")
 
 
 def _minizero_meta(load_dir: str, tag: str) -> dict | None:
