@@ -19,9 +19,9 @@ re-reads the folders for up to a minute: a shared file system's cache, shared_fo
 node; not worth it for a teaching tool.)
 
 Loading never runs code: every file is read with torch.load(weights_only=True), and a save
-writes only what that loads, so a `client_state` holding anything but tensors and plain
-data (dict, list, tuple, str, numbers, None) is refused on every rank before a file is
-written, in one line naming the entry (safe_load.refuse_unsafe_values). (Converting it
+writes only what that loads, so a `client_state` (or a config) holding anything but tensors
+and plain data (dict, list, tuple, str, numbers, None) is refused on every rank before a
+file is written, in one line naming the entry (safe_load.refuse_unsafe_values). (Converting it
 instead would hand the user back another type than they saved, silently.) A file that
 names any other global when unpickled is refused on every rank, naming it (safe_load.py).
 
@@ -81,7 +81,7 @@ from .. import comm
 from . import durable, shared_folder
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
                                 optim_file, publish, read_latest, resolve_tag, rng_file)
-from .safe_load import refuse_unsafe_values
+from .safe_load import numbers_as_python, refuse_unsafe_values
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
                                fill_missing_hparams, rank_state)
 from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # noqa: F401  (rank_span: reshard.py)
@@ -119,33 +119,40 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if tag.endswith(".tmp"):
         raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
                               f"unfinished saves)")
-    try:   # every rank alike (client_state is the same everywhere), before any collective
-        refuse_unsafe_values(client_state or {}, "client_state")
+    state = engine.state_dict()
+    rank, stage, shard = engine.global_rank, state["stage"], state["shard_index"]
+    meta = {
+        "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
+        "partition_count": state["partition_count"],
+        "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
+        **state["counters"], "lr_scheduler": state["lr_scheduler"], "loss_scaler": state["loss_scaler"],
+        "client_state": client_state or {}, "config": numbers_as_python(state["config"]),
+    }
+    optimizer = state["optimizer"]
+    if isinstance(optimizer, dict) and "param_groups" in optimizer:
+        optimizer = dict(optimizer, param_groups=numbers_as_python(optimizer["param_groups"]))
+    shard_state = {"rank": shard, "masters": state["masters"], "shards": state["shards"],
+                   "optimizer": optimizer, "partition_count": state["partition_count"]}
+    # What a load reads back with weights_only=True, checked before anything is written (a numpy
+    # number in the config or a param group is the Python number it means; anything else that
+    # is not plain data is refused). Every rank alike, before any collective: all refuse together.
+    try:
+        for key, value in (*meta.items(), ("optimizer", shard_state["optimizer"])):
+            refuse_unsafe_values(value, key)
     except ValueError as e:
         raise CheckpointError(f"refusing to save checkpoint {tag}: {e}; nothing was written") from None
-    state = engine.state_dict()
     _refuse_non_finite(engine, state, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    rank, stage, shard = engine.global_rank, state["stage"], state["shard_index"]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     comm.barrier()
     _refuse_unshared(engine, save_dir, tmp)
     if rank == 0:
-        durable.save({
-            "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
-            "partition_count": state["partition_count"],
-            "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
-            **state["counters"], "lr_scheduler": state["lr_scheduler"], "loss_scaler": state["loss_scaler"],
-            "client_state": client_state or {}, "config": state["config"],
-        }, os.path.join(tmp, MODEL_FILE))
+        durable.save(meta, os.path.join(tmp, MODEL_FILE))
     if rank == shard:   # the first rank of each shard writes it (stage 0 and HSDP: copies elsewhere)
-        durable.save({
-            "rank": shard, "masters": state["masters"], "shards": state["shards"], "optimizer": state["optimizer"],
-            "partition_count": state["partition_count"],
-        }, os.path.join(tmp, optim_file(shard)))
+        durable.save(shard_state, os.path.join(tmp, optim_file(shard)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
     durable.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
     durable.fsync_dir(tmp)   # this rank's names in the folder on disk, before rank 0 publishes it

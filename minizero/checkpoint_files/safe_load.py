@@ -21,6 +21,7 @@ The data folder is read the same way (gpt/cifar10.py: numpy's array-building fun
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import pickle
@@ -43,7 +44,7 @@ DEEPSPEED_GLOBALS = (
 
 # What a user may hand to save_checkpoint as client_state: what weights_only=True loads.
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.Size, torch.device)
-PLAIN_CONTAINERS = (dict, list, tuple)
+PLAIN_CONTAINERS = (dict, list, tuple, set)
 
 
 class RefusedFile(Exception):
@@ -132,17 +133,32 @@ def offending_global(path: str, allowed: set = frozenset()) -> str | None:
     return None
 
 
+def numbers_as_python(obj):
+    """`obj` with every numpy number (np.float64(1e-3), ...) replaced by the Python number of
+    the same value, through dicts, lists and tuples: for minizero's own record of a config and
+    of the optimizer's hyper-parameters, where a user's numpy number means that number. (A
+    user's client_state is given back as saved, so it is refused instead: refuse_unsafe_values.)"""
+    if type(obj) in (dict, collections.OrderedDict):
+        return type(obj)((k, numbers_as_python(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(numbers_as_python(v) for v in obj)
+    if type(obj).__module__ == "numpy" and hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:
+        return obj.item()
+    return obj
+
+
 def refuse_unsafe_values(obj, where: str) -> None:
     """Raise ValueError (one line) if `obj` holds anything `torch.load(weights_only=True)`
     would refuse: only tensors and the plain types above, in dicts, lists and tuples (their
-    exact types: a namedtuple, a numpy number or an OrderedDict subclass pickles its class)."""
+    exact types: a namedtuple, a numpy number or an OrderedDict subclass pickles its class).
+    `where` names the value in the line ("client_state", "config")."""
     stack = [(obj, where)]
     while stack:
         o, at = stack.pop()
         kind = type(o)
         if kind in PLAIN_TYPES or kind is torch.Tensor or kind is torch.nn.Parameter:
             continue
-        if kind in PLAIN_CONTAINERS or kind.__module__ == "collections" and kind.__name__ == "OrderedDict":
+        if kind in PLAIN_CONTAINERS or kind is collections.OrderedDict:
             if isinstance(o, dict):
                 for k, v in o.items():
                     stack.append((k, f"{at} key {k!r}"))

@@ -134,6 +134,14 @@ def test_a_client_state_that_is_not_plain_data_is_refused_before_anything_is_wri
     assert back.keys() == plain.keys() and all(
         torch.equal(back[k], v) if torch.is_tensor(v) else back[k] == v and type(back[k]) is type(v)
         for k, v in plain.items())
+    # a numpy number in the config is minizero's record of that number: saved as the Python number
+    from tests.tools.test_checkpoint_io import checkpoint_config
+    cfg = checkpoint_config(1, "fp32")
+    cfg["optimizer"]["params"]["lr"] = np.float64(1e-3)
+    checkpoint_engine(1, "fp32", config=cfg).save_checkpoint(str(tmp_path / "e"))
+    meta = torch.load(str(tmp_path / "e" / "global_step0" / MODEL_FILE), weights_only=True)
+    lr = meta["config"]["optimizer"]["params"]["lr"]
+    assert type(lr) is float and lr == 1e-3
 
 
 class _Recorder:
