@@ -111,6 +111,7 @@ def _through_allow_list(load_checkpoint):
     loads with its every torch.load made weights-only, its own pickled classes (the same
     DEEPSPEED_GLOBALS) allowed and nothing else."""
     import importlib
+    import pickle
 
     from minizero.checkpoint_files.checkpoint_folder import UnsafeCheckpointError, read_latest
     from minizero.checkpoint_files.deepspeed_pickle import torch_load
@@ -118,6 +119,14 @@ def _through_allow_list(load_checkpoint):
 
     real_classes = [(getattr(importlib.import_module(g.rsplit(".", 1)[0]), g.rsplit(".", 1)[1]), g)
                     for g in DEEPSPEED_GLOBALS]
+    allowed = {cls for cls, _ in real_classes}
+
+    def reconstructor(cls, base, state):
+        # the form older minizero exports pickled DeepSpeed's loss scaler in: object.__new__(cls)
+        if cls not in allowed or base is not object or state is not None:
+            raise pickle.UnpicklingError(f"Weights only load failed: copyreg._reconstructor({cls!r}, {base!r})")
+        return object.__new__(cls)
+    real_classes += [(reconstructor, "copyreg._reconstructor"), (object, "builtins.object")]
     torch_load_unsafe = torch.load
 
     def weights_only_load(f, map_location=None, *a, weights_only=None, **k):

@@ -93,9 +93,10 @@ def foreign_object(module: str, name: str, attrs: dict) -> Foreign:
     return obj
 
 
-PICKLE = types.ModuleType("minizero_deepspeed_pickle")   # torch.save's pickle_module for writing
-PICKLE.Pickler, PICKLE.Unpickler = _Pickler, pickle.Unpickler
-PICKLE.load, PICKLE.dump = pickle.load, pickle.dump
+# torch.save's pickle_module for writing (torch.save asks only for its Pickler); it has no
+# loader, so nothing can unpickle through it
+PICKLE = types.ModuleType("minizero_deepspeed_pickle")
+PICKLE.Pickler = _Pickler
 
 
 def torch_load(path: str, mmap: bool = True):
