@@ -216,3 +216,7 @@ def test_an_export_pickled_in_the_older_form_still_loads(run, tmp_path, monkeypa
     assert offending_global(optim, {"deepspeed.runtime.fp16.loss_scaler.LossScaler"}) == "copyreg._reconstructor"
     scaler = torch_load(optim)["optimizer_state_dict"]["loss_scaler"]
     assert (type(scaler).__name__, scaler.cur_scale, scaler.dynamic) == ("LossScaler", 1.0, False)
+    # and DeepSpeed's own trainer resumes it, its loads weights-only (reference/train.py)
+    p = run_command("reference/train.py", ["--stage", "1", "--max-steps", "3", "--resume", str(tmp_path / "old"),
+                                           "--save-dir", str(tmp_path / "resumed"), *SMALL])
+    assert p.returncode == 0 and "deepspeed: resumed from" in p.stdout + p.stderr, p.stderr[-3000:]
