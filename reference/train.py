@@ -93,13 +93,64 @@ def _initialize(model, param_groups, cfg, args):
     if (cfg.get("fp16") or {}).get("enabled") and not torch.cuda.is_available():
         patch_cpu_fp16()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=cfg)
-    engine.load_checkpoint = _one_line_world_size_refusal(engine.load_checkpoint, args)
+    engine.load_checkpoint = _one_line_world_size_refusal(_through_allow_list(engine.load_checkpoint), args)
     if "activation_checkpointing" in cfg:
         # deepspeed.initialize parses this section but does not apply it. After initialize:
         # configure() asks deepspeed.comm for the rank, which initialize sets up.
         deepspeed.checkpointing.configure(None, deepspeed_config=cfg)
         engine.module.checkpoint_fn = deepspeed.checkpointing.checkpoint
     return engine
+
+
+def _through_allow_list(load_checkpoint):
+    """DeepSpeed's load_checkpoint, without running code from the files: DeepSpeed unpickles
+    with torch.load(weights_only=False), which calls whatever a file names. First every file
+    of the tag folder is read through minizero's allow-list for DeepSpeed's files
+    (checkpoint_files/deepspeed_pickle.py, mmap'd: the pickles only), on every rank alike, so
+    a planted file is one line on all ranks before DeepSpeed reads anything; then DeepSpeed
+    loads with its every torch.load made weights-only, its own pickled classes (the same
+    DEEPSPEED_GLOBALS) allowed and nothing else."""
+    import importlib
+    import pickle
+
+    from minizero.checkpoint_files.checkpoint_folder import UnsafeCheckpointError, read_latest
+    from minizero.checkpoint_files.deepspeed_pickle import torch_load
+    from minizero.checkpoint_files.safe_load import DEEPSPEED_GLOBALS, refusal
+
+    real_classes = [(getattr(importlib.import_module(g.rsplit(".", 1)[0]), g.rsplit(".", 1)[1]), g)
+                    for g in DEEPSPEED_GLOBALS]
+    allowed = {cls for cls, _ in real_classes}
+
+    def reconstructor(cls, base, state):
+        # the form older minizero exports pickled DeepSpeed's loss scaler in: object.__new__(cls)
+        if cls not in allowed or base is not object or state is not None:
+            raise pickle.UnpicklingError(f"Weights only load failed: copyreg._reconstructor({cls!r}, {base!r})")
+        return object.__new__(cls)
+    real_classes += [(reconstructor, "copyreg._reconstructor"), (object, "builtins.object")]
+    torch_load_unsafe = torch.load
+
+    def weights_only_load(f, map_location=None, *a, weights_only=None, **k):
+        try:
+            with torch.serialization.safe_globals(real_classes):
+                return torch_load_unsafe(f, map_location, *a, weights_only=True, **k)
+        except Exception as e:
+            line = refusal(str(f), e, real_classes)
+            if line is not None:
+                raise UnsafeCheckpointError(line) from None
+            raise
+
+    def load(load_dir, tag=None, *a, **k):
+        folder = os.path.join(load_dir, tag or read_latest(load_dir) or "")
+        if os.path.isdir(folder) and os.path.normpath(folder) != os.path.normpath(load_dir):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".pt"):
+                    torch_load(os.path.join(folder, name))
+        torch.load = weights_only_load
+        try:
+            return load_checkpoint(load_dir, tag, *a, **k)
+        finally:
+            torch.load = torch_load_unsafe
+    return load
 
 
 def _one_line_world_size_refusal(load_checkpoint, args):

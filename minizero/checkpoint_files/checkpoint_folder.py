@@ -32,9 +32,18 @@ at any instant (even mid-write) leaves it on one:
 A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
 rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
 
-Damaged files. Every read goes through `load_file`: a truncated, garbled or missing
-file becomes "<file>: damaged or incomplete checkpoint file (...)" with the list of the
-other complete checkpoints. Only the rank that reads the damaged file sees the damage, so
+Durable. Every file is fsynced as it is written, the `<tag>.tmp` folder before the barrier,
+the save folder after each rename, and `latest` is replaced by a fsynced temp file
+(durable.py): after a crash of the node or of the file server, `latest` still names a tag
+whose files hold all their bytes.
+
+Loading never runs code. Every read goes through `load_file`, which unpickles with
+`torch.load(weights_only=True)`: tensors and plain data only, and a file that names any
+other global (an `os.system` planted in it) is refused before anything of it runs, in one
+line naming the file and the global (safe_load.py; DeepSpeed's files: deepspeed_pickle.py).
+
+Damaged files. A truncated, garbled or missing file becomes "<file>: damaged or incomplete
+checkpoint file (...)" with the list of the other complete checkpoints. Only the rank that reads the damaged file sees the damage, so
 all ranks agree (a MAX all-reduce of a failure flag, then the message is gathered) before
 the engine is touched (checkpoint_io.py): every rank raises the same error, and none
 waits in a collective.
@@ -47,7 +56,8 @@ import shutil
 import sys
 import zipfile
 
-import torch
+from . import durable
+from .safe_load import refusal, torch_load
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 DS_ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # DeepSpeed's ZeRO-3 writes one per rank
@@ -55,6 +65,10 @@ DS_ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # DeepSpeed'
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file the allow-list refused: unpickling it would have called code (safe_load.py)."""
 
 
 def unreadable(path: str, e: Exception) -> str:
@@ -126,8 +140,10 @@ def _complete_step(folder: str) -> int | None:
     if model is None:
         return None
     try:   # mmap: a DeepSpeed model-states file holds the weights; read only the small entries
-        meta = torch.load(os.path.join(folder, model), map_location="cpu", weights_only=False, mmap=True)
+        meta = _load(os.path.join(folder, model), mmap=True)
         need = _needed_files(meta)
+    except UnsafeCheckpointError:   # not "incomplete": a file that would run code is said, by name
+        raise
     except Exception:   # truncated or not a checkpoint: not complete
         return None
     if not all(any(name in names for name in options) for options in need):
@@ -172,14 +188,27 @@ def describe_tags(save_dir: str, exclude: str | None = None) -> str:
 
 # ----------------------------------------------------------------------------- reading
 
+def _load(path: str, mmap: bool = False):
+    """torch.load(weights_only=True) of one file; a file the allow-list refuses is an
+    UnsafeCheckpointError naming the file and the global it asked for (safe_load.py)."""
+    try:
+        return torch_load(path, mmap=mmap)
+    except Exception as e:
+        line = refusal(path, e)
+        if line is not None:
+            raise UnsafeCheckpointError(line) from None
+        raise
+
+
 def load_file(save_dir: str, tag: str, name: str, mmap: bool = False):
-    """torch.load one checkpoint file; any failure is a one-line CheckpointError naming it.
-    mmap: the tensors stay in the file until read (resharding reads slices of shards)."""
+    """torch.load one checkpoint file, through the allow-list; any failure is a one-line
+    CheckpointError naming it. mmap: the tensors stay in the file until read (resharding
+    reads slices of shards)."""
     path = os.path.join(save_dir, tag, name)
     try:
-        if mmap:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return _load(path, mmap=mmap)
+    except UnsafeCheckpointError:
+        raise
     except Exception as e:   # truncated zip, EOF, unpickling error, missing file, ...
         raise CheckpointError(f"{path}: damaged or incomplete checkpoint file ({_why(path, e)}); "
                               f"{describe_tags(save_dir, exclude=tag)}") from None
@@ -220,10 +249,7 @@ def tag_folder(checkpoint_dir: str, tag: str | None) -> tuple[str, str]:
 # ----------------------------------------------------------------------------- publishing
 
 def _write_latest(save_dir: str, tag: str) -> None:
-    tmp = os.path.join(save_dir, "latest.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(tag)
-    os.replace(tmp, os.path.join(save_dir, "latest"))
+    durable.write_text(os.path.join(save_dir, "latest"), tag)   # temp file, fsync, rename, fsync the folder
 
 
 def _discard(path: str) -> None:
@@ -233,6 +259,7 @@ def _discard(path: str) -> None:
     if not os.path.exists(path):
         return
     os.replace(path, trash)   # atomic: `path` is whole until this instant, gone after it
+    durable.fsync_dir(os.path.dirname(path))
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -253,10 +280,13 @@ def publish(save_dir: str, tag: str, save_latest: bool) -> None:
     if named == tag and os.path.isdir(final):   # `latest` must not name the folder being replaced:
         _discard(aside)                          # give it a second name first (a leftover of an
         shutil.copytree(final, aside, copy_function=_link_or_copy)   # earlier crash goes: `latest` names `tag`)
+        durable.fsync_dir(aside)                 # its names on disk before `latest` names it
+        durable.fsync_dir(save_dir)
         _write_latest(save_dir, aside_tag)
         named = aside_tag
     _discard(final)
     os.replace(final + ".tmp", final)
+    durable.fsync_dir(save_dir)                  # the rename on disk before `latest` names it
     if save_latest or named == aside_tag:      # (the aside stood in for `tag`: hand `latest` back)
         _write_latest(save_dir, tag)
         named = tag

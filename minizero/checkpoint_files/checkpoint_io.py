@@ -18,7 +18,23 @@ re-reads the folders for up to a minute: a shared file system's cache, shared_fo
 (Supporting node-local saving would mean one rank per node publishing and `latest` per
 node; not worth it for a teaching tool.)
 
-Two more things are refused with one line instead of written or loaded half-way:
+Loading never runs code: every file is read with torch.load(weights_only=True), and a save
+writes only what that loads, so a `client_state` (or a config) holding anything but tensors
+and plain data (dict, list, tuple, str, numbers, None) is refused on every rank before a
+file is written, in one line naming the entry (safe_load.refuse_unsafe_values). (Converting it
+instead would hand the user back another type than they saved, silently.) A file that
+names any other global when unpickled is refused on every rank, naming it (safe_load.py).
+
+Every file is fsynced as it is written, and each rank fsyncs the `<tag>.tmp` folder after
+its files, before the barrier that lets rank 0 publish it (durable.py): a checkpoint
+`latest` names survives a crash of a node or of the file server.
+
+Resuming on several nodes: rank 0 alone reads `latest` (after re-reading the folder, for a
+shared file system's cache) and tells the others the tag; a rank that does not see that
+tag's folder yet looks again, as for a save (shared_folder.py), instead of reading a stale
+`latest` of its own, or none.
+
+Three more things are refused with one line instead of written or loaded half-way:
 
 - Non-finite weights. `save` checks every rank's master and low-precision shards and
   agrees through one MAX all-reduce: if any rank holds an inf/NaN, every rank raises
@@ -62,9 +78,10 @@ import socket
 import torch
 
 from .. import comm
-from . import shared_folder
+from . import durable, shared_folder
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
                                 optim_file, publish, read_latest, resolve_tag, rng_file)
+from .safe_load import numbers_as_python, refuse_unsafe_values
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
                                fill_missing_hparams, rank_state)
 from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # noqa: F401  (rank_span: reshard.py)
@@ -103,30 +120,42 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         raise CheckpointError(f"checkpoint tag {tag!r}: use a name that does not end in .tmp (.tmp folders are "
                               f"unfinished saves)")
     state = engine.state_dict()
+    rank, stage, shard = engine.global_rank, state["stage"], state["shard_index"]
+    meta = {
+        "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
+        "partition_count": state["partition_count"],
+        "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
+        **state["counters"], "lr_scheduler": state["lr_scheduler"], "loss_scaler": state["loss_scaler"],
+        "client_state": client_state or {}, "config": numbers_as_python(state["config"]),
+    }
+    optimizer = state["optimizer"]
+    if isinstance(optimizer, dict) and "param_groups" in optimizer:
+        optimizer = dict(optimizer, param_groups=numbers_as_python(optimizer["param_groups"]))
+    shard_state = {"rank": shard, "masters": state["masters"], "shards": state["shards"],
+                   "optimizer": optimizer, "partition_count": state["partition_count"]}
+    # What a load reads back with weights_only=True, checked before anything is written (a numpy
+    # number in the config or a param group is the Python number it means; anything else that
+    # is not plain data is refused). Every rank alike, before any collective: all refuse together.
+    try:
+        for key, value in (*meta.items(), ("optimizer", shard_state["optimizer"])):
+            refuse_unsafe_values(value, key)
+    except ValueError as e:
+        raise CheckpointError(f"refusing to save checkpoint {tag}: {e}; nothing was written") from None
     _refuse_non_finite(engine, state, save_dir, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    rank, stage, shard = engine.global_rank, state["stage"], state["shard_index"]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     comm.barrier()
     _refuse_unshared(engine, save_dir, tmp)
     if rank == 0:
-        torch.save({
-            "minizero_version": __version__, "stage": stage, "world_size": state["world_size"],
-            "partition_count": state["partition_count"],
-            "dtype": state["dtype"], "layout": state["layout"], "param_names": state["param_names"],
-            **state["counters"], "lr_scheduler": state["lr_scheduler"], "loss_scaler": state["loss_scaler"],
-            "client_state": client_state or {}, "config": state["config"],
-        }, os.path.join(tmp, MODEL_FILE))
+        durable.save(meta, os.path.join(tmp, MODEL_FILE))
     if rank == shard:   # the first rank of each shard writes it (stage 0 and HSDP: copies elsewhere)
-        torch.save({
-            "rank": shard, "masters": state["masters"], "shards": state["shards"], "optimizer": state["optimizer"],
-            "partition_count": state["partition_count"],
-        }, os.path.join(tmp, optim_file(shard)))
+        durable.save(shard_state, os.path.join(tmp, optim_file(shard)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
-    torch.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
+    durable.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
+    durable.fsync_dir(tmp)   # this rank's names in the folder on disk, before rank 0 publishes it
     comm.barrier()
     if rank == 0:
         publish(save_dir, tag, save_latest)
@@ -179,18 +208,20 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     saved: each rank reads its own file. Any other (another world size or stage, another
     bucket size, or a DeepSpeed folder) is resharded: each rank builds its shards from the
     saved slices that it needs (checkpoint_state.py)."""
-    tag = resolve_tag(load_dir, tag)
+    tag, named, seen = agreed_tag(load_dir, tag)
     if tag is None:
         logger.warning(f"no checkpoint found in {load_dir} (no 'latest' file)")
         return None, None
     path = os.path.join(load_dir, tag)
     rank, stage = engine.global_rank, engine.zero_optimization_stage()
+    if seen:   # rank 0 sees the tag's folder: every rank must (after a while, on a lagging NFS client)
+        _refuse_unseen(engine, load_dir, path)
     meta = shard_state = rng = source = None
     err = None
     try:
-        if not os.path.isdir(path):
-            named = " ('latest' names it)" if tag == read_latest(load_dir) else ""
-            raise CheckpointError(f"{path}: no such checkpoint{named}; {describe_tags(load_dir)}")
+        if not seen:
+            why = " ('latest' names it)" if named else ""
+            raise CheckpointError(f"{path}: no such checkpoint{why}; {describe_tags(load_dir)}")
         meta = _minizero_meta(load_dir, tag)
         if meta is not None and _same_layout(meta, engine):
             shard_state = load_file(load_dir, tag, optim_file(engine.partition[1]))
@@ -231,6 +262,34 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     return path, meta["client_state"]
 
 
+def agreed_tag(load_dir: str, tag: str | None) -> tuple[str | None, bool, bool]:
+    """Collective: (the tag to load, whether `latest` named it, whether rank 0 sees its
+    folder), the same on every rank. Rank 0 alone reads `latest` (after listing the folder,
+    which makes an NFS client drop what it remembered of it: shared_folder.py), so that a rank
+    on a node with a stale view neither loads another tag nor finds none."""
+    decided = None
+    if comm.get_rank() == 0:
+        shared_folder.reread_toward(os.path.join(load_dir, "latest"))
+        named = tag is None
+        tag = resolve_tag(load_dir, tag)
+        decided = (tag, named, tag is not None and os.path.isdir(os.path.join(load_dir, tag)))
+    return comm.broadcast_object(decided)
+
+
+def _refuse_unseen(engine, load_dir: str, path: str) -> None:
+    """Collective: every rank sees the tag folder rank 0 sees, after re-reading its folders
+    for up to VISIBLE_WAIT_S (shared_folder.py), or every rank raises one line."""
+    blind = shared_folder.ranks_blind_to(path, os.path.isdir, shared_folder.uncounted_max, engine.device)
+    if not blind:
+        os.listdir(path)   # opened once: a name this node remembered missing inside it is looked up again
+        return
+    hosts = comm.all_gather_object(socket.gethostname())
+    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
+    raise CheckpointError(f"{path}: {where} cannot see this checkpoint, which rank 0 (on {hosts[0]}) sees, after "
+                          f"{shared_folder.VISIBLE_WAIT_S:g} s of looking: the folder a run resumes from must be on a "
+                          f"file system every node mounts (NFS, Lustre, ...)")
+
+
 def _minizero_meta(load_dir: str, tag: str) -> dict | None:
     """The model-states file of a minizero tag folder; None for a DeepSpeed one (its
     model-states file has no layout; at ZeRO-3 it writes one per rank instead). mmap: a
@@ -260,6 +319,22 @@ def open_checkpoint(folder: str, meta: dict | None = None):
     load_dir, tag = os.path.split(os.path.normpath(folder))
     meta = meta if meta is not None else _minizero_meta(load_dir, tag)
     return MinizeroSource(folder, meta) if meta is not None else _deepspeed_source(folder)
+
+
+def read_every_file(source) -> None:
+    """Open every file of the source's tag folder through its library's allow-list, mmap'd
+    (the pickles are read, the tensors' bytes are not): a file that would run code, or a
+    damaged one, is one CheckpointError before anything is written."""
+    if source.library == "deepspeed":
+        from .deepspeed_pickle import torch_load
+        for name in sorted(os.listdir(source.folder)):
+            if name.endswith(".pt"):
+                torch_load(os.path.join(source.folder, name))
+        return
+    load_dir, tag = os.path.split(source.folder)
+    for name in sorted(os.listdir(source.folder)):
+        if name.endswith(".pt"):
+            load_file(load_dir, tag, name, mmap=True)
 
 
 def saved_batch(folder: str) -> tuple[int, int | None]:

@@ -32,7 +32,9 @@ from collections import OrderedDict
 
 import torch
 
+from . import durable
 from .checkpoint_folder import CheckpointError, command_error, load_file, tag_folder
+from .checkpoint_io import read_every_file
 from .checkpoint_state import MinizeroSource, build_shard
 from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object, open_source,
                                    torch_save, zero3_partition_numel, zero12_partition_numel, zero12_tail_padding)
@@ -264,20 +266,26 @@ def export(source, dst_dir: str, tag: str | None = None, stage: int | None = Non
     final = os.path.join(dst_dir, tag)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already: export into another folder or with another --tag")
+    read_every_file(source)   # a refused or damaged file is said before DST exists
     files = deepspeed_files(source, stage, world_size)
     tmp = final + ".tmp"
+    made = not os.path.exists(dst_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for name, obj in files.items():
-        torch_save(obj, os.path.join(tmp, name))
+    try:
+        for name, obj in files.items():
+            torch_save(obj, os.path.join(tmp, name))   # fsynced (durable.py)
+        durable.fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(dst_dir if made else tmp, ignore_errors=True)   # no folder of ours left behind
+        raise
     os.replace(tmp, final)
+    durable.fsync_dir(dst_dir)
     scripts = _deepspeed_script_dir()
     for script in ("zero_to_fp32.py", "zero_to_torch.py"):
         if scripts and os.path.isfile(os.path.join(scripts, script)):
             shutil.copyfile(os.path.join(scripts, script), os.path.join(dst_dir, script))
-    with open(os.path.join(dst_dir, "latest.tmp"), "w") as fh:
-        fh.write(tag)
-    os.replace(os.path.join(dst_dir, "latest.tmp"), os.path.join(dst_dir, "latest"))
+    durable.write_text(os.path.join(dst_dir, "latest"), tag)
     return final
 
 

@@ -24,8 +24,9 @@ import sys
 import torch
 from torch import nn
 
+from . import durable
 from .checkpoint_folder import MODEL_FILE, CheckpointError, command_error, optim_file, publish, rng_file, tag_folder
-from .checkpoint_io import open_checkpoint, rank_span
+from .checkpoint_io import open_checkpoint, rank_span, read_every_file
 from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
 from ..config import ZeroConfig
 from ..partition import padded_numel
@@ -81,6 +82,7 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = Non
     if os.path.exists(os.path.join(dst_dir, tag)):
         raise CheckpointError(f"{os.path.join(dst_dir, tag)} already exists: pick another DST, or remove it")
     source = open_checkpoint(folder)
+    read_every_file(source)   # a refused or damaged file is said before DST exists
     stage = source.zero_stage if stage is None else stage
     layout = target_layout(source, stage)
     shards = world_size if stage > 0 else 1          # stage 0: one optimizer file, the whole buffers
@@ -89,11 +91,13 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = Non
         f.update(numel=numel, padded_numel=padded_numel(numel, shards))
 
     tmp = os.path.join(dst_dir, tag + ".tmp")
+    made = not os.path.exists(dst_dir)
     os.makedirs(tmp, exist_ok=True)
     try:
         _write(source, layout, tmp, world_size, stage, shards)
+        durable.fsync_dir(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(dst_dir if made else tmp, ignore_errors=True)   # no folder of ours left behind
         raise
     publish(dst_dir, tag, save_latest=True)
     return source, os.path.join(dst_dir, tag)
@@ -109,13 +113,13 @@ def _write(source, layout: list[dict], tmp: str, world_size: int, stage: int, sh
             st["optimizer"] = adam_state_dict(source, layout, [{k: torch.zeros_like(m) for k in ("exp_avg", "exp_avg_sq")}
                                                                for m in st["masters"]])
         fill_missing_hparams(st["optimizer"], defaults)
-        torch.save({"rank": r, "masters": st["masters"], "shards": [m.to(lp) for m in st["masters"]],
-                    "optimizer": st["optimizer"], "partition_count": shards}, os.path.join(tmp, optim_file(r)))
+        durable.save({"rank": r, "masters": st["masters"], "shards": [m.to(lp) for m in st["masters"]],
+                      "optimizer": st["optimizer"], "partition_count": shards}, os.path.join(tmp, optim_file(r)))
     for r in range(world_size):   # a rank the saving run did not have gets no RNG state ({}): it keeps its own
-        torch.save(source.rng_state(r) or {}, os.path.join(tmp, rng_file(r)))
+        durable.save(source.rng_state(r) or {}, os.path.join(tmp, rng_file(r)))
     config = dict(source.config or {})
     config["zero_optimization"] = dict(config.get("zero_optimization") or {}, stage=stage)
-    torch.save({
+    durable.save({
         "minizero_version": __version__, "stage": stage, "world_size": world_size,
         "dtype": str(lp), "layout": [{k: f[k] for k in ("label", "names", "shapes", "numel", "padded_numel",
                                                          "persistent", "group")} for f in layout],

@@ -1,9 +1,12 @@
 """Does every rank see what rank 0 just created? On a shared file system, give its cache time.
 
-Two probes ask it: the trainer's at start (a file rank 0 creates in --save-dir,
-train/rundir.py) and every checkpoint save's (the `<tag>.tmp` folder, checkpoint_io.py). A
-rank that cannot see it is on another disk (a node-local folder of the same path), and the
-run is refused in one line before anything is written into a folder that is not one.
+Four probes ask it: the trainer's at start (a file rank 0 creates in --save-dir,
+train/rundir.py), every checkpoint save's (the `<tag>.tmp` folder, checkpoint_io.py),
+every load's (the tag folder rank 0 found through `latest`: only rank 0 reads `latest`,
+checkpoint_io.agreed_tag), and the data's (the CIFAR-10 folder rank 0 fetched or found,
+gpt/cifar10.py). A rank that cannot see it is on another disk (a node-local folder of the
+same path), and the run is refused in one line before anything is written into a folder
+that is not one, or read from one that is not the folder rank 0 reads.
 
 But "cannot see it yet" is not "cannot see it". An NFS client (Linux, default mount:
 `lookupcache=all`, `acdirmin=30`, `acdirmax=60`) remembers a lookup that found nothing: a
@@ -60,9 +63,16 @@ def look_again(path: str, sees: Callable[[str], bool], wait_s: float) -> bool:
         time.sleep(RETRY_S)
 
 
+def uncounted_max(flags: torch.Tensor) -> None:
+    """MAX of `flags` over the ranks, in place, as control traffic (all_gather_object, which
+    comm does not count): for the probes that run where the byte ledger must not change."""
+    every = comm.all_gather_object(flags.tolist())
+    flags.copy_(torch.tensor(every, dtype=flags.dtype).amax(dim=0))
+
+
 def ranks_blind_to(path: str, sees: Callable[[str], bool], all_reduce_max: Callable[[torch.Tensor], None],
                    device) -> list[int]:
-    """Collective: the ranks that do not see `path` (which rank 0 created) even after
+    """Collective: the ranks that do not see `path` (which rank 0 created, or sees) even after
     VISIBLE_WAIT_S of re-reading; empty when all of them see it. One MAX all-reduce of one
     flag per rank when all see it at once (the usual case); when some do not, rank 0 says
     that it waits, those ranks look again (look_again), and a second all-reduce gives the verdict."""
@@ -75,7 +85,7 @@ def ranks_blind_to(path: str, sees: Callable[[str], bool], all_reduce_max: Calla
         return []
     if rank == 0:
         who = ", ".join(map(str, late[:8])) + (" ..." if len(late) > 8 else "")
-        print(f"minizero: rank{'s' if len(late) > 1 else ''} {who} cannot see {path} yet, which rank 0 created; "
+        print(f"minizero: rank{'s' if len(late) > 1 else ''} {who} cannot see {path} yet, which rank 0 sees; "
               f"waiting up to {VISIBLE_WAIT_S:g} s for a shared file system's cache to show it", file=sys.stderr,
               flush=True)
     still_blind = rank in late and not look_again(path, sees, VISIBLE_WAIT_S)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -69,12 +70,12 @@ def setup(args, lib) -> Run:
     # step line (both libraries print one) would say the same again, so it is turned off.
     log_every = cfg.get("steps_per_print") or 10
     engine_cfg = dict(cfg, steps_per_print=10 ** 9)
-    resume_tag = find_checkpoint(args.resume, args.tag) if args.resume else None
     # Resuming continues in the folder it resumes from, unless told otherwise, or unless
     # that folder is the other library's (foreign_resume).
     save_dir = args.save_dir or args.resume or os.path.join("runs", f"{lib.name}-{stage}-{dtype}")
+    resume_tag = None
     if args.resume:
-        save_dir = foreign_resume(args, lib.name, resume_tag, save_dir)
+        resume_tag, save_dir = on_rank0(lambda: resume_plan(args, lib.name, save_dir))
     lock = rundir.claim_for_all_ranks(save_dir, args.resume, resume_tag,   # rank 0 holds the lock
                                       overwrite=getattr(args, "overwrite", False))
     log(f"{lib.name}: world size {world} on {device}; config {args.config or '(built-in default)'} "
@@ -141,6 +142,36 @@ def setup(args, lib) -> Run:
     run.probs = runlog.first_token_probs(train_ds, args.ncluster, seed=args.seed)
     run.window = runlog.StepCommWindow(lambda: lib.comm_snapshot(engine))
     return run
+
+
+def on_rank0(fn):
+    """fn() on rank 0 alone, its result (or the exception it raised) on every rank. For the
+    decisions a resume makes from the checkpoint folder: on a shared file system another
+    node's view may lag (checkpoint_files/shared_folder.py), and ranks that decided apart
+    could load different tags, or some none; engine.load_checkpoint then waits until every
+    rank sees the folder rank 0 chose."""
+    outcome = None
+    if comm.get_rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as e:   # a UserError, a refused file: every rank raises it alike
+            try:
+                pickle.dumps(e)
+                outcome = (False, e)
+            except Exception:    # an exception that cannot travel: its words do
+                outcome = (False, RuntimeError(f"{type(e).__name__}: {e}"))
+    ok, value = comm.broadcast_object(outcome)
+    if not ok:
+        raise value
+    return value
+
+
+def resume_plan(args, library: str, save_dir: str) -> tuple[str, str]:
+    """(the tag --resume loads, the folder the run saves into). find_checkpoint reads every
+    tag's model-states file, through the allow-list: a planted file is refused here, before
+    the save folder is made."""
+    tag = find_checkpoint(args.resume, args.tag)
+    return tag, foreign_resume(args, library, tag, save_dir)
 
 
 def foreign_resume(args, library: str, tag: str, save_dir: str) -> str:

@@ -509,3 +509,83 @@ def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs,
     # DeepSpeed fact: engine.load_checkpoint refuses a ZeRO folder saved at another world size
     assert res["ds_refused"].startswith("ZeRORuntimeException") and \
         "Automatic adjustment of ZeRO's optimizer state partitioning" in res["ds_refused"]
+
+
+# ----------------------------------------------------------------------------- loading never runs code
+
+def _globals(path) -> set:
+    """Every global a torch file's pickle names (torch.save writes protocol 2: GLOBAL opcodes only)."""
+    import pickletools
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    return {arg.replace(" ", ".") for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+
+
+def _beyond_torch(folder) -> set:
+    """The globals of a tag folder's files that are not torch's own (its tensors, storages,
+    dtypes, torch.Size) nor OrderedDict: what the reader must allow beyond weights_only."""
+    return {g for f in os.listdir(folder) if f.endswith(".pt") for g in _globals(os.path.join(folder, f))
+            if not g.startswith("torch.") and g != "collections.OrderedDict"}
+
+
+def test_deepspeeds_folders_pickle_exactly_the_classes_the_reader_allows(runs, ds_to_ds):
+    """DeepSpeed fact: beyond torch's own types, a DeepSpeed 0.19.8 folder pickles four classes:
+    LossScaler (ZeRO-1/3 bf16), DynamicLossScaler (fp16), ZeroStageEnum and ZeRO-1/2's
+    fragment_address; stage 0 none. safe_load.DEEPSPEED_GLOBALS is that list, and the folders
+    minizero writes for DeepSpeed name nothing else (before, its exports also named
+    copyreg._reconstructor and builtins.object)."""
+    from minizero.checkpoint_files.safe_load import DEEPSPEED_GLOBALS
+
+    root = ds_to_ds[0]
+    saved = {"ZeRO-1 bf16": runs[1][0] / "ds", "ZeRO-3 bf16": runs[3][0] / "ds", "stage 0 bf16": root / "s0",
+             "ZeRO-2 fp16": root / "s2"}
+    found = {name: _beyond_torch(d / _tag(d)) for name, d in saved.items()}
+    assert found["stage 0 bf16"] == set(), found
+    assert set().union(*found.values()) == set(DEEPSPEED_GLOBALS), found
+    for d in (runs[1][0] / "mz_as_ds", runs[3][0] / "mz_as_ds", root / "s0_rewritten", root / "s2_rewritten"):
+        assert _beyond_torch(d / _tag(d)) <= set(DEEPSPEED_GLOBALS), d
+
+
+def _load_planted(ds_dir: str):
+    engine = _mz_engine(make_config(1))
+    try:
+        engine.load_checkpoint(ds_dir)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_planted_deepspeed_file_is_refused_by_every_reader(runs, tmp_path, capsys):
+    """A DeepSpeed folder with an os.system object planted in rank 1's optimizer file: open_source,
+    engine.load_checkpoint on both ranks, reshard, export_deepspeed, and DeepSpeed's own trainer
+    resuming it (reference/train.py --resume) each refuse it in one line naming the file and
+    the global; the marker never appears, nothing is written. Before, minizero's unpickler handed
+    every module that is not DeepSpeed's to Python's own, and DeepSpeed loads weights_only=False."""
+    from minizero.checkpoint_files import export_deepspeed, reshard
+    from tests.tools.test_checkpoint_safe_load import SMALL, plant, refused_line
+
+    planted, marker = _copy(runs[1][0] / "ds", tmp_path / "ds"), tmp_path / "marker"
+    tag = _tag(planted)
+    victim = planted / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    plant(victim, marker)
+    line = refused_line(victim)
+    with pytest.raises(CheckpointError) as e:
+        src = open_source(str(planted / tag))
+        [src.read("master", n) for n in src.names]
+    assert _one_line(e).startswith(line)
+    said = run_ranks(_load_planted, world_size=N, args=(str(planted),), env=ENV)
+    assert said[0] == said[1] and said[0].startswith(line) and "\n" not in said[0], said
+    for prog, main, extra in (("minizero.reshard", reshard.main, ["--world-size", "1"]),
+                              ("minizero.export_deepspeed", export_deepspeed.main, [])):
+        assert main([str(planted), str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"python -m {prog}: error: {line}"), err
+        assert not (tmp_path / "out").exists()
+    p = run_command("reference/train.py", ["--stage", "1", "--dtype", "bf16", "--max-steps", "6", "--resume",
+                                           str(planted), "--save-dir", str(tmp_path / "resumed"), *SMALL])
+    errors = [ln for ln in p.stderr.splitlines() if ": error:" in ln]
+    assert p.returncode != 0 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert errors[0].startswith(f"reference/train.py: error: {line}"), errors
+    assert not (tmp_path / "resumed").exists() and not marker.exists()

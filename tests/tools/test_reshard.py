@@ -294,8 +294,7 @@ def test_reshard_cli_bad_input_is_one_line(saved, tmp_path, capsys, monkeypatch)
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and want in err, (argv, err)
         assert err.startswith("python -m minizero.reshard: error: ")
-    assert not os.path.exists(tmp_path / "o6" / "global_step4")   # nothing half-written
-    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "o6"))
+    assert not os.path.exists(tmp_path / "o6")   # the damaged file is found before DST is made: nothing written
 
 
 @pytest.mark.parametrize("module", ["minizero.checkpoint_files.reshard", "minizero.checkpoint_files.export_deepspeed"])

@@ -15,6 +15,7 @@ stays missing (however long the test runs) until the folder holding it is listed
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import io
@@ -58,14 +59,27 @@ class LaggingNfsView:
         self.remembered_missing = {p for p in self.remembered_missing if os.path.dirname(p) != full}
         return self.real_listdir(path)
 
-    def install(self) -> None:
+    def isfile(self, path) -> bool:
+        return self.sees(path) and self.real_isfile(path)
+
+    def open(self, path, *a, **k):
+        """open() of a file this node remembers missing: "no such file", as its cache says."""
+        if isinstance(path, (str, os.PathLike)) and not self.sees(os.fspath(path)):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        return self.real_open(path, *a, **k)
+
+    def install(self, files: bool = False) -> None:
+        """files: also os.path.isfile and open (a file's name is remembered missing as a folder's is)."""
         os.path.exists, os.path.isdir, os.listdir = self.sees, self.isdir, self.listdir
+        if files:
+            self.real_isfile, self.real_open = os.path.isfile, builtins.open
+            os.path.isfile, builtins.open = self.isfile, self.open
 
 
-def _lagging_on_rank_1(root: str) -> None:
+def _lagging_on_rank_1(root: str, files: bool = False) -> None:
     from minizero import comm
     if comm.get_rank() == 1:
-        LaggingNfsView(root).install()
+        LaggingNfsView(root).install(files)
 
 
 def _start(root: str, save: str, looked_before: str):
@@ -168,6 +182,48 @@ def test_a_folder_that_is_not_shared_is_still_refused_in_one_line_after_the_wait
     assert "waiting up to 2 s" in out[0][1] and out[1][1] == "", out
     assert all(2 <= o[2] < 20 for o in out), out   # it waited, but no longer than asked
     assert not (tmp_path / "node0").exists()
+
+
+# ----------------------------------------------------------------------------- --resume: `latest` read by rank 0 alone
+
+def _resume(root: str, d: str):
+    """Rank 1's node looked for `latest` and the tag folder before the run that saves them
+    (a job script checking whether to resume); a new engine then resumes d, as --resume does,
+    and the trainer's resume plan (find_checkpoint, on rank 0, told to every rank)."""
+    import argparse
+
+    from minizero import comm
+    from minizero.train.runsetup import on_rank0, resume_plan
+    from tests.tools.test_checkpoint_io import _one_step, checkpoint_engine
+    _lagging_on_rank_1(root, files=True)
+    engine = checkpoint_engine(1, "fp32")
+    _one_step(engine, 0)
+    if comm.get_rank() == 0:
+        os.makedirs(d)
+    comm.barrier()
+    if comm.get_rank() == 1:   # it sees d, and remembers the names it looked up in it as missing
+        assert os.path.isdir(d) and not os.path.exists(os.path.join(d, "latest"))
+        assert not os.path.exists(os.path.join(d, "global_step1"))
+    comm.barrier()
+    with contextlib.redirect_stderr(io.StringIO()):
+        engine.save_checkpoint(d)
+    comm.barrier()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        path, client = checkpoint_engine(1, "fp32").load_checkpoint(d)
+        plan = on_rank0(lambda: resume_plan(argparse.Namespace(resume=d, tag=None, save_dir=None), "minizero", d))
+    return path, plan, err.getvalue()
+
+
+def test_a_resume_on_a_node_that_remembers_latest_missing_loads_rank_0s_tag(tmp_path):
+    # Before: rank 1 read no `latest` and returned (None, None) while rank 0 loaded global_step1
+    # and waited for it in a collective (this test failed with a closed connection).
+    d = str(tmp_path / "ckpt")
+    out = run_ranks(_resume, 2, args=(str(tmp_path), d), timeout=180)
+    tag = os.path.join(d, "global_step1")
+    assert [o[0] for o in out] == [tag, tag], out
+    assert [o[1] for o in out] == [("global_step1", d)] * 2, out
+    assert f"minizero: rank 1 cannot see {tag} yet, which rank 0 sees" in out[0][2], out   # it looked again
 
 
 # ----------------------------------------------------------------------------- --save-dir looked up by rank 0 alone
