@@ -11,7 +11,11 @@ comm announce (its phases, each unit's forward/recompute/backward, the begin, bl
 and end of every collective and host copy) and keeps one sample per event:
 
     {"t": microseconds, "event": "begin", "op": "all_gather", "label": "blocks.0.g0.fwd",
-     "step": 2, "held": {"device": {"params.gathered": 3264, "params.shard": 1632, ...}, "host": {...}}}
+     "step": 2, "held": {"device": {"params.gathered": 3264, "params.shard": 1632, ...}, "host": {...}},
+     "gathered": ["blocks.0.g0", "root.g0"]}
+
+"gathered" names the partitioned FlatParams whose full buffer is allocated at that moment
+(ZeRO-3's units between gather and release; the rest of the model is always whole).
 
 The kinds (KINDS), each storage counted once, in the first kind that holds it, in the order
 memory.held_bytes claims them (params, master_params, optimizer_states, grads), so the sums
@@ -85,6 +89,17 @@ def _buffers(engine):
         yield "grads.buffer", f.grad_buffer, False, False
         for p in f.params:
             yield "grads.param", p.grad, False, False
+
+
+def gathered(engine) -> list[str]:
+    """Labels of the FlatParams gathered now whose shard has a storage of its own (ZeRO-3's
+    partitioned ones: a ZeRO-0/1/2 or persistent shard is a view of the full buffer)."""
+    out = []
+    for f in engine.stage.flat_params:
+        full = f.full.untyped_storage()
+        if full.nbytes() > 0 and f.shard.untyped_storage().data_ptr() != full.data_ptr():
+            out.append(f.label)
+    return out
 
 
 def held(engine) -> dict:
@@ -174,7 +189,8 @@ class MemoryTrack:
     def sample(self, event: str, t=None, **fields) -> dict:
         """Read the engine now and keep the sample: `event` (the hook's name) and `fields`
         (op, label, unit, kind, phase, ...), at `t` (default: the clock now)."""
-        s = {"t": self.clock() if t is None else t, "event": event, **fields, "held": held(self.engine)}
+        s = {"t": self.clock() if t is None else t, "event": event, **fields, "held": held(self.engine),
+             "gathered": gathered(self.engine)}
         if "step" not in s and self.step is not None:
             s["step"] = self.step
         self.events.append(s)

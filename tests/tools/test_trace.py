@@ -5,6 +5,10 @@ Checked on 2 gloo ranks, a 2-block GPT, at every stage:
   summed per op equal engine.comm_stats() over the same step exactly (the ledger's counts);
 - each unit's forward and backward appear, recompute too with activation checkpointing;
 - waits are within [0, duration] and the merged trace has every rank;
+- each collective names its ring (the ranks of its group) and its seq in the step, and the
+  memory track (memory_track.py) has a sample at its begin and end, and at every phase, at
+  the trace's own marks, also as Perfetto counters (tests/tools/test_replay.py checks the
+  samples' bytes);
 - losses are bit-identical with tracing on and off (the marks are identity functions);
 - the comms logger's counts equal the ledger's calls, its table is DeepSpeed's format, and
   its bandwidths are DeepSpeed's formulas.
@@ -89,6 +93,21 @@ def test_trace_events_equal_the_ledger(stage, tmp_path):
             for p in ("forward", "backward", "step", "reduce_gradients", "grad_norm", "optimizer", "after_step"):
                 assert p in phases
             assert phases.count("forward") == 2            # gas 2: two micro-steps in one optimizer step
+            # each collective's ring (its group's ranks) and place in the step; the memory track
+            # sampled its begin and end, and every phase and unit event, at the same marks
+            assert [e["args"]["seq"] for e in sorted(events, key=lambda e: e["ts"])] == list(range(len(events)))
+            assert all(e["args"]["ranks"] == [0, 1] for e in events)
+            samples = [s for s in doc["memoryTrack"][str(rank)] if s["step"] == step]
+            at = {(s["event"], s.get("seq")): s["t"] for s in samples}
+            for e in events:
+                assert at[("begin", e["args"]["seq"])] == e["ts"]
+                assert abs(at[("end", e["args"]["seq"])] - (e["ts"] + e["dur"])) < 1e-6
+            starts = [s for s in samples if s["event"] == "phase_begins"]
+            assert [s["phase"] for s in starts] == [p for p in phases if p != f"step {step}"]
+            assert len([s for s in samples if s["event"] == "unit_begins"]) >= len(_events(doc, "units", step))
+            counters = [e for e in doc["traceEvents"] if e.get("ph") == "C" and e["args"] and e["ts"] in
+                        {s["t"] for s in samples}]
+            assert len(counters) == len(samples)   # Perfetto's memory counter: one per sample (device only here)
         assert not _events(doc, step=1)                    # step 1 was not chosen
     with open(os.path.join(out, "trace.json")) as f:
         merged = json.load(f)
