@@ -60,6 +60,7 @@ The tracer is an observer of comm.py's hook and nothing else (the engine imports
 from here): it hears the engine's phases, each unit's phases, and each collective's begin,
 blocking wait and end, and at each takes a memory sample (memory_track.MemoryTrack, driven
 by the tracer so that it samples exactly the traced steps, at the tracer's own marks).
+At close rank 0 also writes replay.html, the step replayed in a browser (minizero/replay/).
 """
 from __future__ import annotations
 
@@ -386,6 +387,9 @@ class Tracer:
             elif merged:   # the picture is optional (matplotlib comes with .[dev]); the trace is not
                 print(f"minizero trace: no timeline.png (needs matplotlib: pip install -e .[dev], then "
                       f"python -m minizero.timeline {self.out_dir})")
+            if merged:
+                from ..replay.page import write_page
+                paths.append(write_page([doc], os.path.join(self.out_dir, "replay.html")))
         return paths
 
     def _write(self, name: str, doc: dict) -> str:

@@ -70,7 +70,7 @@ def test_trace_events_equal_the_ledger(stage, tmp_path):
     out = str(tmp_path / "trace")
     results = run_ranks(_run, 2, args=(stage, out))
     assert all(r["closed"] for r in results)          # closed itself after its last step
-    assert sorted(os.listdir(out)) == ["rank0.json", "rank1.json", "timeline.png", "trace.json"]
+    assert sorted(os.listdir(out)) == ["rank0.json", "rank1.json", "replay.html", "timeline.png", "trace.json"]
     for rank, r in enumerate(results):
         with open(os.path.join(out, f"rank{rank}.json")) as f:
             doc = json.load(f)
@@ -253,7 +253,7 @@ def test_without_matplotlib_the_trace_is_written_and_the_picture_is_skipped(tmp_
         _, loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-    assert sorted(os.listdir(out)) == ["rank0.json", "trace.json"]
+    assert sorted(os.listdir(out)) == ["rank0.json", "replay.html", "trace.json"]
     assert "no timeline.png (needs matplotlib" in capsys.readouterr().out
     assert timeline.main([out]) == 2
 
