@@ -387,9 +387,13 @@ class Tracer:
             elif merged:   # the picture is optional (matplotlib comes with .[dev]); the trace is not
                 print(f"minizero trace: no timeline.png (needs matplotlib: pip install -e .[dev], then "
                       f"python -m minizero.timeline {self.out_dir})")
-            if merged:
+            if merged:   # the page is a view of the files above: a problem with it loses none of them
                 from ..replay.page import write_page
-                paths.append(write_page([doc], os.path.join(self.out_dir, "replay.html")))
+                try:
+                    paths.append(write_page([doc], os.path.join(self.out_dir, "replay.html")))
+                except (OSError, ValueError, KeyError) as e:
+                    print(f"minizero trace: no replay.html ({e}); python -m minizero.replay {self.out_dir} "
+                          f"writes it from the trace")
         return paths
 
     def _write(self, name: str, doc: dict) -> str:

@@ -117,8 +117,8 @@
       run.rows[r] = {row, phase, chip, net, places};
     });
     const key = el("div", {class: "chipkey"}, sec, "Units:");
-    for (const [cls, what] of [["", "sharded"], ["gathered", "gathered"], ["ag", "being gathered"],
-      ["rs", "gradients reduce-scattering"], ["forward", "forward"], ["backward", "backward"], ["recompute", "recompute"]]) {
+    for (const [cls, what] of [["", "sharded"], ["gathered", "gathered"], ["ag", "gathering"],
+      ["rs", "reduce-scattering"], ["forward", "forward"], ["backward", "backward"], ["recompute", "recompute"]]) {
       if (cls === "recompute" && !run.spans.some((s) => s.name === "recompute")) continue;
       el("span", {class: "chip " + cls}, key);
       key.appendChild(document.createTextNode(what));
@@ -156,6 +156,13 @@
       }
     });
     run.cursor = el("svg:line", {class: "cursor", x1: 0, x2: 0, y1: 0, y2: height}, g);
+    // the time axis: milliseconds since the step began, the same for every run on the page
+    const axis = el("div", {class: "axis"}, sec);
+    const stepMs = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000].find((s) => DURATION / 1000 / s <= 6) || 1000;
+    for (let ms = 0; ms <= DURATION / 1000; ms += stepMs) {
+      el("span", {style: `left: ${(100 * ms * 1000) / DURATION}%`}, axis, `${+ms.toFixed(1)}`);
+    }
+    el("span", {class: "unit", style: "right: 0"}, axis, "ms since the step began");
     g.addEventListener("click", (ev) => {
       const box = g.getBoundingClientRect();
       const t = ((ev.clientX - box.left) / box.width) * DURATION;

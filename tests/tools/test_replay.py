@@ -133,6 +133,65 @@ def test_memory_track_equals_held_bytes_and_memory_breakdown(runs, name):
         assert "master_params" in samples[0]["held"]["device"]
 
 
+def test_memory_track_on_its_own():
+    """One process: MemoryTrack(engine) subscribes while it is open and leaves nothing behind; its
+    samples are in time order and tell the phases apart (peak); the end of backward's equals
+    held_bytes read there."""
+    from minizero import comm, memory
+    from minizero.observe.memory_track import MemoryTrack, total
+    engine, _ = micro_engine(make_config(3, "bf16", micro_batch=2, lr=1e-2, zero=ON_DEMAND), **NO_DROPOUT)
+    x, y = PatternBatches(62, 16, global_batch=2)(1, 0, 0, 1)
+    assert comm._watchers == ()
+    with MemoryTrack(engine) as track:
+        assert comm._watchers == (track,)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        held = memory.held_bytes(engine)
+        engine.step()
+    assert comm._watchers == () and track not in comm.observers
+    times = [s["t"] for s in track.events]
+    assert times == sorted(times) and {s["step"] for s in track.events} == {1}
+    assert [s["event"] for s in track.events[:2]] == ["phase_begins", "unit_begins"]
+    end = track.last("phase_ends", phase="backward")
+    assert _split(categories(end["held"])) == _split(held)
+    forward, backward = track.peak("forward"), track.peak("backward")
+    assert "params.gathered" in forward and "grads.param" not in forward
+    assert {"params.gathered", "grads.param", "grads.buffer"} <= set(backward)
+    assert sum(backward.values()) > total(end["held"], "device")   # the gathered units and .grads are gone by then
+    assert track.peak("no such phase") == {}
+
+
+def test_memory_track_places_host_and_nvme(tmp_path):
+    """One process, ZeRO-3 with both offloads to NVMe files: the parameter shards live in host
+    memory, and between uses the shards, masters and moments wait in their files, which the
+    samples count under "nvme", as held_bytes does."""
+    from minizero import memory
+    from minizero.observe.memory_track import MemoryTrack
+    where = {"device": "nvme", "nvme_path": str(tmp_path)}
+    zero = {**ON_DEMAND, "offload_optimizer": dict(where), "offload_param": dict(where)}
+    engine, _ = micro_engine(make_config(3, "bf16", micro_batch=2, lr=1e-2, zero=zero), **NO_DROPOUT)
+    batches = PatternBatches(62, 16, global_batch=2)
+    try:
+        with MemoryTrack(engine) as track:
+            for step in (1, 2):
+                _, loss = engine(*batches(step, 0, 0, 1))
+                engine.backward(loss)
+                engine.step()
+                if step == 1:
+                    held = memory.held_bytes(engine)   # (it waits for the step's writes to their files)
+                    first = len(track.events)
+    finally:
+        engine.destroy()
+    resting = track.events[first]["held"]   # step 2's first sample: nothing moved since held_bytes
+    assert track.events[first]["event"] == "phase_begins"
+    assert {"params.shard", "master_params", "optimizer_states"} <= set(resting["nvme"])
+    assert resting.keys() == {"nvme"}   # nothing on the device or in host memory between steps
+    assert {k: v for k, v in categories(resting).items() if k != "host"} == \
+        {k: v for k, v in _split(held).items() if k != "host"} | {"nvme": held["nvme"]}
+    gathering = [s for s in track.events if s["event"] == "begin" and s.get("op") == "h2d"]
+    assert gathering and all("params.shard" in s["held"]["host"] for s in gathering)   # read back for the gather
+
+
 def test_page_data_has_every_event_of_the_trace(runs):
     from minizero.replay.build import load, run_data
     for name, run in runs.items():
@@ -328,11 +387,15 @@ def test_page_in_a_browser(runs, browser, name):
     assert page.evaluate("document.body.dataset.playing") == "no"
     shots = os.environ.get("MINIZERO_REPLAY_SHOTS")
     if shots and name == "zero3":
+        page.evaluate("window.replay.ledgerRank(0, 0)")
         for what, i in (("forward_gather", _moment(page, 0, world - 1, "end", op="all_gather", label_end="blocks.1.g0.fwd")),
                         ("backward_reduce_scatter", _moment(page, 0, world - 1, "begin", op="reduce_scatter")),
                         ("step", count - 1)):
             page.evaluate(f"window.replay.go({i})")
-            page.screenshot(path=os.path.join(shots, f"replay_{what}.png"))
+            path = os.path.join(shots, f"replay_{what}.png")
+            page.screenshot(path=path)
+            from PIL import Image   # a palette of 256 colours: the page has fewer, the file a third the size
+            Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
     page.close()
 
 

@@ -168,6 +168,11 @@ def test_trace_shows_offload_copies(tmp_path):
         mine = [e for e in _events(doc, "copies", 2) if e["args"]["op"] == op]
         assert mine and len(mine) == r["per_step"][2][op]["calls"]
         assert sum(e["args"]["bytes"] for e in mine) == r["per_step"][2][op]["bytes"]
+    # the memory track: the optimizer's masters and moments in host memory, a counter for each place
+    samples = doc["memoryTrack"]["0"]
+    assert all(set(s["held"]["host"]) == {"master_params", "optimizer_states"} for s in samples)
+    assert {e["name"] for e in doc["traceEvents"] if e.get("ph") == "C"} == \
+        {"model states on device (bytes)", "model states on host (bytes)"}
 
 
 def test_engine_trace_context_manager_single_rank(tmp_path):
