@@ -90,7 +90,7 @@
     run.rows = {};
     run.ranks.forEach((r, i) => {
       const row = el("div", {class: "rank", "data-rank": r}, rows);
-      if (i > 0 && run.node(r) !== run.node(run.ranks[i - 1])) row.classList.add("node-start");
+      const nodeStart = i > 0 && run.node(r) !== run.node(run.ranks[i - 1]);
       const who = el("div", {class: "who", title: "show this rank's ledger"}, row, `rank ${r}`);
       if (run.nodes > 1) el("small", {}, who, `node ${run.node(r)}`);
       who.addEventListener("click", () => { run.ledgerRank = r; render(); });
@@ -114,7 +114,7 @@
         }
         places[p] = {segs, total: el("span", {class: "ptotal", "data-rank": r, "data-place": p}, line)};
       }
-      run.rows[r] = {row, phase, chip, net, places};
+      run.rows[r] = {row, nodeStart, phase, chip, net, places};
     });
     const key = el("div", {class: "chipkey"}, sec, "Units:");
     for (const [cls, what] of [["", "sharded"], ["gathered", "gathered"], ["ag", "gathering"],
@@ -188,8 +188,9 @@
     for (const r of run.ranks) {
       const v = run.rows[r];
       const s = sampleOf(run, r, li);
-      v.row.classList.toggle("current", r === at);
-      v.row.classList.toggle("ledger-rank", r === run.ledgerRank);
+      // every class from the moment alone, so a moment looks the same however it was reached
+      v.row.className = ["rank", v.nodeStart ? "node-start" : "", r === at ? "current" : "",
+        r === run.ledgerRank ? "ledger-rank" : ""].filter(Boolean).join(" ");
       const phases = run.spans.filter((p) => p.r === r && p.phase && inside(p, li)).sort((a, b) => a.m0 - b.m0);
       v.phase.textContent = phases.length ? phases.map((p) => p.name).join(" \u203a ") : (li < 0 ? "not started" : "");
       const computing = {};

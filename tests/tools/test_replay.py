@@ -308,6 +308,33 @@ def _expected_stacks(doc_samples: dict, index: int) -> dict:
     return {(r, p, k): b for r, s in latest.items() for p, kinds in s["held"].items() for k, b in kinds.items() if b}
 
 
+def _expected_ledger(doc_samples: dict, xs: list[dict], rank: int, index: int) -> dict:
+    """{op: {calls, bytes, wire_bytes}} of `rank`'s collectives and copies whose end sample comes
+    at or before the page's moment `index` (the trace's events, matched to their samples by seq)."""
+    order = sorted((s["t"], r, i) for r, samples in doc_samples.items() for i, s in enumerate(samples))
+    ended = {doc_samples[r][i]["seq"] for _, r, i in order[:index + 1]
+             if r == rank and doc_samples[r][i]["event"] == "end"}
+    out: dict = {}
+    for e in xs:
+        if e["pid"] == rank and e["cat"] in ("collectives", "copies"):
+            row = out.setdefault(e["args"]["op"], {"calls": 0, "bytes": 0, "wire_bytes": 0})
+            if e["args"]["seq"] in ended:
+                row["calls"] += 1
+                row["bytes"] += e["args"]["bytes"]
+                row["wire_bytes"] += e["args"]["wire_bytes"]
+    return out
+
+
+def _shown_ledger(page, run: int = 0) -> dict:
+    rows = page.eval_on_selector_all(f".ledger[data-run='{run}'] tbody tr[data-op] td[data-field]",
+                                     "tds => tds.map(td => [td.parentElement.dataset.op, td.dataset.field, "
+                                     "+td.dataset.value])")
+    shown: dict = {}
+    for op, field, value in rows:
+        shown.setdefault(op, {})[field] = value
+    return shown
+
+
 def _shown_stacks(page) -> dict:
     segs = page.eval_on_selector_all(".run[data-run='0'] .seg", "els => els.map(e => [e.dataset.rank, "
                                                                   "e.dataset.place, e.dataset.kind, +e.dataset.bytes])")
@@ -355,6 +382,8 @@ def test_page_in_a_browser(runs, browser, name):
     for i in sorted(chosen):
         page.evaluate(f"window.replay.go({i})")
         assert _shown_stacks(page) == _expected_stacks(samples, i), (name, i)
+        shown = {op: {k: v for k, v in row.items() if k != "inter_node_bytes"} for op, row in _shown_ledger(page).items()}
+        assert shown == _expected_ledger(samples, xs, 0, i), (name, i)   # the running ledger, rank 0's
         # one step forward and one back (at the end: back and forward): the same state
         state = _state(page)
         there, back = ("ArrowRight", "ArrowLeft") if i < count - 1 else ("ArrowLeft", "ArrowRight")
@@ -366,12 +395,7 @@ def test_page_in_a_browser(runs, browser, name):
     page.keyboard.press("End")
     for r, res in enumerate(run["ranks"]):
         page.evaluate(f"window.replay.ledgerRank(0, {r})")
-        rows = page.eval_on_selector_all(".ledger[data-run='0'] tbody tr[data-op] td[data-field]",
-                                         "tds => tds.map(td => [td.parentElement.dataset.op, td.dataset.field, "
-                                         "+td.dataset.value])")
-        shown = {}
-        for op, field, value in rows:
-            shown.setdefault(op, {})[field] = value
+        shown = _shown_ledger(page)
         other = docs[0]["otherData"]
         nodes = other["world_size"] // other["ranks_per_node"]   # the inter-node column: on several nodes only
         expected = {op: {k: v for k, v in s.items() if k != "inter_node_bytes" or nodes > 1}
