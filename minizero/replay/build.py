@@ -9,7 +9,8 @@ every one of those events (observe/memory_track.py). `run_data` turns one traced
     moments   every memory sample of every rank, in time order: [t (us from the step's
               start), rank, the sample's index on that rank]. The page steps through these.
     samples   per rank, each sample: the event it was taken at, the bytes held by kind and
-              place, the units gathered
+              place ([place, kind, bytes], indices into `places` and `kinds`), the units
+              gathered (indices into `units`)
     colls     every collective and copy: rank, op, label, unit, bytes, ranks, and the moments
               it runs between, [m0, m1) (its begin and end samples, matched by seq)
     spans     every unit's forward/backward/recompute and every phase, as moment ranges
@@ -153,18 +154,28 @@ def run_data(doc: dict, name: str, step: int | None = None) -> dict:
         i = bisect.bisect_left(times[r], t)
         return index[(r, i)] if i < len(samples[r]) else len(order)
 
-    kinds, places = set(), set()
+    # a sample's bytes as [place, kind, bytes] and its gathered units, by index into the run's
+    # places, kinds and units: a long run has thousands of samples
+    held_kinds = {k for r in ranks for s in samples[r] for ks in s["held"].values() for k, b in ks.items() if b}
+    held_places = {p for r in ranks for s in samples[r] for p, ks in s["held"].items() if any(ks.values())}
+    kinds = [k for k in KIND_ORDER if k in held_kinds] + sorted(held_kinds - set(KIND_ORDER))
+    places = [p for p in PLACE_ORDER if p in held_places] + sorted(held_places - set(PLACE_ORDER))
+    unit_index: dict = {}   # FlatParam label -> its unit's index (None: no unit), each label worked out once
+
+    def index_of_unit(label: str) -> int | None:
+        if label not in unit_index:
+            u = unit_of(label, units)
+            unit_index[label] = units.index(u) if u else None
+        return unit_index[label]
+
     out_samples = {}
     for r in ranks:
         rows = []
         for s in samples[r]:
-            held = [[p, k, b] for p, ks in s["held"].items() for k, b in ks.items() if b]
-            kinds.update(k for _, k, _ in held)
-            places.update(p for p, _, _ in held)
             row = {k: s[k] for k in ("event", "op", "label", "unit", "kind", "phase", "seq", "bytes", "wire_bytes")
                    if k in s}
-            row["held"] = held
-            row["gathered"] = sorted({u for u in (unit_of(x, units) for x in s.get("gathered", [])) if u})
+            row["held"] = [[places.index(p), kinds.index(k), b] for p, ks in s["held"].items() for k, b in ks.items() if b]
+            row["gathered"] = sorted({i for i in map(index_of_unit, s.get("gathered", [])) if i is not None})
             rows.append(row)
         out_samples[str(r)] = rows
 
@@ -194,7 +205,7 @@ def run_data(doc: dict, name: str, step: int | None = None) -> dict:
         "name": name, "title": title_of(other, name), "step": step, "steps": steps, "ranks": ranks,
         "per_node": int(other.get("ranks_per_node") or world), "stage": other.get("stage"),
         "scheme": scheme_of(other), "units": units,
-        "kinds": [k for k in KIND_ORDER if k in kinds], "places": [p for p in PLACE_ORDER if p in places],
+        "kinds": kinds, "places": places,
         "moments": [[round(t - begin, 1), r, i] for t, r, i in order],
         "samples": out_samples, "colls": colls, "spans": spans,
         "duration": round(max(e["ts"] + e["dur"] for e in xs) - begin, 1), "paper": paper(other),

@@ -48,6 +48,13 @@
 
   RUNS.forEach((run, k) => {
     run.k = k;
+    // the data names places, kinds and units by index (build.py): names from here on
+    for (const r of run.ranks) {
+      for (const smp of run.samples[r]) {
+        smp.held = smp.held.map(([p, kind, b]) => [run.places[p], run.kinds[kind], b]);
+        smp.gathered = smp.gathered.map((u) => run.units[u]);
+      }
+    }
     run.localAt = new Int32Array(GLOBAL.length);
     let li = -1;
     GLOBAL.forEach((g, i) => { if (g[1] === k) li = g[2]; run.localAt[i] = li; });
@@ -158,9 +165,11 @@
     run.cursor = el("svg:line", {class: "cursor", x1: 0, x2: 0, y1: 0, y2: height}, g);
     // the time axis: milliseconds since the step began, the same for every run on the page
     const axis = el("div", {class: "axis"}, sec);
-    const stepMs = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000].find((s) => DURATION / 1000 / s <= 6) || 1000;
-    for (let ms = 0; ms <= DURATION / 1000; ms += stepMs) {
-      el("span", {style: `left: ${(100 * ms * 1000) / DURATION}%`}, axis, `${+ms.toFixed(1)}`);
+    const span = DURATION / 1000;   // ms
+    const tenth = Math.pow(10, Math.floor(Math.log10(span / 5)));
+    const stepMs = [1, 2, 5, 10].map((m) => m * tenth).find((s) => span / s <= 6);   // at most 6 ticks
+    for (let i = 0; i * stepMs <= span * 0.85; i += 1) {   // leave room for the axis' name
+      el("span", {style: `left: ${(100 * i * stepMs) / span}%`}, axis, `${+(i * stepMs).toPrecision(6)}`);
     }
     el("span", {class: "unit", style: "right: 0"}, axis, "ms since the step began");
     g.addEventListener("click", (ev) => {
