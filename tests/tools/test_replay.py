@@ -412,9 +412,10 @@ def test_page_in_a_browser(runs, browser, name):
     shots = os.environ.get("MINIZERO_REPLAY_SHOTS")
     if shots and name == "zero3":
         page.evaluate("window.replay.ledgerRank(0, 0)")
-        for what, i in (("forward_gather", _moment(page, 0, world - 1, "end", op="all_gather", label_end="blocks.1.g0.fwd")),
-                        ("backward_reduce_scatter", _moment(page, 0, world - 1, "begin", op="reduce_scatter")),
-                        ("step", count - 1)):
+        # the moments every rank has reached: block 1 gathered for its forward, its gradients' reduce-scatter
+        gathered = max(_moment(page, 0, r, "end", op="all_gather", label_end="blocks.1.g1.fwd") for r in range(world))
+        scatter = max(_moment(page, 0, r, "begin", op="reduce_scatter", label_end="blocks.1.g0.grads") for r in range(world))
+        for what, i in (("forward_gather", gathered), ("backward_reduce_scatter", scatter), ("step", count - 1)):
             page.evaluate(f"window.replay.go({i})")
             path = os.path.join(shots, f"replay_{what}.png")
             page.screenshot(path=path)
