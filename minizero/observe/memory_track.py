@@ -52,11 +52,11 @@ import time
 import torch
 
 from .. import comm
+from ..memory import CATEGORIES   # memory_breakdown's four categories
 
 KINDS = ("params.gathered", "params.shard", "params.secondary", "master_params", "optimizer_states",
          "grads.shard", "grads.buffer", "grads.param")
 PLACES = ("device", "host", "nvme")
-CATEGORIES = ("params", "grads", "master_params", "optimizer_states")   # memory.CATEGORIES, memory_breakdown's
 
 
 def category(kind: str) -> str:
