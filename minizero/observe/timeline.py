@@ -139,7 +139,8 @@ def drop_labels_that_do_not_fit(fig, ax, labels) -> None:
 
 
 def merge(folder: str) -> dict:
-    """The rank*.json files of a trace folder as one document (all ranks on one timeline)."""
+    """The rank*.json files of a trace folder as one document (all ranks on one timeline, each
+    rank's memory samples under "memoryTrack")."""
     files = sorted(glob.glob(os.path.join(folder, "rank*.json")),
                    key=lambda p: int(re.search(r"rank(\d+)\.json$", p).group(1)))
     if not files:
@@ -153,7 +154,8 @@ def merge(folder: str) -> dict:
         except (OSError, ValueError) as e:
             raise ValueError(f"{p}: not a readable trace ({e})") from None
     out = {"traceEvents": [e for d in docs for e in d["traceEvents"]], "displayTimeUnit": "ms",
-           "otherData": dict(docs[0].get("otherData", {}), ranks=len(docs))}
+           "otherData": dict(docs[0].get("otherData", {}), ranks=len(docs)),
+           "memoryTrack": {r: samples for d in docs for r, samples in d.get("memoryTrack", {}).items()}}
     return out
 
 

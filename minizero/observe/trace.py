@@ -22,6 +22,14 @@ Tracks, per rank:
                wait_us, the part of it spent waiting for the last rank to arrive (drawn as a
                nested "wait")
   copies       ZeRO-Offload's device<->host copies (offload.py)
+  memory       each rank's model-state bytes by kind and place at every event above
+               (memory_track.py): Chrome-trace counters, so Perfetto draws them, and the
+               samples themselves, with the event each was taken at, under the document's
+               "memoryTrack" key ({rank: [samples]}), on the same clock
+
+Each collective's args also say which ranks it ran among ("ranks", the ring in its order)
+and its place in the step ("seq": the i-th collective or copy this rank issued); the
+memory samples of its begin, blocking wait and end carry the same seq.
 
 A unit's backward starts when the first gradient reaches its outputs and ends when the
 gradients reach its inputs (unit.UnitMarks says how); the root's inputs are token ids, which
@@ -50,7 +58,9 @@ code: `with trace.start(engine, DIR): ...` (every step inside the block).
 
 The tracer is an observer of comm.py's hook and nothing else (the engine imports nothing
 from here): it hears the engine's phases, each unit's phases, and each collective's begin,
-blocking wait and end.
+blocking wait and end, and at each takes a memory sample (memory_track.MemoryTrack, driven
+by the tracer so that it samples exactly the traced steps, at the tracer's own marks).
+At close rank 0 also writes replay.html, the step replayed in a browser (minizero/replay/).
 """
 from __future__ import annotations
 
@@ -64,8 +74,9 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import comm
+from .memory_track import MemoryTrack
 
-TRACKS = ("step", "units", "collectives", "copies")   # tid = index
+TRACKS = ("step", "units", "collectives", "copies", "memory")   # tid = index
 _open_tracers: dict = {}   # id(engine) -> its open Tracer (one at a time per engine)
 _last_tracer = weakref.WeakKeyDictionary()   # engine -> its latest Tracer, open or closed (tracer_of)
 
@@ -131,6 +142,10 @@ class Tracer:
         self.traced_steps: list[int] = []
         os.makedirs(out_dir, exist_ok=True)
         self._phases: dict[str, object] = {}   # phase -> its begin mark, while open
+        # the model-state samples, at the tracer's marks, of the traced steps only
+        self.memory = MemoryTrack(engine, clock=self.clock.mark, subscribe=False)
+        self.memory_events: list[dict] = []   # finished steps' samples, microseconds
+        self._groups: dict = {}                # process group -> its ranks, in ring order
         _open_tracers[id(engine)] = self
         _last_tracer[engine] = self
         comm.subscribe(self)
@@ -151,6 +166,8 @@ class Tracer:
         self._marks: list[tuple] = []      # (track, name, begin, end, args) of this step
         self._open: dict[tuple, tuple] = {}
         self._ledger_before = comm.ledger.snapshot()
+        self._seq = 0                      # collectives and copies issued so far in this step
+        self._samples_from = len(self.memory.events)
         self._step_begin = self.clock.mark()
 
     def step_ends(self, step: int) -> None:
@@ -176,17 +193,31 @@ class Tracer:
         if name == "forward" and engine.micro_steps % engine.gradient_accumulation_steps() == 0:
             self.step_begins(engine.global_steps + 1)   # the first forward of an optimizer step
         if self.recording:
-            self._phases[name] = self.clock.mark()
+            self._phases[name] = mark = self.clock.mark()
+            self._sample("phase_begins", mark, phase=name)
 
     def phase_ends(self, name: str, engine) -> None:
         if engine is not self.engine:
             return
         if self.recording and name in self._phases:
-            self.add_phase(name, self._phases.pop(name), self.clock.mark())
+            mark = self.clock.mark()
+            self.add_phase(name, self._phases.pop(name), mark)
+            self._sample("phase_ends", mark, phase=name)
         if name == "step":   # the accumulation boundary's step: the optimizer step is done
             self.step_ends(engine.global_steps)
 
     # ---------------------------------------------------------------- what is recorded
+    def _sample(self, event: str, mark, **fields) -> None:
+        """A memory sample at `mark` (the trace event's own), in this step."""
+        self.memory.sample(event, t=mark, step=self.step, **fields)
+
+    def _ranks(self, group) -> list[int]:
+        """The global ranks of `group` (None: all), in its ring's order."""
+        if group not in self._groups:
+            self._groups[group] = dist.get_process_group_ranks(group) if group is not None \
+                else list(range(self.world))
+        return self._groups[group]
+
     def add_phase(self, name: str, begin, end) -> None:
         self._marks.append(("step", name, begin, end, {}))
         if name == "backward":   # a unit whose inputs get no gradient (the root) ends here
@@ -195,48 +226,62 @@ class Tracer:
     def begin(self, op: str, label: str | None, tensor, nbytes: int, group):
         """comm.py's observer: a collective or copy starts. The token: [its start, when this rank
         began to block on it (an asynchronous one's wait), or None; does this rank send to
-        another node on the collective's ring (comm.sends_across_nodes, as the ledger counts)]."""
+        another node on the collective's ring (comm.sends_across_nodes, as the ledger counts);
+        its seq in the step; the ranks it runs among (a copy: this rank)]."""
         if not self.recording:
             return None
-        return [self.clock.mark(), None, op in comm.OPS and comm.sends_across_nodes(group)]
+        collective = op in comm.OPS
+        token = [self.clock.mark(), None, collective and comm.sends_across_nodes(group), self._seq,
+                 self._ranks(group) if collective else [self.rank]]
+        self._seq += 1
+        self._sample("begin", token[0], op=op, label=label or "", seq=token[3], bytes=int(nbytes))
+        return token
 
     def blocking(self, token) -> None:
         if token is not None:
             token[1] = self.clock.mark()
+            self._sample("blocking", token[1], seq=token[3])
 
     def end(self, token, op, label, nbytes, wire_bytes, msg_bytes) -> None:
         if token is None:
             return
         track = "copies" if op in comm.COPIES else "collectives"
-        args = {"op": op, "label": label or "", "bytes": int(nbytes), "wire_bytes": int(wire_bytes)}
+        args = {"op": op, "label": label or "", "bytes": int(nbytes), "wire_bytes": int(wire_bytes),
+                "seq": token[3], "ranks": token[4]}
         if track == "collectives":   # the part of wire_bytes that leaves this rank's node (comm.py)
             args["inter_node_bytes"] = int(wire_bytes) if token[2] else 0
         if token[1] is not None:
             args["blocked_from"] = token[1]   # a mark until _settle makes it microseconds
-        self._marks.append((track, f"{op} {label}" if label else op, token[0], self.clock.mark(), args))
+        mark = self.clock.mark()
+        self._marks.append((track, f"{op} {label}" if label else op, token[0], mark, args))
+        self._sample("end", mark, op=op, label=label or "", seq=token[3], bytes=int(nbytes),
+                     wire_bytes=int(wire_bytes))
 
     def unit_begins(self, engine, unit: str, kind: str) -> None:
         if engine is not self.engine or not self.recording:
             return
+        mark = self.clock.mark()
         if kind == "backward":
-            self._open.setdefault((unit, "backward"), ("backward", self.clock.mark()))
+            self._open.setdefault((unit, "backward"), ("backward", mark))
         else:
-            self._open[(unit, "forward")] = (kind, self.clock.mark())
+            self._open[(unit, "forward")] = (kind, mark)
+        self._sample("unit_begins", mark, unit=unit, kind=kind)
 
     def unit_ends(self, engine, unit: str, kind: str) -> None:
         if engine is not self.engine or not self.recording:
             return
+        mark = self.clock.mark()
         if kind == "backward":
-            self._close_backward(unit)
+            self._close_backward(unit, mark)
         elif (unit, "forward") in self._open:
             kind, begin = self._open.pop((unit, "forward"))
-            self._marks.append(("units", f"{unit}.{kind}", begin, self.clock.mark(), {"unit": unit, "phase": kind}))
+            self._marks.append(("units", f"{unit}.{kind}", begin, mark, {"unit": unit, "phase": kind}))
+        self._sample("unit_ends", mark, unit=unit, kind=kind)
 
-    def _close_backward(self, unit: str, end=None) -> None:
+    def _close_backward(self, unit: str, end) -> None:
         if self.recording and (unit, "backward") in self._open:
             _, begin = self._open.pop((unit, "backward"))
-            self._marks.append(("units", f"{unit}.backward", begin, end if end is not None else self.clock.mark(),
-                                {"unit": unit, "phase": "backward"}))
+            self._marks.append(("units", f"{unit}.backward", begin, end, {"unit": unit, "phase": "backward"}))
 
     def _close_open_backward(self, end) -> None:
         for unit, what in [k for k in self._open if k[1] == "backward"]:
@@ -277,11 +322,18 @@ class Tracer:
             print(f"minizero trace: step {step}: ranks issued {sorted({len(s) for s in everyone})} collectives; "
                   f"waits not computed (MINIZERO_DEBUG_COLLECTIVES=1 names the first difference)")
         self.events += sorted(events, key=lambda e: (e["ts"], -e["dur"]))
+        samples = self.memory.events[self._samples_from:]
+        del self.memory.events[self._samples_from:]   # the track keeps only what is still marks
+        for s in samples:
+            s["t"] = self.clock.us(s["t"])
+        self.memory_events += samples
 
     # ---------------------------------------------------------------- files
-    def document(self, events=None) -> dict:
-        """A Chrome-trace JSON object of `events` (default: this rank's), tracks named."""
+    def document(self, events=None, memory=None) -> dict:
+        """A Chrome-trace JSON object of `events` (default: this rank's), tracks named, with
+        `memory` ({rank: samples}; default: this rank's) as counters and under "memoryTrack"."""
         events = self.events if events is None else events
+        memory = {self.rank: self.memory_events} if memory is None else memory
         ranks = sorted({e["pid"] for e in events} | {self.rank})
         meta = []
         for r in ranks:
@@ -290,11 +342,19 @@ class Tracer:
             meta += [{"name": "thread_name", "ph": "M", "pid": r, "tid": i, "args": {"name": t}}
                      for i, t in enumerate(TRACKS)]
         e = self.engine
-        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+        zero = e.config.zero
+        return {"traceEvents": meta + events + counters(memory), "displayTimeUnit": "ms",
                 "otherData": {"library": "minizero", "stage": e.zero_optimization_stage(), "dtype": str(e.dtype),
                               "world_size": self.world, "ranks_per_node": comm.ranks_per_node(),
                               "steps": self.traced_steps,
-                              "ledger": {str(k): v for k, v in self.ledger.items()}}}
+                              "ledger": {str(k): v for k, v in self.ledger.items()},
+                              # what the paper's formulas beside the measured numbers need (minizero/replay/)
+                              "params": sum(f["numel"] for f in e.layout()),
+                              "element_bytes": torch.tensor([], dtype=e.dtype).element_size(),
+                              "gradient_accumulation_steps": e.gradient_accumulation_steps(),
+                              "hpz_partition_size": int(zero.zero_hpz_partition_size),
+                              "hsdp_shard_size": int(zero.hsdp_shard_size)},
+                "memoryTrack": {str(r): samples for r, samples in sorted(memory.items())}}
 
     def close(self, failed: bool | None = None) -> list[str]:
         """Write this rank's file; with all ranks here, rank 0 also writes the merged trace and
@@ -313,19 +373,27 @@ class Tracer:
         paths = [self._write(f"rank{self.rank}.json", self.document())]
         if failed:
             return paths
-        everyone = [self.events]
+        everyone = [(self.events, self.memory_events)]
         if self.world > 1:
             everyone = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(self.events, everyone, dst=0)
+            dist.gather_object((self.events, self.memory_events), everyone, dst=0)
         if self.rank == 0:
-            merged = [ev for evs in everyone for ev in evs]
-            paths.append(self._write("trace.json", self.document(merged)))
+            merged = [ev for evs, _ in everyone for ev in evs]
+            doc = self.document(merged, {r: samples for r, (_, samples) in enumerate(everyone)})
+            paths.append(self._write("trace.json", doc))
             from .timeline import has_matplotlib, plot
             if merged and has_matplotlib():
-                paths.append(plot(self.document(merged), os.path.join(self.out_dir, "timeline.png")))
+                paths.append(plot(doc, os.path.join(self.out_dir, "timeline.png")))
             elif merged:   # the picture is optional (matplotlib comes with .[dev]); the trace is not
                 print(f"minizero trace: no timeline.png (needs matplotlib: pip install -e .[dev], then "
                       f"python -m minizero.timeline {self.out_dir})")
+            if merged:   # the page is a view of the files above: a problem with it loses none of them
+                from ..replay.page import write_page
+                try:
+                    paths.append(write_page([doc], os.path.join(self.out_dir, "replay.html")))
+                except (OSError, ValueError, KeyError) as e:
+                    print(f"minizero trace: no replay.html ({e}); python -m minizero.replay {self.out_dir} "
+                          f"writes it from the trace")
         return paths
 
     def _write(self, name: str, doc: dict) -> str:
@@ -342,3 +410,22 @@ class Tracer:
     def __exit__(self, exc_type, exc, tb):
         self.close(failed=exc_type is not None)
         return False
+
+
+def counters(memory: dict) -> list[dict]:
+    """Memory samples ({rank: samples}) as Chrome-trace counter events, one counter per place
+    ("model states on device", ...) with a series per kind, so Perfetto draws each rank's
+    stack over time. Every kind the rank ever held appears in each of its samples (0 where
+    none), so each series is drawn as steps."""
+    out = []
+    for rank, samples in sorted(memory.items()):
+        places: dict = {}
+        for s in samples:
+            for place, kinds in s["held"].items():
+                places.setdefault(place, set()).update(kinds)
+        for s in samples:
+            for place, kinds in sorted(places.items()):
+                args = {k: s["held"].get(place, {}).get(k, 0) for k in sorted(kinds)}
+                out.append({"name": f"model states on {place} (bytes)", "cat": "memory", "ph": "C", "ts": s["t"],
+                            "pid": rank, "tid": TRACKS.index("memory"), "args": args})
+    return out

@@ -111,7 +111,7 @@ def aim_trace(run: Run) -> None:
         raise UserError(f"--trace-steps {' '.join(map(str, tracer.steps))}: this run resumes at step {first}; "
                         f"choose steps from {first} to {run.max_steps}")
     from ..observe.timeline import has_matplotlib
-    files = ("timeline.png, " if has_matplotlib() else "") + "trace.json, rank<r>.json"
+    files = ("timeline.png, " if has_matplotlib() else "") + "replay.html, trace.json, rank<r>.json"
     runlog.log0(f"minizero: tracing step{'s' * (len(tracer.steps) > 1)} {' '.join(map(str, tracer.steps))} "
                 f"into {run.args.trace} ({files})")
 

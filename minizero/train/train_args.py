@@ -106,8 +106,9 @@ def build_parser(prog: str = "python -m minizero.train", description: str | None
     g = p.add_argument_group("see the collectives")
     g.add_argument("--trace", metavar="DIR",
                    help="minizero only: write a timeline of the --trace-steps optimizer steps to DIR: rank<r>.json "
-                        "per rank (Chrome trace: ui.perfetto.dev or chrome://tracing), the merged trace.json and "
-                        "timeline.png (docs/lesson.md)")
+                        "per rank (Chrome trace: ui.perfetto.dev or chrome://tracing), the merged trace.json, "
+                        "timeline.png and replay.html, the step replayed in a browser, memory included "
+                        "(docs/replay.md)")
     g.add_argument("--trace-steps", type=int, nargs="+", metavar="N",
                    help="with --trace: the optimizer steps to record (default: step 2, the first after warm-up; "
                         "step 1 when the run has one step)")

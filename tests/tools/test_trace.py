@@ -5,6 +5,10 @@ Checked on 2 gloo ranks, a 2-block GPT, at every stage:
   summed per op equal engine.comm_stats() over the same step exactly (the ledger's counts);
 - each unit's forward and backward appear, recompute too with activation checkpointing;
 - waits are within [0, duration] and the merged trace has every rank;
+- each collective names its ring (the ranks of its group) and its seq in the step, and the
+  memory track (memory_track.py) has a sample at its begin and end, and at every phase, at
+  the trace's own marks, also as Perfetto counters (tests/tools/test_replay.py checks the
+  samples' bytes);
 - losses are bit-identical with tracing on and off (the marks are identity functions);
 - the comms logger's counts equal the ledger's calls, its table is DeepSpeed's format, and
   its bandwidths are DeepSpeed's formulas.
@@ -66,7 +70,7 @@ def test_trace_events_equal_the_ledger(stage, tmp_path):
     out = str(tmp_path / "trace")
     results = run_ranks(_run, 2, args=(stage, out))
     assert all(r["closed"] for r in results)          # closed itself after its last step
-    assert sorted(os.listdir(out)) == ["rank0.json", "rank1.json", "timeline.png", "trace.json"]
+    assert sorted(os.listdir(out)) == ["rank0.json", "rank1.json", "replay.html", "timeline.png", "trace.json"]
     for rank, r in enumerate(results):
         with open(os.path.join(out, f"rank{rank}.json")) as f:
             doc = json.load(f)
@@ -89,6 +93,21 @@ def test_trace_events_equal_the_ledger(stage, tmp_path):
             for p in ("forward", "backward", "step", "reduce_gradients", "grad_norm", "optimizer", "after_step"):
                 assert p in phases
             assert phases.count("forward") == 2            # gas 2: two micro-steps in one optimizer step
+            # each collective's ring (its group's ranks) and place in the step; the memory track
+            # sampled its begin and end, and every phase and unit event, at the same marks
+            assert [e["args"]["seq"] for e in sorted(events, key=lambda e: e["ts"])] == list(range(len(events)))
+            assert all(e["args"]["ranks"] == [0, 1] for e in events)
+            samples = [s for s in doc["memoryTrack"][str(rank)] if s["step"] == step]
+            at = {(s["event"], s.get("seq")): s["t"] for s in samples}
+            for e in events:
+                assert at[("begin", e["args"]["seq"])] == e["ts"]
+                assert abs(at[("end", e["args"]["seq"])] - (e["ts"] + e["dur"])) < 1e-6
+            starts = [s for s in samples if s["event"] == "phase_begins"]
+            assert [s["phase"] for s in starts] == [p for p in phases if p != f"step {step}"]
+            assert len([s for s in samples if s["event"] == "unit_begins"]) >= len(_events(doc, "units", step))
+            counters = [e for e in doc["traceEvents"] if e.get("ph") == "C" and e["args"] and e["ts"] in
+                        {s["t"] for s in samples}]
+            assert len(counters) == len(samples)   # Perfetto's memory counter: one per sample (device only here)
         assert not _events(doc, step=1)                    # step 1 was not chosen
     with open(os.path.join(out, "trace.json")) as f:
         merged = json.load(f)
@@ -149,6 +168,11 @@ def test_trace_shows_offload_copies(tmp_path):
         mine = [e for e in _events(doc, "copies", 2) if e["args"]["op"] == op]
         assert mine and len(mine) == r["per_step"][2][op]["calls"]
         assert sum(e["args"]["bytes"] for e in mine) == r["per_step"][2][op]["bytes"]
+    # the memory track: the optimizer's masters and moments in host memory, a counter for each place
+    samples = doc["memoryTrack"]["0"]
+    assert all(set(s["held"]["host"]) == {"master_params", "optimizer_states"} for s in samples)
+    assert {e["name"] for e in doc["traceEvents"] if e.get("ph") == "C"} == \
+        {"model states on device (bytes)", "model states on host (bytes)"}
 
 
 def test_engine_trace_context_manager_single_rank(tmp_path):
@@ -234,7 +258,7 @@ def test_without_matplotlib_the_trace_is_written_and_the_picture_is_skipped(tmp_
         _, loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-    assert sorted(os.listdir(out)) == ["rank0.json", "trace.json"]
+    assert sorted(os.listdir(out)) == ["rank0.json", "replay.html", "trace.json"]
     assert "no timeline.png (needs matplotlib" in capsys.readouterr().out
     assert timeline.main([out]) == 2
 

@@ -148,7 +148,7 @@ def test_torchrun_two_ranks(stage, tmp_path, data_dir):
     # --trace: step 2 by default, one file per rank, the merged file and the picture; each
     # op's events sum to the ledger's bytes over that step (tests/tools/test_trace.py checks the
     # ledger against engine.comm_stats())
-    assert sorted(os.listdir(trace)) == ["rank0.json", "rank1.json", "timeline.png", "trace.json"]
+    assert sorted(os.listdir(trace)) == ["rank0.json", "rank1.json", "replay.html", "timeline.png", "trace.json"]
     for rank in (0, 1):
         with open(os.path.join(trace, f"rank{rank}.json")) as f:
             doc = json.load(f)
