@@ -25,7 +25,7 @@ by category (`categories`) are held_bytes' numbers at every moment:
                         always; a ZeRO-3 unit between its gather and its release)
     params.shard        this rank's parameter shards with storage of their own (ZeRO-3; a
                         ZeRO-0/1/2 shard is a view of the gathered buffer, counted there)
-    params.secondary    hpZ's secondary shards (hierarchy.py), from a unit's first release to
+    params.secondary    hpZ's secondary shards (sharding.py), from a unit's first release to
                         the step. held_bytes does not read them; memory_breakdown counts them
     master_params       fp32 masters kept apart from the shards (bf16/fp16, or offloaded)
     optimizer_states    Adam's moments
@@ -77,7 +77,9 @@ def _buffers(engine):
     for f in flats:
         yield "params.gathered", f.full, False, False
         yield "params.shard", f.shard, f.storage.on_host, id(f.shard) in swapped
-        yield "params.secondary", getattr(f, "secondary", None), False, False
+        secondary = f.sharding.secondary(f)   # hpZ: a storage of its own (device, or host with offload_param)
+        yield "params.secondary", secondary.tensor if secondary is not None else None, \
+            secondary is not None and secondary.on_host, False
     for m in opt.masters:
         yield "master_params", m, opt.on_host, id(m) in swapped
     for st in opt.optimizer.state.values():
@@ -126,15 +128,12 @@ def held(engine) -> dict:
     return out
 
 
-def categories(sample_held: dict, secondary: bool = True) -> dict:
+def categories(sample_held: dict) -> dict:
     """A sample's `held` in memory_breakdown's shape: the four categories' totals, then each
-    place's split ("device", "host", and "nvme" when something is there). secondary=False
-    leaves hpZ's secondary shards out, as memory.held_bytes does."""
+    place's split ("device", "host", and "nvme" when something is there)."""
     places = {p: dict.fromkeys(CATEGORIES, 0) for p in ("device", "host")}
     for place, kinds in sample_held.items():
         for kind, nbytes in kinds.items():
-            if kind == "params.secondary" and not secondary:
-                continue
             places.setdefault(place, dict.fromkeys(CATEGORIES, 0))[category(kind)] += nbytes
     return {**{c: sum(p[c] for p in places.values()) for c in CATEGORIES}, **places}
 
