@@ -28,10 +28,10 @@ Two byte counts are kept per op:
   (the node's last rank of the ring), each link between nodes carrying (N-1)/N of an
   all-gather's buffer. The rest, wire_bytes - inter_node_bytes, stays on the node.
 
-Offload (offload.py) adds a second kind of traffic, between the rank's device and its host
+Offload (offload/host.py) adds a second kind of traffic, between the rank's device and its host
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
 same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network). The NVMe tier
-(nvme.py) adds "nvme_read" and "nvme_write", file to host memory and back, once a run swaps.
+(offload/nvme.py) adds "nvme_read" and "nvme_write", file to host memory and back, once a run swaps.
 
 Each collective and copy runs through `_issue`, which also announces it to the *observers*
 (`observers`, below): tools in minizero/observe/ (the desync check, the timeline trace,
@@ -78,7 +78,7 @@ def torch_reduce_scatter():
 
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-COPIES = ("d2h", "h2d")   # offload's copies between this rank's device and host memory (offload.py)
+COPIES = ("d2h", "h2d")   # offload's copies between this rank's device and host memory (offload/host.py)
 
 
 # ----------------------------------------------------------------------------- ledger
@@ -94,7 +94,7 @@ class CommLedger:
         self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
 
     def record(self, op: str, nbytes: int, wire_bytes: int, label: str | None, inter_node: bool = False) -> None:
-        if op not in self.stats:   # NVMe swaps (nvme.py): listed from their first, so runs without show none
+        if op not in self.stats:   # NVMe swaps (offload/nvme.py): listed from their first, so runs without show none
             self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0, "inter_node_bytes": 0}
         s = self.stats[op]
         s["calls"] += 1
@@ -412,7 +412,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
 # Offload's copies. non_blocking: on a GPU the copy is queued on the current stream like the
 # collectives around it, so everything after it on that stream sees the data; the host side
 # must be pinned for the copy to really run asynchronously (offload.host_empty). A CPU reading
-# a d2h result must wait for the stream first (offload.py does, once per step).
+# a d2h result must wait for the stream first (offload/host.py does, once per step).
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer; pinned (page-locked) when asked, so device copies run asynchronously.

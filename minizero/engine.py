@@ -14,7 +14,7 @@
 Two objects do the work: `self.stage`, the stage (zero0-3.py: where parameters and
 gradients live, which collective moves them, and when), and `self.sharded_optimizer`
 (sharded_optimizer.py: the step on this rank's shard, the same at every stage). With
-ZeRO-Offload a third, `self.offload` (offload.py), says what lives in host memory.
+ZeRO-Offload a third, `self.offload` (offload/host.py), says what lives in host memory.
 
 The names and semantics of the public members follow DeepSpeed's `DeepSpeedEngine`, so
 one script runs under either library; where they differ (a bug not copied, a more useful
@@ -32,7 +32,7 @@ import torch
 from . import checkpointing, comm
 from .config import ignored_knobs_note, load_config, renamed_keys_note
 from .fp16 import create_loss_scaler, overflow_vote
-from .lr_schedules import build_scheduler
+from .config.lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
 from .adam import build_optimizer
 from .offload import Offload
@@ -217,7 +217,7 @@ class Engine(torch.nn.Module):
     def memory_breakdown(self) -> dict:
         """This rank's persistent model-state bytes (memory.py has the paper's formulas):
         {"params", "grads", "master_params", "optimizer_states"}, each the total, plus
-        "device" and "host": the same four split by where they live (offload.py).
+        "device" and "host": the same four split by where they live (offload/host.py).
 
         grads: what a rank holds at the end of backward, before the step: stage 0/1 the
         full low-precision gradient, ZeRO-2/3 only its reduced shard."""
@@ -254,7 +254,7 @@ class Engine(torch.nn.Module):
             self.offload.close()
 
     def _states_in_memory(self):
-        """"device": "nvme": swapped states back in host memory for the block (offload.py);
+        """"device": "nvme": swapped states back in host memory for the block (offload/host.py);
         a checkpoint then holds what it holds with "device": "cpu"."""
         if self.offload is None:
             return contextlib.nullcontext()

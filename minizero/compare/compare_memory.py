@@ -184,7 +184,7 @@ def category_bytes(entry, category, place=None) -> int:
 
 def placed_bytes(entry) -> dict:
     """{"device": bytes, "host": bytes} of one rank's model states; and "nvme" when the run
-    swapped states to files ("device": "nvme", minizero/nvme.py)."""
+    swapped states to files ("device": "nvme", minizero/offload/nvme.py)."""
     out = {w: sum(category_bytes(entry, c, w) for c in CATEGORIES) for w in PLACES}
     if "nvme" in entry:
         out["nvme"] = sum(int(entry["nvme"].get(c) or 0) for c in CATEGORIES)

@@ -29,13 +29,14 @@ import shutil
 
 import torch
 
-from ..memory import CATEGORIES, expected_bytes, human, paper_bytes, total
+from ..memory import CATEGORIES, expected_bytes, paper_bytes, total
 from ..partition import FlatPlan
+from .node_table import human
 
 
 def offload_section(stage: int, offload: str, nvme_path: str = "nvme") -> dict:
     """The zero_optimization keys `--offload` adds at this stage (stage 0 offloads nothing,
-    offload_param exists at stage 3 only). "nvme": both, with "device": "nvme" (nvme.py)."""
+    offload_param exists at stage 3 only). "nvme": both, with "device": "nvme" (offload/nvme.py)."""
     out = {}
     where = {"device": "nvme", "nvme_path": nvme_path} if offload == "nvme" else {"device": "cpu"}
     if offload in ("optimizer", "both", "nvme") and stage >= 1:

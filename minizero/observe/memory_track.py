@@ -33,8 +33,8 @@ by category (`categories`) are held_bytes' numbers at every moment:
     grads.buffer        the flat gradient buffer a reduction reads, while it has storage
     grads.param         each parameter's .grad, as autograd leaves it
 
-Places: "device", "host" (offload.py; logical, as in memory_breakdown), "nvme" (a state whose
-bytes wait in its file: nvme.py). Samples carry only the kinds and places that hold bytes.
+Places: "device", "host" (offload/host.py; logical, as in memory_breakdown), "nvme" (a state whose
+bytes wait in its file: offload/nvme.py). Samples carry only the kinds and places that hold bytes.
 
 The gaps are the seam's: the core announces no event when a unit releases its parameters or a
 reduction frees its gradient buffer, so such a drop shows at the next event (a unit's

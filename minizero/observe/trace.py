@@ -21,7 +21,7 @@ Tracks, per rank:
                node: all or none of them, comm.py) exactly as the ledger counts them, and
                wait_us, the part of it spent waiting for the last rank to arrive (drawn as a
                nested "wait")
-  copies       ZeRO-Offload's device<->host copies (offload.py)
+  copies       ZeRO-Offload's device<->host copies (offload/host.py)
   memory       each rank's model-state bytes by kind and place at every event above
                (memory_track.py): Chrome-trace counters, so Perfetto draws them, and the
                samples themselves, with the event each was taken at, under the document's

@@ -1,4 +1,4 @@
-"""ZeRO-Offload in minizero (minizero/offload.py): offload moves numbers, it must not change them.
+"""ZeRO-Offload in minizero (minizero/offload/host.py): offload moves numbers, it must not change them.
 
 One launch of 2 gloo ranks trains the micro GPT with every offload combination beside the
 same run without offload, and asserts:

@@ -234,7 +234,7 @@ def test_calc_bw_is_deepspeeds():
 
 def test_comms_logger_config_errors():
     from minizero.config import load_config
-    from minizero.errors import ConfigError
+    from minizero.config import ConfigError
     base = {"train_micro_batch_size_per_gpu": 1}
     with pytest.raises(ConfigError, match="minizero issues only"):
         load_config(dict(base, comms_logger={"prof_ops": ["all_to_all"]}), 1)

@@ -57,9 +57,10 @@ from contextlib import nullcontext
 
 import torch
 
-from . import comm, nvme
-from .flat_param import DeviceShard, FlatParam
-from .memory import CATEGORIES
+from .. import comm
+from ..flat_param import DeviceShard, FlatParam
+from ..memory import CATEGORIES
+from . import nvme
 
 HOST = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """ZeRO-Infinity's NVMe tier: model states that live in files, and come to host memory to be used.
 
-offload.py puts the optimizer's shard (fp32 master + Adam's moments) and ZeRO-3's
+host.py puts the optimizer's shard (fp32 master + Adam's moments) and ZeRO-3's
 parameter shards in host memory. ZeRO-Infinity (Rajbhandari et al., SC'21) goes one tier
 further: between uses they live on an NVMe drive, so a model larger than the hosts' memory
 still trains. With `"device": "nvme"` minizero keeps every such tensor object (the optimizer
@@ -54,8 +54,8 @@ from contextlib import contextmanager
 
 import torch
 
-from . import comm
-from .errors import ConfigError
+from .. import comm
+from ..config import ConfigError
 
 logger = logging.getLogger("minizero")
 
