@@ -144,7 +144,7 @@ def _label(op: str, label: str | None):
 #   phase_ends(name, engine)
 #   unit_begins(engine, unit, kind) a unit (unit.find_units: a block, or the root) starts its
 #   unit_ends(engine, unit, kind)   "forward", "recompute" or "backward" / has finished it; announced
-#                                   only while some observer has these methods (unit.UnitMarks)
+#                                   only while a tool watches the engine (observe/unit_marks.py)
 #   begin(op, label, tensor, nbytes, group) -> token   a collective or copy is about to be issued
 #   blocking(token)                 an asynchronous one's wait() is about to block on it
 #   end(token, op, label, nbytes, wire_bytes, msg_bytes)   it is done

@@ -37,7 +37,6 @@ from .memory import CATEGORIES, placed
 from .adam import build_optimizer
 from .offload import Offload
 from .sharded_optimizer import ShardedOptimizer
-from .unit import UnitMarks, find_units
 from .zero0 import DataParallel
 from .zero1 import Zero1
 from .zero2 import Zero2
@@ -93,7 +92,6 @@ class Engine(torch.nn.Module):
         self.micro_steps = 0
         self.global_samples = 0
         self._global_grad_norm = None
-        self.unit_marks = UnitMarks(self, find_units(model))
         self._configure_activation_checkpointing()
         self._log_config_notes()
         comm.announce("engine_ready", self)
@@ -129,7 +127,6 @@ class Engine(torch.nn.Module):
     # (comm.py's observer hook); none of them runs in these methods.
     @comm.observed("forward")
     def forward(self, *args, **kwargs):
-        self.unit_marks.follow_listeners()   # each unit's phases, announced while a tool listens
         cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
             else (t.to(self.device) if torch.is_tensor(t) else t)
         return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})

@@ -53,6 +53,7 @@ import torch
 
 from .. import comm
 from ..memory import CATEGORIES   # memory_breakdown's four categories
+from . import unit_marks
 
 KINDS = ("params.gathered", "params.shard", "params.secondary", "master_params", "optimizer_states",
          "grads.shard", "grads.buffer", "grads.param")
@@ -170,11 +171,13 @@ class MemoryTrack:
         self.subscribed = False
         if subscribe:
             comm.subscribe(self)
+            unit_marks.watch(engine)
             self.subscribed = True
 
     def close(self) -> None:
         if self.subscribed:
             comm.unsubscribe(self)
+            unit_marks.unwatch(self.engine)
             self.subscribed = False
 
     def __enter__(self):
