@@ -131,7 +131,7 @@ def held_bytes(engine) -> dict:
     gathered, "shard": elements of this rank's shards, padding included} (at stage 0 both
     are the whole model), so a comparison can tell padding from anything else.
     """
-    zero, opt = engine.stage, engine.sharded_optimizer
+    zero, opt = engine.zero, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
     # "device": "nvme": writes in flight finished first, so each state is counted in one place
     nvme = offload.swapped_out_bytes(zero.flat_params, opt) if offload is not None and offload.tier is not None else None

@@ -72,7 +72,7 @@ def _buffers(engine):
     The one function that reads the core's internals: the FlatParams' full buffer, shard (and
     whether its storage is in host memory), hpZ secondary, gradient shard, flat gradient buffer
     and parameters' grads; the optimizer's masters, state and place; the offload's NVMe files."""
-    flats, opt = engine.stage.flat_params, engine.sharded_optimizer
+    flats, opt = engine.zero.flat_params, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
     swapped = {id(t) for _, t, _ in offload.swapped(flats, opt)} if offload is not None and offload.tier else set()
     for f in flats:
@@ -98,7 +98,7 @@ def gathered(engine) -> list[str]:
     """Labels of the FlatParams gathered now whose shard has a storage of its own (ZeRO-3's
     partitioned ones: a ZeRO-0/1/2 or persistent shard is a view of the full buffer)."""
     out = []
-    for f in engine.stage.flat_params:
+    for f in engine.zero.flat_params:
         full = f.full.untyped_storage()
         if full.nbytes() > 0 and f.shard.untyped_storage().data_ptr() != full.data_ptr():
             out.append(f.label)

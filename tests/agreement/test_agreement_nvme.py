@@ -104,7 +104,7 @@ def _run(lib: str, device: str, path: str) -> dict:
     r["files"] = swap_file_bytes(path, comm.get_rank()) if device == "nvme" else None
     r["final_state"] = state()
     if lib == "minizero":
-        r["shard"] = sum(f.shard_numel for f in engine.stage.flat_params)
+        r["shard"] = sum(f.shard_numel for f in engine.zero.flat_params)
         r["memory"] = engine.memory_breakdown()
         engine.destroy()
     else:

@@ -66,7 +66,7 @@ def _run_all(base):
             r["memory"] = engine.memory_breakdown()
             r["held"] = memory.held_bytes(engine)   # measured from the tensors, after the step
             r["final_state"] = engine.full_fp32_state_dict()
-            r["shards"] = [(f.shard_numel, f.persistent, f.shard.element_size()) for f in engine.stage.flat_params]
+            r["shards"] = [(f.shard_numel, f.persistent, f.shard.element_size()) for f in engine.zero.flat_params]
             folder = os.path.join(path, "minizero_swap", f"rank{comm.get_rank()}")
             r["files"] = sorted(os.listdir(folder)) if device == "nvme" else []
             engine.destroy()

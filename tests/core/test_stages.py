@@ -97,5 +97,5 @@ def test_a_zero3_engine_at_world_size_1_gathers_and_frees_around_each_unit():
         loss = engine(torch.randint(0, 10, (2, 5)))
         engine.backward(loss)
         engine.step()
-    assert all(not f.full_is_allocated() for f in engine.stage.flat_params)
-    assert engine.stage.grad_bytes() == sum(f.shard_numel for f in engine.stage.flat_params) * 4
+    assert all(not f.full_is_allocated() for f in engine.zero.flat_params)
+    assert engine.zero.grad_bytes() == sum(f.shard_numel for f in engine.zero.flat_params) * 4

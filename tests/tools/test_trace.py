@@ -233,8 +233,7 @@ def test_calc_bw_is_deepspeeds():
 
 
 def test_comms_logger_config_errors():
-    from minizero.config import load_config
-    from minizero.config import ConfigError
+    from minizero.config import ConfigError, load_config
     base = {"train_micro_batch_size_per_gpu": 1}
     with pytest.raises(ConfigError, match="minizero issues only"):
         load_config(dict(base, comms_logger={"prof_ops": ["all_to_all"]}), 1)
@@ -280,11 +279,11 @@ def test_the_trace_only_listens_it_patches_nothing(tmp_path):
         _, loss = engine(x, x)
         engine.backward(loss)
         engine.step()
-    owned = {id(o): dict(vars(o)) for o in (engine.stage, engine.sharded_optimizer)}
+    owned = {id(o): dict(vars(o)) for o in (engine.zero, engine.sharded_optimizer)}
     with trace.start(engine, str(tmp_path)):
         step()
         assert unit_marks.watched(engine)                        # on while the trace listens
-        for o in (engine.stage, engine.sharded_optimizer):
+        for o in (engine.zero, engine.sharded_optimizer):
             assert set(vars(o)) == set(owned[id(o)]), "an attribute appeared on a core object"
             assert not any(callable(v) and k in type(o).__dict__ for k, v in vars(o).items())
         assert not hasattr(engine, "tracer")
