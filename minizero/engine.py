@@ -37,14 +37,14 @@ from .memory import CATEGORIES, placed
 from .adam import build_optimizer
 from .offload import Offload
 from .sharded_optimizer import ShardedOptimizer
-from .zero0 import DataParallel
+from .zero0 import Zero0
 from .zero1 import Zero1
 from .zero2 import Zero2
 from .zero3 import Zero3
 
 logger = logging.getLogger("minizero")
 
-STAGES = {0: DataParallel, 1: Zero1, 2: Zero2, 3: Zero3}
+STAGES = {0: Zero0, 1: Zero1, 2: Zero2, 3: Zero3}
 
 
 class Engine(torch.nn.Module):

@@ -51,14 +51,15 @@ class Unit(Bucket):
     docstring); also ZeRO-2's gradient bucket. The unit owns its state and its gathers in
     flight; the Prefetcher only answers which units to free, prefetch or keep."""
 
-    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], live: "LiveNumel | None" = None):
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], live: "LiveNumel | None" = None,
+                 ends_forward: bool = False):
         super().__init__(name, flats)
         self.module = module
         self.state = ShardState.SHARDED
         self.live = live if live is not None else LiveNumel()   # shared by the units of one stage
         self.partitioned = [f for f in flats if not f.persistent]   # the persistent ones stay gathered
         self.partitioned_numel = sum(f.padded_numel for f in self.partitioned)   # elements while gathered
-        self.ends_forward = False   # the root: its post_forward ends the model's forward
+        self.ends_forward = ends_forward   # the root: its post_forward ends the model's forward
         self.in_use = False         # between its pre_ hook and its post_ hook: being computed
         self.gathers: list = []     # the comm.Pendings of an unshard still in flight
         self.prefetcher = None      # the Prefetcher (prefetch.py) it asks; given by attach
@@ -132,6 +133,7 @@ class Unit(Bucket):
         """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
         free its parameters. Safe while the reduce-scatter may still run: it reads the flat
         gradient buffer, which its Pending keeps alive, never the parameters."""
+        super().post_backward()
         self._release()
 
     def _fetch(self, why: str) -> None:
