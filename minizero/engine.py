@@ -355,15 +355,13 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ setup helpers
     def _configure_activation_checkpointing(self) -> None:
-        """Apply the `activation_checkpointing` section (DeepSpeed parses it but leaves
-        applying it to the user: docs/deepspeed.md, "activation_checkpointing is parsed,
-        not applied"): configure the module and, when the model exposes a `checkpoint_fn`
-        hook (our GPT does), checkpoint every block."""
-        if self.config.activation_checkpointing is None:
-            return
-        checkpointing.configure_from(self.config.activation_checkpointing)
-        if hasattr(self.module, "checkpoint_fn"):
-            self.module.checkpoint_fn = checkpointing.checkpoint
+        """Configure `minizero.checkpointing` from the `activation_checkpointing` section, so a
+        model that calls `minizero.checkpointing.checkpoint(block, x)` gets the config's options
+        (DeepSpeed parses the section but leaves even this to the user: docs/deepspeed.md,
+        "activation_checkpointing is parsed, not applied"). Which blocks to checkpoint is the
+        model's choice, as in DeepSpeed: the engine never writes onto the user's module."""
+        if self.config.activation_checkpointing is not None:
+            checkpointing.configure_from(self.config.activation_checkpointing)
 
     def _log_config_notes(self) -> None:
         for note in (ignored_knobs_note(self.config),   # DeepSpeed's buffer, copy and libaio knobs: accepted, no effect

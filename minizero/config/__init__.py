@@ -217,7 +217,7 @@ class Config(Section):
     fp16: FP16Config = key(FP16Config, FP16Config.parse)
     bf16: BF16Config = key(BF16Config, BF16Config.parse, alias="bfloat16")   # DS's old name (BFLOAT16_OLD)
     zero: ZeroConfig = key(ZeroConfig, _zero, name="zero_optimization")
-    # None when the config has none: then the engine does not checkpoint the model's blocks.
+    # None when the config has none: then the engine leaves minizero.checkpointing unconfigured.
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = key(
         None, optional(ActivationCheckpointingConfig.parse))
     steps_per_print: Optional[int] = key(None, optional(integer(lo=1)))   # DS 0.19.8 default: None (never print)

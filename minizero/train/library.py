@@ -39,8 +39,10 @@ class Library:
 
 def _minizero_initialize(model, param_groups, cfg, args):
     import minizero
-    # minizero applies an activation_checkpointing section itself (GPT.checkpoint_fn).
+    import minizero.checkpointing
     engine, _, _, _ = minizero.initialize(model=model, model_parameters=param_groups, config=cfg)
+    if "activation_checkpointing" in cfg:   # the engine configured it; the model checkpoints its blocks
+        model.checkpoint_fn = minizero.checkpointing.checkpoint
     return engine
 
 
