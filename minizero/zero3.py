@@ -34,7 +34,7 @@ That is with DeepSpeed's knobs at 0. With `stage3_prefetch_bucket_size` the next
 gathers are issued while this one computes (`.prefetch` in the label), and
 `stage3_max_reuse_distance` keeps a unit that is used again within that many *elements* of
 upcoming gathers. DeepSpeed's default (1e9 elements) keeps every unit from its forward to
-its backward while the model is smaller than that (every model here): 2Ψ gathered per step
+its backward while the model is smaller than that (under a billion parameters): 2Ψ gathered per step
 instead of 3Ψ. With `overlap_comm` (DeepSpeed's default at stage 3) the gradients'
 reduce-scatters run asynchronously too (buckets.py).
 

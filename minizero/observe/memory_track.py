@@ -74,7 +74,7 @@ def _buffers(engine):
     and parameters' grads; the optimizer's masters, state and place; the offload's NVMe files."""
     flats, opt = engine.zero.flat_params, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
-    swapped = {id(t) for _, t, _ in offload.swapped(flats, opt)} if offload is not None and offload.tier else set()
+    swapped = {id(t) for _, t, _ in offload.swappable(flats, opt)} if offload is not None and offload.tier else set()
     for f in flats:
         yield "params.gathered", f.full, False, False
         yield "params.shard", f.shard, f.storage.on_host, id(f.shard) in swapped
