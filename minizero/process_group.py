@@ -7,8 +7,10 @@ code runs on a laptop. Every rank's tensors live on `get_device()`: the CPU unde
 this rank's GPU under NCCL. `destroy()` tears the group down so that gloo's threads stop
 before the interpreter does.
 
-The collectives themselves are comm.py's; it re-exports these names, so callers write
-`comm.get_rank()` and `comm.init_distributed()`.
+Besides the setup: the control traffic between ranks (`barrier`, `broadcast_object`,
+`all_gather_object`: Python objects, never counted as data). The collectives themselves are
+comm.py's; it re-exports these names, so callers write `comm.get_rank()`,
+`comm.init_distributed()`, `comm.all_gather_object(...)`.
 """
 from __future__ import annotations
 
@@ -184,6 +186,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def broadcast_object(obj, src: int = 0):
+    """A picklable Python object from `src` to every rank (not counted: it is control, not data)."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (control traffic, not counted)."""
+    if get_world_size() == 1:
+        return [obj]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:
