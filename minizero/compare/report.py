@@ -5,16 +5,15 @@ moments compare_memory.py's, the comms summaries compare_comms.py's, the bytes b
 pretended nodes compare_nodes.py's."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import platform
 
 from minizero.compare import REPO
 from minizero.compare.compare_comms import comms_section
 from minizero.compare.compare_memory import LIBS, moments_section
 from minizero.compare.compare_nodes import hierarchy_keys, nodes_section, ranks_per_node, scheme_of
 from minizero.compare.render import NAMES, SHORT, moments_by_lib, table
+from minizero.runtime.about import machine, versions  # noqa: F401  (compare.py reads them from here)
 
 
 def doc_link(page: str, out: str) -> str:
@@ -22,27 +21,6 @@ def doc_link(page: str, out: str) -> str:
     repository, so the link survives a move of the whole checkout."""
     path = os.path.join(REPO, "docs", page)
     return os.path.relpath(path, out) if out.startswith(REPO + os.sep) else path
-
-
-def machine() -> str:
-    import torch
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"CPU: {cpu} ({os.cpu_count()} cores), no GPU"
-
-
-def versions() -> dict:
-    def version(p):
-        try:
-            return importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-    return {"python": platform.python_version(), **{p: version(p) for p in ("torch", "deepspeed")}}
 
 
 def note(args, pinned: dict, offload: bool = False) -> str:
