@@ -25,13 +25,15 @@ from .launcher_env import launcher_rank
 ONE_RANK_ENV = "MINIZERO_ONE_RANK_COLLECTIVES"   # "backend": at world size 1, still through the backend (comm.py)
 one_rank_through_backend = False                # read from ONE_RANK_ENV when the group starts
 ring_crosses_node: dict = {}                    # comm.sends_across_nodes' answers, per group, for this group
+group_timeout_s: float | None = None            # the main group's collective timeout, when minizero knows it
+made_groups: list = []                          # this rank's groups from new_groups: they follow set_timeout
 
 
 class LaunchError(RuntimeError):
     """The launcher's environment cannot start a correct job; the message says what to do."""
 
 
-def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float = 1800) -> None:
     """Start the default process group from the launcher's environment, if not already up.
 
     torchrun (and DeepSpeed's launcher) export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
@@ -47,7 +49,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
     barriers and the CUDA RNG state follow the *current* device, which is GPU 0 unless
     set, so every local rank would otherwise use GPU 0 (NCCL's duplicate-GPU error or a hang).
     """
-    global one_rank_through_backend
+    global one_rank_through_backend, group_timeout_s
     one_rank_through_backend = os.environ.get(ONE_RANK_ENV) == "backend"
     ring_crosses_node.clear()   # a new engine: a new topology, maybe (MINIZERO_RANKS_PER_NODE)
     if dist.is_available() and dist.is_initialized():
@@ -71,6 +73,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
     # forever and destroy() could not stop its threads. Imported now, the defaults are None.
     import torch.distributed.nn.functional as _  # noqa: F401  (binds no local `torch`)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    group_timeout_s = float(timeout_s)
 
 
 def _from_slurm() -> None:
@@ -153,11 +156,48 @@ def ranks_per_node() -> int:
     return world
 
 
+def main_group_timeout() -> float | None:
+    """The main group's collective timeout in seconds: the one minizero gave it (init_distributed,
+    set_timeout), else what the group says (a group the user started), else None (torch's default)."""
+    if group_timeout_s is not None or not is_distributed():
+        return group_timeout_s
+    main = dist.group.WORLD
+    try:   # no public getter in torch: the backend's options hold it
+        return main._get_backend(get_device()).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def new_groups(ranks_per_group: list[list[int]]):
     """Process groups of the given ranks, made on every rank in the same order (a collective),
-    this rank's returned. Collectives on it run among its ranks only, in their order."""
-    mine, _ = dist.new_subgroups_by_enumeration(ranks_per_group)
+    this rank's returned. Collectives on it run among its ranks only, in their order. Each gets
+    the main group's timeout (torch would give a new group its backend's default: 10 minutes
+    under NCCL, whose watchdog would then end a hang in a node group with its own text before
+    minizero's named one), and follows set_timeout from then on."""
+    timeout = main_group_timeout()
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+    mine, _ = dist.new_subgroups_by_enumeration(ranks_per_group, **kwargs)
+    if mine is not None:
+        made_groups.append(mine)
     return mine
+
+
+def set_timeout(seconds: float) -> None:
+    """Every collective of the main group and of every group new_groups made, from now on, times
+    out after `seconds` (gloo raises; NCCL's watchdog aborts). torch.distributed.set_timeout is
+    the public call from torch 2.14 on; before it the same thing is distributed_c10d._set_pg_timeout,
+    which sets each of a group's backends' timeout (2.14 keeps it as a deprecated alias).
+    Under gloo the new timeout reaches the collectives from torch 2.10 on."""
+    global group_timeout_s
+    timeout = datetime.timedelta(seconds=seconds)
+    if hasattr(dist, "set_timeout"):
+        setter = dist.set_timeout
+    else:
+        from torch.distributed import distributed_c10d
+        setter = distributed_c10d._set_pg_timeout
+    for group in [None, *made_groups]:
+        setter(timeout, group)
+    group_timeout_s = float(seconds)
 
 
 def node_of(rank: int) -> int:
@@ -212,12 +252,15 @@ def destroy() -> None:
 
     launch/stress_exit.sh counts clean exits over many launches.
     """
+    global group_timeout_s
     if not is_distributed():
         return
     if sys.exc_info()[0] is None:
         dist.barrier()
     dist.destroy_process_group()
     ring_crosses_node.clear()
+    made_groups.clear()
+    group_timeout_s = None
 
 
 def single_host_env(rank: int, world_size: int, port: int) -> dict[str, str]:
