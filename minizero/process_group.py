@@ -13,7 +13,9 @@ The collectives themselves are comm.py's; it re-exports these names, so callers 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
 import sys
 
 import torch
@@ -133,27 +135,135 @@ def get_local_rank() -> int:
 
 
 RANKS_PER_NODE_ENV = "MINIZERO_RANKS_PER_NODE"   # pretend a topology: k consecutive ranks per "node"
+HOST_ENV = "MINIZERO_HOST"   # pretend this process runs on the host of that name (a rehearsal on one machine)
+# Where each launcher says how many of its ranks share a node, in the order they are believed:
+# torchrun's count of the workers it started on this node, then srun's of its step's tasks
+# (set also when srun chose the placement itself: `srun -N2 -n8`), then the job's request.
+PER_NODE_VARS = (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 
 
 def ranks_per_node() -> int:
     """How many consecutive ranks share a node. MINIZERO_RANKS_PER_NODE says so explicitly
     (to rehearse a multi-node layout on one machine, as DeepSpeed's tests do); else the
-    launcher's count of ranks on this node: torchrun's LOCAL_WORLD_SIZE, srun's
-    SLURM_NTASKS_PER_NODE; else all ranks are on one node. torchrun and srun number ranks
-    node by node, so node n holds ranks [n*k, (n+1)*k)."""
+    launcher's count of ranks on this node (PER_NODE_VARS); else all ranks are on one node.
+    torchrun and srun (its default block distribution) number ranks node by node, so node n
+    holds ranks [n*k, (n+1)*k). These are what the launcher says; what the hosts say is
+    hosts_of_ranks(), and check_node_groups compares the two where it matters. A count that
+    differs between nodes (SLURM_STEP_TASKS_PER_NODE=4,3) is refused: nodes are blocks of one size."""
     world = get_world_size()
-    for var in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    if world == 1:
+        return 1   # one rank is one node, whatever a batch script's SLURM_NTASKS_PER_NODE asks for
+    for var in PER_NODE_VARS:
         value = os.environ.get(var)
         if value:
-            try:
-                k = int(value.split("(")[0])   # SLURM may write "4(x2)"
-            except ValueError:
-                raise LaunchError(f"{var}={value!r}: expected a whole number of ranks per node") from None
+            counts = per_node_counts(var, value)
+            k = counts[0]
+            if len(set(counts)) > 1:
+                raise LaunchError(f"{var}={value}: the nodes hold different numbers of ranks ({counts}); minizero's "
+                                  f"nodes are blocks of one size: start as many ranks on every node (srun "
+                                  f"--ntasks-per-node, torchrun --nproc-per-node)")
             if k < 1 or world % k:
                 raise LaunchError(f"{var}={value}: {world} ranks do not split into nodes of {k}; give a "
                                   f"divisor of the world size")
             return k
     return world
+
+
+def per_node_counts(var: str, value: str) -> list[int]:
+    """The ranks per node a launcher variable lists: "4" -> [4]; SLURM's "4(x2),3" -> [4, 4, 3]."""
+    counts = []
+    for part in value.split(","):
+        n, _, times = part.strip().partition("(x")
+        try:
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            raise LaunchError(f"{var}={value!r}: expected a whole number of ranks per node") from None
+    return counts
+
+
+def host_id() -> str:
+    """This process's host, as the machine itself says: its name and boot id ("name#boot"),
+    so that two machines of one name (cloned images) still differ and two processes of one
+    machine never do. MINIZERO_HOST replaces it: a rehearsal of several nodes on one machine
+    (tests/tools/test_preflight.py) gives each pretended node its own name. Never for a real job."""
+    pretend = os.environ.get(HOST_ENV)
+    if pretend:
+        return pretend
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:   # not Linux: the name alone
+        boot = ""
+    return f"{socket.gethostname()}#{boot}" if boot else socket.gethostname()
+
+
+def host_name(host: str) -> str:
+    """A host_id as a reader knows the machine: its name."""
+    return host.split("#")[0]
+
+
+def hosts_of_ranks() -> list[str]:
+    """Collective: every rank's host_id, by global rank (one all_gather_object)."""
+    hosts = [None] * get_world_size()
+    if is_distributed():
+        dist.all_gather_object(hosts, host_id())
+    else:
+        hosts = [host_id()]
+    return hosts
+
+
+def node_groups_problem(hosts: list[str], size: int, key: str, declared: int | None = None) -> str | None:
+    """The one line to say when blocks of `size` consecutive ranks (hpZ's k, HSDP's S: meant to
+    be nodes) are not the nodes `hosts` (each rank's host_id) make; None when they are.
+    `declared`: the launcher's ranks per node (ranks_per_node), named when the hosts disagree."""
+    world = len(hosts)
+    where: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        where.setdefault(h, []).append(r)
+    counts = [len(r) for r in where.values()]
+    per_host = counts[0] if len(set(counts)) == 1 else None
+    said = f" ({declared} per node, the launcher says)" if declared and declared != per_host else ""
+    layout = (f"{len(where)} host(s) of {per_host} ranks" if per_host else
+              f"{len(where)} hosts of {'/'.join(map(str, counts))} ranks") + said
+    fix = f"set {key} to the ranks of one node" + (f" ({per_host})" if per_host else "")
+    groups = [list(range(i, i + size)) for i in range(0, world, size)]
+    spanning = [g for g in groups if len({hosts[r] for r in g}) > 1]
+    if spanning:
+        g = spanning[0]
+        names = sorted({host_name(hosts[r]) for r in g})
+        more = f" (and {len(spanning) - 1} more group(s))" if len(spanning) > 1 else ""
+        crosses = {"zero_hpz_partition_size": "backward's all-gathers",
+                   "hsdp_shard_size": "all-gathers and reduce-scatters"}.get(key, "collectives")
+        placed = "" if all(where[h] == list(range(where[h][0], where[h][0] + len(where[h]))) for h in where) else             "; the ranks are not placed node by node (srun --distribution=block)"
+        return (f"{key} {size}: ranks {g[0]}-{g[-1]}, one node group, run on {len(names)} hosts "
+                f"({', '.join(names[:3])}){more}, on {layout}: its {crosses} cross nodes every step, the same "
+                f"numbers only slower; {fix}{placed}")
+    if per_host and size != per_host:
+        return (f"{key} {size} on {layout}: {per_host // size} groups share each node; {fix} to shard over "
+                f"the whole node")
+    return None
+
+
+def check_node_groups(size: int, key: str) -> str | None:
+    """Collective, where node groups are made (hierarchy.for_config): warn in one line (rank 0,
+    the "minizero" logger) when blocks of `size` consecutive ranks would span hosts or differ
+    from the ranks per host, read from the hosts themselves (hosts_of_ranks). A warning, not a
+    refusal: a group across hosts computes the same numbers, only its collectives cross the
+    slow link (and the ledger's inter-node bytes, which assume blocks, are then off). Under
+    MINIZERO_RANKS_PER_NODE alone the nodes are the pretended ones, and nothing is gathered.
+    Returns the line (None: nothing to say)."""
+    world = get_world_size()
+    if size <= 1 or size >= world:
+        return None
+    if os.environ.get(RANKS_PER_NODE_ENV) and not os.environ.get(HOST_ENV):
+        k = ranks_per_node()
+        hosts = [f"pretended node {r // k}" for r in range(world)]
+    else:
+        hosts = hosts_of_ranks()
+    line = node_groups_problem(hosts, size, key, ranks_per_node())
+    if line and get_rank() == 0:
+        logging.getLogger("minizero").warning(line)
+    return line
 
 
 def main_group_timeout() -> float | None:
@@ -220,7 +330,6 @@ def get_device() -> torch.device:
 
 def free_port() -> int:
     """A TCP port free on this host right now, for MASTER_PORT of a single-host launch."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
