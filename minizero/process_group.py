@@ -78,6 +78,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800) -> Non
     group_timeout_s = float(timeout_s)
 
 
+def launched_ranks() -> int:
+    """The ranks the launcher started (its WORLD_SIZE, a bare srun's step mapped by _from_slurm
+    first); 1 without a launcher. Read before any process group exists (the preflight asks)."""
+    _from_slurm()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 1
+    return int(os.environ["WORLD_SIZE"])
+
+
 def _from_slurm() -> None:
     """`srun python -m minizero.train` (no torchrun): take rank, world size and local rank
     from SLURM. The rendezvous address cannot be guessed safely from inside one task, so
@@ -212,11 +221,16 @@ def hosts_of_ranks() -> list[str]:
     return hosts
 
 
+def groups_spanning_hosts(hosts: list[str], size: int) -> list[list[int]]:
+    """The blocks of `size` consecutive ranks whose ranks run on more than one host."""
+    groups = [list(range(i, i + size)) for i in range(0, len(hosts), size)]
+    return [g for g in groups if len({hosts[r] for r in g}) > 1]
+
+
 def node_groups_problem(hosts: list[str], size: int, key: str, declared: int | None = None) -> str | None:
     """The one line to say when blocks of `size` consecutive ranks (hpZ's k, HSDP's S: meant to
     be nodes) are not the nodes `hosts` (each rank's host_id) make; None when they are.
     `declared`: the launcher's ranks per node (ranks_per_node), named when the hosts disagree."""
-    world = len(hosts)
     where: dict[str, list[int]] = {}
     for r, h in enumerate(hosts):
         where.setdefault(h, []).append(r)
@@ -226,8 +240,9 @@ def node_groups_problem(hosts: list[str], size: int, key: str, declared: int | N
     layout = (f"{len(where)} host(s) of {per_host} ranks" if per_host else
               f"{len(where)} hosts of {'/'.join(map(str, counts))} ranks") + said
     fix = f"set {key} to the ranks of one node" + (f" ({per_host})" if per_host else "")
-    groups = [list(range(i, i + size)) for i in range(0, world, size)]
-    spanning = [g for g in groups if len({hosts[r] for r in g}) > 1]
+    if per_host and size > per_host:
+        fix += f", or start {size} ranks on each node"
+    spanning = groups_spanning_hosts(hosts, size)
     if spanning:
         g = spanning[0]
         names = sorted({host_name(hosts[r]) for r in g})
@@ -253,7 +268,7 @@ def check_node_groups(size: int, key: str) -> str | None:
     MINIZERO_RANKS_PER_NODE alone the nodes are the pretended ones, and nothing is gathered.
     Returns the line (None: nothing to say)."""
     world = get_world_size()
-    if size <= 1 or size >= world:
+    if size <= 1 or world == 1:
         return None
     if os.environ.get(RANKS_PER_NODE_ENV) and not os.environ.get(HOST_ENV):
         k = ranks_per_node()
