@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from minizero.preflight import checks
     where = checks.layout(everyone)
     how = "torchrun's rendezvous" if agent else "the store rank 0 opened" if world > 1 else "no launcher: one rank"
-    report.add(checks.OK, f"ranks: {world} of {world} joined in {time.monotonic() - t0:.1f} s ({how}, "
+    report.add(checks.OK, f"ranks: {world} of {world} joined, {time.monotonic() - t0:.1f} s after starting ({how}, "
                           f"{host}:{port})")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     report.extend([checks.hosts(everyone, plan.node_group), checks.gpus(everyone, backend), checks.config(plan)])
