@@ -56,11 +56,13 @@ def checks(n_gpus: int, size: Size, t_train: int) -> list:
 
     checks = [Check(
         "2node-preflight", f"the preflight under the same two torchruns (2 nodes x {half} GPU(s), "
-                           "`-m minizero.preflight`): every rank joins, the hosts are as pretended, NCCL's collectives "
-                           "give the right numbers, the save folder is one folder; no line FAILs",
+                           "`-m minizero.preflight --hpz <GPUs per node>`): every rank joins, the hosts are as "
+                           "pretended, NCCL's collectives give the right numbers, also hpZ's gather in the node beside "
+                           "a reduce-scatter over all ranks, both in flight; the save folder is one folder; no line "
+                           "FAILs",
         min_gpus=2, steps=[two_nodes(["-m", "minizero.preflight", *flags, "--save-dir", "{dir}/run",
-                                      "--config", f"{CONFIGS}/two_nodes_zero3.json", "--timeout", "60"],
-                                     "2node-preflight")],
+                                      "--config", f"{CONFIGS}/two_nodes_zero3.json", "--timeout", "60",
+                                      *(["--hpz", str(half)] if half > 1 else [])], "2node-preflight")],
         judge=judge_preflight("2node-preflight.node0.log", "2node-preflight.node1.log"))]
     zero3 = ["--config", f"{CONFIGS}/two_nodes_zero3.json"]
     straight = "{out}/2node-straight/run"

@@ -155,6 +155,66 @@ def collectives(group, device, backend: str, world: int) -> tuple[str, str]:
     return OK, f"collectives: all_reduce, all_gather and reduce_scatter over {world} ranks on {backend}: right numbers"
 
 
+def node_group_collectives(node_group, group, device, backend: str, world: int, timeout_s: float):
+    """hpZ's or HSDP's collectives as their engine runs them: two in flight at once on two
+    process groups that share ranks, each checked against its known answer. hpZ: a gather
+    inside the node (from the secondary shard) beside a reduce-scatter over all ranks; HSDP:
+    the reduce-scatter inside the node beside the all-reduce among the replicas of a shard.
+    NCCL runs each group on its own stream, so the two overlap on the GPU as in a step; a pair
+    that deadlocks ends in the watchdog's line. None without node groups."""
+    from minizero import comm
+    if not node_group or not 1 < node_group[1] < world or world % node_group[1]:
+        return None
+    key, k = node_group
+    timeout = {"timeout": __import__("datetime").timedelta(seconds=timeout_s)}
+    rank = dist.get_rank()
+    node, _ = dist.new_subgroups_by_enumeration([list(range(i, i + k)) for i in range(0, world, k)],
+                                                backend=backend, **timeout)
+    first = rank // k * k
+    bad = []
+    if key == "hsdp_shard_size":
+        replicas, _ = dist.new_subgroups_by_enumeration([list(range(j, world, k)) for j in range(k)],
+                                                        backend=backend, **timeout)
+        shard = torch.empty(4, device=device)
+        a = comm.torch_reduce_scatter()(shard, torch.arange(4 * k, device=device, dtype=torch.float32) + rank,
+                                        group=node, async_op=True)
+        x = torch.full((8,), float(rank), device=device)
+        b = dist.all_reduce(x, group=replicas, async_op=True)
+        a.wait()
+        b.wait()
+        i = rank - first
+        if not torch.equal(shard, k * torch.arange(4 * i, 4 * i + 4, device=device, dtype=torch.float32)
+                           + sum(range(first, first + k))):
+            bad.append("reduce_scatter in the node")
+        if not bool((x == sum(range(rank % k, world, k))).all()):
+            bad.append("all_reduce among the replicas")
+        what = "HSDP's reduce-scatter in the node beside the replicas' all-reduce"
+    else:
+        gathered = torch.empty(4 * k, device=device)
+        a = comm.torch_all_gather()(gathered, torch.full((4,), float(rank), device=device), group=node,
+                                    async_op=True)
+        mine = torch.empty(4, device=device)
+        b = comm.torch_reduce_scatter()(mine, torch.arange(4 * world, device=device, dtype=torch.float32) + rank,
+                                        group=group, async_op=True)
+        a.wait()
+        b.wait()
+        if not torch.equal(gathered, torch.arange(first, first + k, device=device, dtype=torch.float32)
+                           .repeat_interleave(4)):
+            bad.append("all_gather in the node")
+        if not torch.equal(mine, world * torch.arange(4 * rank, 4 * rank + 4, device=device, dtype=torch.float32)
+                           + world * (world - 1) / 2):
+            bad.append("reduce_scatter over all ranks")
+        what = "hpZ's all-gather in the node beside a reduce-scatter over all ranks"
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wrong = {r: v for r, v in enumerate(exchange(bad)) if v}
+    if wrong:
+        ops = next(iter(wrong.values()))
+        return FAIL, (f"node groups: {key} {k}: {', '.join(ops)} gave wrong numbers on rank(s) "
+                      f"{ranks_text(sorted(wrong))} with {what} in flight: rerun with NCCL_DEBUG=INFO")
+    return OK, f"node groups: {key} {k}: {what}, both in flight on {backend}: right numbers"
+
+
 def bandwidth(where: dict, backend: str, device, nbytes: int, timeout_s: float) -> tuple[str, str]:
     """All-reduce bus bandwidth (nccl-tests' busbw: bytes x 2(n-1)/n / time) inside a node (each
     host's ranks together, all hosts at once) and between nodes (the ranks of one local index,

@@ -8,8 +8,9 @@ Order, each step bounded by --timeout:
 2. a gloo group over every rank (the CPU side: the exchanges below), watched: a gloo that
    cannot connect the nodes ends in a line naming GLOO_SOCKET_IFNAME;
 3. the save-folder probe is written, then the job's backend (NCCL on GPUs) is tried with
-   each collective and timed, watched: an NCCL that cannot connect ends in a line naming
-   NCCL_SOCKET_IFNAME and NCCL_DEBUG=INFO;
+   each collective, with hpZ's or HSDP's pair of collectives in flight at once on two groups,
+   and timed, watched: an NCCL that cannot connect ends in a line naming NCCL_SOCKET_IFNAME
+   and NCCL_DEBUG=INFO;
 4. the probe is read back on every host, the data looked for, the disk measured.
 
 Rank 0 prints each line as soon as it is known (a later hang still leaves the earlier lines),
@@ -152,6 +153,10 @@ def main(argv=None) -> int:
             dog.arm(args.timeout, lambda: (nccl_stuck if backend == "nccl" else lambda w, f, s: gloo_stuck(f, s))(
                 "all_reduce, all_gather and reduce_scatter", everyone, args.timeout))
             report.add(*checks.collectives(group, device, backend, world))
+            dog.arm(args.timeout, lambda: (nccl_stuck if backend == "nccl" else lambda w, f, s: gloo_stuck(f, s))(
+                "two node-group collectives in flight at once", everyone, args.timeout))
+            report.extend([checks.node_group_collectives(plan.node_group, group, device, backend, world,
+                                                         args.timeout)])
             mib = args.message_mib or (64 if backend == "nccl" else 4)
             dog.arm(args.timeout, lambda: (nccl_stuck if backend == "nccl" else lambda w, f, s: gloo_stuck(f, s))(
                 "the bandwidth test's all_reduce", everyone, args.timeout))

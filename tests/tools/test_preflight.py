@@ -70,6 +70,13 @@ def said(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("preflight:")]
 
 
+def report_first(outputs: list[str]) -> tuple[str, str, str, str]:
+    """(the report's node output, the other's, the report node's name, the other's name): the
+    c10d rendezvous gives rank 0 to either torchrun."""
+    i = next(i for i, text in enumerate(outputs) if " FAIL in " in text)
+    return outputs[i], outputs[1 - i], f"node{'AB'[i]}", f"node{'AB'[1 - i]}"
+
+
 def fake_cifar(folder) -> str:
     os.makedirs(folder / CIFAR)
     for name in command.CIFAR_FILES:
@@ -87,28 +94,33 @@ def clean(tmp_path_factory):
 
 
 def test_the_jobs_own_torchrun_line_reports_every_check_in_a_minute(clean):
-    """`torchrun ... -m minizero.preflight` on 2 pretended nodes x 2 ranks, hpZ k = 2 and the
-    data on the (shared) folder: rank 0's node prints one ok line per check and the summary; the
-    other node one line saying where the report is."""
-    rcs, (a, b), seconds, folder = clean
+    """`torchrun ... -m minizero.preflight` on 2 pretended nodes x 2 ranks, hpZ k = 2 (its two
+    collectives in flight at once on two groups) and the data on the (shared) folder: rank 0's
+    node prints one ok line per check and the summary; the other node one line saying where
+    the report is."""
+    rcs, out, seconds, folder = clean
+    a, b, first, other = report_first(out)
     lines = said(a)
     assert rcs == [0, 0], (a[-3000:], b[-3000:])
     assert all(ln.startswith("preflight: ok ") for ln in lines[:-1]), "\n".join(lines)
     heads = [re.match(r"preflight: ok +(\w[\w ]*?):", ln).group(1) for ln in lines[:-1]]
-    assert heads == ["ranks", "hosts", "config", "collectives", "bandwidth", "save folder", "data", "disk"], heads
+    assert heads == ["ranks", "hosts", "config", "collectives", "node groups", "bandwidth", "save folder", "data",
+                     "disk"], heads
     text = "\n".join(lines)
     assert "ranks: 4 of 4 joined" in text and "torchrun's rendezvous" in text
-    assert "hosts: 2 host(s) of 2 ranks (nodeA: ranks 0-1; nodeB: ranks 2-3); zero_hpz_partition_size 2: each " \
-           "node group is one host" in text
+    assert f"hosts: 2 host(s) of 2 ranks ({first}: ranks 0-1; {other}: ranks 2-3); zero_hpz_partition_size 2: " \
+           "each node group is one host" in text
     assert "all_reduce, all_gather and reduce_scatter over 4 ranks on gloo: right numbers" in text
+    assert "node groups: zero_hpz_partition_size 2: hpZ's all-gather in the node beside a reduce-scatter over all " \
+           "ranks, both in flight on gloo: right numbers" in text
     assert re.search(r"inside a node [\d.]+ [kMG]B/s \(2 ranks\); between nodes [\d.]+ [kMG]B/s \(2 ranks\)", text)
     assert "one folder on all 2 host(s), writable" in text and "CIFAR-10 in" in text and "on all 2 host(s)" in text
     assert re.search(r"disk: [\d.]+ [kMGT]B free in .*; a checkpoint of tiny \([\d,]+ parameters, ZeRO-3 fp32 over 4 "
                      r"ranks\) is [\d.]+ MB", text), text
     took = float(re.search(r"0 FAIL in ([\d.]+) s: start the job", lines[-1]).group(1))
     assert took < 60, lines[-1]          # the ranks' own clock, from their start to the summary
-    assert said(b) == ["preflight: ok   this node (nodeB, ranks 2-3) took part; rank 0 prints the report on nodeA: "
-                       "0 FAIL"], b[-2000:]
+    assert said(b) == [f"preflight: ok   this node ({other}, ranks 2-3) took part; rank 0 prints the report on "
+                       f"{first}: 0 FAIL"], b[-2000:]
     assert sorted(os.listdir(folder)) == ["data", "nodeA.log", "nodeB.log"]   # no save folder made, no probe left
 
 
@@ -133,22 +145,23 @@ def test_each_injected_fault_is_one_line(faults):
     """Under `python -m minizero.preflight torchrun ...` only the report reaches the terminal
     (torchrun's own traceback goes to its log): rank 0's node says each fault in one FAIL line
     naming what to change, the other node where the report is; both exit 1."""
-    rcs, (a, b), _ = faults
+    rcs, out, _ = faults
+    a, b, first, other = report_first(out)
     assert rcs == [1, 1], (a[-3000:], b[-3000:])
     assert a.splitlines() == said(a) and b.splitlines() == said(b), (a, b)   # nothing but the report
     fails = [ln for ln in said(a) if ln.startswith("preflight: FAIL")]
     assert len(fails) == 3, "\n".join(said(a))
     hosts, save, data = fails
-    assert hosts.startswith("preflight: FAIL hosts: nodeA: ranks 0; nodeB: ranks 1; zero_hpz_partition_size 2: ranks "
-                            "0-1, one node group, run on 2 hosts (nodeA, nodeB)"), hosts
+    assert hosts.startswith(f"preflight: FAIL hosts: {first}: ranks 0; {other}: ranks 1; zero_hpz_partition_size 2: "
+                            "ranks 0-1, one node group, run on 2 hosts (nodeA, nodeB)"), hosts
     assert "set zero_hpz_partition_size to the ranks of one node (1), or start 2 ranks on each node" in hosts
-    assert save.startswith("preflight: FAIL save folder: host nodeA does not see in ") and "the file host nodeB wrote" \
-        in save and "a file system every node mounts" in save, save
+    assert save.startswith(f"preflight: FAIL save folder: host {first} does not see in ") and \
+        f"the file host {other} wrote" in save and "a file system every node mounts" in save, save
     assert data.startswith("preflight: FAIL data: CIFAR-10 is missing from") and "on host(s) nodeB (there on nodeA)" \
         in data and "one folder every node mounts" in data, data
     assert said(a)[-1].startswith("preflight: 5 ok, 0 warn, 3 FAIL in "), said(a)[-1]
-    assert said(b) == ["preflight: FAIL this node (nodeB, ranks 1) took part; rank 0 prints the report on nodeA: "
-                       "3 FAIL"], b
+    assert said(b) == [f"preflight: FAIL this node ({other}, ranks 1) took part; rank 0 prints the report on "
+                       f"{first}: 3 FAIL"], b
 
 
 def test_a_wrong_rendezvous_endpoint_ends_in_one_line_within_the_timeout(tmp_path):
