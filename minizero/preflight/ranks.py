@@ -81,6 +81,13 @@ def nccl_stuck(what: str, facts: list, seconds: float) -> str:
             f"nodes reach each other on (ip -br addr), and rerun with NCCL_DEBUG=INFO to see where it stops")
 
 
+def pair_stuck(node_group, backend: str, world: int, seconds: float) -> str:
+    return (f"node groups: {node_group[0]} {node_group[1]}: its two collectives in flight at once on {backend} did not "
+            f"finish within {seconds:g} s over {world} ranks, though each kind finished alone just before: the job "
+            f"would hang the same way in its first step; rerun with NCCL_DEBUG=INFO to see which waits, and run "
+            f"plain ZeRO-3 (no {node_group[0]}) meanwhile")
+
+
 def main(argv=None) -> int:
     t0 = time.monotonic()
     if os.environ.get(STARTED_ENV):   # launch.py watches for it: torchrun's rendezvous is over
@@ -153,8 +160,7 @@ def main(argv=None) -> int:
             dog.arm(args.timeout, lambda: (nccl_stuck if backend == "nccl" else lambda w, f, s: gloo_stuck(f, s))(
                 "all_reduce, all_gather and reduce_scatter", everyone, args.timeout))
             report.add(*checks.collectives(group, device, backend, world))
-            dog.arm(args.timeout, lambda: (nccl_stuck if backend == "nccl" else lambda w, f, s: gloo_stuck(f, s))(
-                "two node-group collectives in flight at once", everyone, args.timeout))
+            dog.arm(args.timeout, lambda: pair_stuck(plan.node_group, backend, len(everyone), args.timeout))
             report.extend([checks.node_group_collectives(plan.node_group, group, device, backend, world,
                                                          args.timeout)])
             mib = args.message_mib or (64 if backend == "nccl" else 4)

@@ -272,3 +272,16 @@ def test_the_checkpoint_size_bounds_a_real_checkpoint(tmp_path, stage, dtype):
     plan = command.plan(parser, args, 2)
     assert (plan.params, plan.checkpoints) == (108_801, 1)
     assert written <= plan.checkpoint_bytes <= 1.1 * written, (written, plan.checkpoint_bytes)
+
+
+def test_the_watchdog_ends_a_stuck_wait_in_its_one_line():
+    """A call that never returns (a backend connecting, a collective) with the watchdog armed:
+    the process prints the line the watchdog was given and exits 1 when the time is up, from
+    the node's first rank only (the others exit quietly)."""
+    code = ("import sys, time; from minizero.preflight.rendezvous import Watchdog; "
+            "dog = Watchdog(speak=sys.argv[1] == '1'); dog.arm(0.5, lambda: 'backend: stuck, set X'); time.sleep(30)")
+    for speak, out in (("1", "preflight: backend: stuck, set X\n"), ("0", "")):
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-c", code, speak], capture_output=True, text=True, timeout=60,
+                           env=env_for("nodeA"))
+        assert (p.returncode, p.stdout) == (1, out) and time.monotonic() - t0 < 20, (p.stdout, p.stderr)
