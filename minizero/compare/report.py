@@ -86,8 +86,11 @@ def note(args, pinned: dict, offload: bool = False) -> str:
     if args.dtype != "fp32" and 0 in args.stages:
         lines.append("- Stage 0 in fp16/bf16: DeepSpeed's stage-0 wrappers take one Adam step with zero gradients "
                      "at init (losses drift, bf16 up to ~6e-3 in 20 steps); its stage-0 fp16 never multiplies "
-                     "the loss by the scale (gradients 1/65536 too small) and its loss scaler has no hysteresis. "
-                     "minizero does not copy these quirks.")
+                     "the loss by the scale but divides the gradients by it (1/65536 too small), and since an "
+                     "unscaled backward never overflows, the scale doubles every `loss_scale_window` clean steps "
+                     "without bound (1/131072 after 1,000 steps, 1/262144 after 2,000: docs/deepspeed.md, \"Stage 0 "
+                     "fp16 never scales the loss\"); its loss scaler has no hysteresis. minizero does not copy these "
+                     "quirks: its scaled backward overflows when the scale is too large, and the scale comes down.")
     if args.dtype != "fp32":
         lines.append("- Expected loss agreement in low precision is op-order noise (bf16 ~2e-4, fp16 ~3e-5 "
                      "over 20 steps); fp32 agrees to ~1e-6.")

@@ -619,6 +619,16 @@ def test_stage0_fp16_scale_doubles_every_window_and_divides_the_gradients(seen):
     assert got["ratios"] == got["scales"]
 
 
+def test_the_compare_report_says_stage0_fp16_scale_grows():
+    """Where a user comparing the libraries looks: `python -m minizero.compare`'s notes, for
+    a run with stage 0 in fp16, say that DeepSpeed's scale grows without bound."""
+    from minizero.compare.report import note
+    args = types.SimpleNamespace(out="/tmp/report", dtype="fp16", stages=[0, 1])
+    text = " ".join(note(args, {}).split())
+    assert "the scale doubles every `loss_scale_window` clean steps without bound" in text
+    assert "never multiplies the loss by the scale" in text
+
+
 def test_zero3_reapplies_a_stale_gradient_and_stages_0_to_2_do_not(seen):
     zero12 = _get(seen, "zero12")
     for stage, steps in ((0, _get(seen, "stage0_unused")["steps"]), (1, zero12[1]["steps"]), (2, zero12[2]["steps"])):
