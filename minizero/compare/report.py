@@ -12,7 +12,7 @@ import platform
 
 from minizero.compare import REPO
 from minizero.compare.compare_comms import comms_section
-from minizero.compare.compare_memory import LIBS, moments_section
+from minizero.compare.compare_memory import LIBS, moments_section, peaks_section
 from minizero.compare.compare_nodes import hierarchy_keys, nodes_section, ranks_per_node, scheme_of
 from minizero.compare.render import NAMES, SHORT, moments_by_lib, table
 
@@ -62,7 +62,9 @@ def note(args, pinned: dict, offload: bool = False) -> str:
         "- Memory: both libraries are measured at the same two moments of the last step, from the buffers they "
         "really hold (minizero's `memory.held_bytes`, DeepSpeed's `reference/ds_memory.py` walker): the state "
         "columns above are the end of backward; the section below has both moments, and names every byte "
-        "that differs. On CPU, peak MB is the process RSS.",
+        "that differs. Memory peaks between those moments (a bucket being reduced, a unit gathered, the fp32 "
+        "gradient a step makes for Adam): the peaks section reads each library at every such event of the last "
+        "step. On CPU, peak MB is the process RSS.",
         f"- This comparison adds {json.dumps(pinned)} "
         "to `zero_optimization` unless the config sets "
         "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
@@ -140,6 +142,7 @@ def report_md(info, args, rows, pinned: dict, offload: bool = False, results=Non
         "![loss curves](loss_curves.png)", "",
         *(moments_section(ds_results, args.dtype) if pair else []),
         *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
+        *peaks_section(results, [lib for lib in libs]),
         "![memory](memory.png)", "",
         *(nodes_section(results, args, libs, per_node, scheme_of(args)) if per_node else []),
         *(comms_section(ds_results) if pair else [])])

@@ -135,6 +135,33 @@ def test_fsdp2_prefetches_in_backward_only(results):
     assert backward == [("", "blocks.1"), ("blocks.1", "blocks.0")]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fsdp2_peaks_beside_minizeros(results, dtype):
+    """Each rank's fullest moment in backward and in the step (runlog.PhasePeaks: FSDP2's from
+    reference/torch_engine.py's track_peaks, minizero's from memory_track), on the same runs:
+    each peak is the sum of the buffers it lists; FSDP2 without reshard (stage 2) holds every
+    gathered parameter through backward (its padded Ψ in the compute dtype), with reshard
+    (stage 3) less; its step holds the fp32 shard, its fp32 sharded gradient and Adam's
+    moments, no gathered parameter. The bytes go to docs/deepspeed.md, "Memory at its peak"."""
+    psi_pt = _fsdp2_padded_numel(results[0][(3, dtype)][2])
+    lp = 4 if dtype == "fp32" else 2
+    for stage in (2, 3):
+        for rank, r in enumerate(results):
+            mz, pt, _ = r[(stage, dtype)]
+            for lib, peaks in (("minizero", mz["memory"]["peaks"]), ("torch", pt["memory"]["peaks"])):
+                for phase in ("backward", "step"):
+                    top = peaks[phase]
+                    assert top["total"] == sum(top["by_category"].values()) == sum(top["detail"].values()), lib
+            gathered = [x["detail"].get("params:gathered parameters", 0) for x in pt["memory"]["peaks"]["readings"]
+                        if x["phase"] == "backward"]
+            assert (max(gathered) == lp * psi_pt) if stage == 2 else (0 < max(gathered) < lp * psi_pt), stage
+            step = pt["memory"]["peaks"]["step"]["detail"]
+            assert "params:gathered parameters" not in step and step["grads:sharded gradients"] == 4 * psi_pt // N
+            print(f"\n{dtype} stage {stage} rank {rank} peaks, backward / step: minizero "
+                  f"{mz['memory']['peaks']['backward']['total']:,} / {mz['memory']['peaks']['step']['total']:,}; "
+                  f"FSDP2 {pt['memory']['peaks']['backward']['total']:,} / {pt['memory']['peaks']['step']['total']:,}")
+
+
 def test_bf16_stage0_ddp_is_another_computation(results):
     """DDP has no public bf16 model: the PyTorch reference runs torch.autocast(bf16) on the fp32
     model (matmuls in bf16, LayerNorm/softmax/loss in fp32), where minizero's stage 0 runs a
