@@ -216,3 +216,37 @@ def test_peaks_in_backward_and_in_the_step(mz, stage, rank):
             assert all(f"{name} {b:,}" in section for name, b in peak_pieces(p[phase])), (lib, phase)
     print(f"\nstage {stage} rank {rank} peaks, backward / step: " + "; ".join(
         f"{lib} {p['backward']['total']:,} / {p['step']['total']:,}" for lib, p in peaks.items()))
+
+
+def test_memory_moments_arm_peaks_for_the_last_step_only():
+    """runlog.MemoryMoments (the trainers' side of the same comparison): the peak recorder is
+    made and armed at the previous step's after_step moment, read at the last step's, and
+    its result goes to summary.json's memory_moments as "peaks" (without the readings); a
+    one-step run has none."""
+    from minizero.train.runlog import MemoryMoments
+
+    class Recorder:
+        made = 0
+
+        def __init__(self, engine):
+            Recorder.made += 1
+            self.armed = False
+
+        def arm(self):
+            self.armed = True
+
+        def result(self):
+            assert self.armed
+            return {"backward": {"total": 5}, "step": {"total": 7}, "readings": [1, 2]}
+
+    moments = MemoryMoments(lambda engine: {"params": 1}, step=3, peaks=Recorder)
+    for step in (1, 2, 3):
+        moments.take("after_backward", None, step)
+        moments.take("after_step", None, step)
+        assert Recorder.made == (0 if step == 1 else 1)
+    out = moments.result(together=False)
+    assert out["peaks"] == [{"backward": {"total": 5}, "step": {"total": 7}}]
+    one = MemoryMoments(lambda engine: {"params": 1}, step=1, peaks=Recorder)
+    one.take("after_backward", None, 1)
+    one.take("after_step", None, 1)
+    assert "peaks" not in one.result(together=False) and Recorder.made == 1
