@@ -26,7 +26,8 @@ runtime/fp16/unfused_optimizer.py, is what stage 0 + torch_adam gives):
   2. fp16 only: FP16_UnfusedOptimizer is a DeepSpeedOptimizer, not a ZeROOptimizer, so
      DeepSpeedEngine.backward never calls scale_if_loss: the loss is NOT multiplied by the
      loss scale, while step() -> unscale_and_clip_grads still divides the gradients by
-     cur_scale (65536). The gradients reaching AdamW are 65536x too small (~1e-8, the size
+     cur_scale (65536, doubling every loss_scale_window clean steps, since nothing
+     overflows: docs/deepspeed.md, "Stage 0 fp16 never scales the loss"). The gradients reaching AdamW are 65536x too small (~1e-8, the size
      of eps), and the fp16 backward itself runs unscaled (small gradients flush to zero);
      its reported norm is the unscaled one (not divided by the scale), which is why it is
      close to stage 1's but not equal.
