@@ -7,10 +7,10 @@ from the source instead: `track_copies(engine)` wraps, on this engine's optimize
 method of DeepSpeed 0.19.8 that copies between the two (with `offload_optimizer` /
 `offload_param` on "cpu"), and adds up the bytes the method's copy lines move, from the
 tensors it is called with. A copy between a device tensor and a host tensor of another
-dtype crosses in the dtype torch converts to first: the destination's for a copy to the
-device (torch's copy_kernel_cuda converts on the host, then copies), the source's for a
-blocking copy to the host. Files are `runtime/zero/...`; b = bytes of a low-precision
-element.
+dtype crosses in the device tensor's dtype when it blocks (torch converts on the CPU) and
+in the host tensor's when `non_blocking` (converted on the GPU): measured,
+docs/results/cuda-copy-dtype.md. The one such copy below, ZeRO-3's after the step, blocks.
+Files are `runtime/zero/...`; b = bytes of a low-precision element.
 
 ZeRO-1/2, `cpu_offload` (stage_1_and_2.py):
     async_inplace_copy_grad_to_fp32_buffer_from_gpu(param)   at the accumulation boundary:
@@ -36,7 +36,8 @@ ZeRO-3 (stage3.py, partition_parameters.py, partitioned_param_coordinator.py):
     _offload_grad_partition_at_boundary(param, grad_buffer, ...)   at the boundary the
         partition, made fp32 on the device, into the host fp32 .grad: d2h 4 x n
     _reassign_or_swap_out_partitioned_parameters(i)   after Adam, without offload_param, the
-        sub-group's fp32 partition into the device's low-precision one: h2d b x its numel
+        sub-group's fp32 partition into the device's low-precision one, a blocking copy_
+        (converted on the host): h2d b x its numel
     the parameter coordinator's all-gather (`__all_gather_params_`), with offload_param:
         each partitioned parameter's host partition to the device before its all-gather
         (`ds_tensor.to(device)`): h2d b x partition numel, per gather
