@@ -32,6 +32,7 @@ class Library:
     check_config: Callable          # (cfg, world_size) -> cfg as the engine will use it
     user_errors: tuple = field(default_factory=tuple)   # exception types that mean bad input
     held_bytes: Callable | None = None   # engine -> dict: what it holds right now (runlog.MemoryMoments)
+    peaks: Callable | None = None        # engine -> a recorder of the last step's peaks (runlog.MemoryMoments)
     # run -> (summary dict, printed table) of the comms logger, or None when it is off; called
     # by runlog.finish on every rank when all are there (DeepSpeed's log_summary is collective)
     comms_summary: Callable | None = None
@@ -72,6 +73,7 @@ MINIZERO = Library(
     comm_snapshot=lambda engine: engine.comm_stats(),
     check_config=_minizero_check_config,
     held_bytes=memory.held_bytes,
+    peaks=runlog.MinizeroPeaks,
     comms_summary=_minizero_comms_summary,
 )
 

@@ -234,8 +234,9 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     if capture_memory:
         memory = {"after_init": engine.memory_breakdown(), "after_backward": [], "after_step": []}
     driven = drive(engine) if drive is not None else engine
+    from minizero.train.runlog import MinizeroPeaks
     out = train_steps(driven, batches, steps, lambda e: float(e.loss_scale),
-                      lambda e: e.memory_breakdown(), memory)
+                      lambda e: e.memory_breakdown(), memory, MinizeroPeaks(engine) if capture_memory else None)
     if driven is not engine:
         out.update(driven.result())
     out["ledger"] = engine.comm_stats()
