@@ -91,7 +91,7 @@ KNOBS = ("default", "off", "on")
 OVERLAP_ON = {"overlap_comm": True}
 OVERLAP_OFF = {"overlap_comm": False, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
                "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
-# DeepSpeed's defaults for the keys "default" leaves out (zero_config.py has the same)
+# DeepSpeed's defaults for the keys "default" leaves out (config/zero.py has the same)
 PERSISTENCE_DEFAULT = 100_000       # stage3_param_persistence_threshold, elements
 ALLGATHER_BUCKET_DEFAULT = 500_000_000   # allgather_bucket_size, elements
 # --step5: the tutorial's step 5 (launch/ds_config_step5.json) moves both to the host

@@ -145,31 +145,13 @@ def model_numbers(args) -> dict:
 
 def machine() -> str:
     """The GPUs, or the CPU's model, cores and the vector flags that decide bf16's speed."""
-    import torch
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    cpu, flags = "unknown CPU", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        cpu = next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name"))
-        have = set(next(ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")))
-        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
-    except (OSError, StopIteration):
-        pass
-    return f"CPU: {cpu} ({os.cpu_count()} cores; {' '.join(flags) or 'no AVX2'}), no GPU"
+    from minizero.runtime import about
+    return about.machine()
 
 
 def versions() -> str:
-    import importlib.metadata
-    import platform
-    out = [f"python {platform.python_version()}"]
-    for p in ("torch", "deepspeed"):
-        try:
-            out.append(f"{p} {importlib.metadata.version(p)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return ", ".join(out)
+    from minizero.runtime import about
+    return ", ".join(f"{name} {v}" for name, v in about.versions().items() if v != "not installed")
 
 
 # ----------------------------------------------------------------------------- tables and files

@@ -3,6 +3,7 @@ size 1, each issued late, and the result bit for bit the run with no process gro
 
     torchrun --standalone --nproc-per-node 1 launch/nccl_ws1.py --out nccl_ws1.json
     python3 launch/nccl_ws1.py --out nccl_ws1.json        # the same on the CPU: one gloo rank
+    python3 launch/nccl_ws1.py --dry-run                  # each case's engine, built: what it offloads
 
 Why: at world size 1 minizero's collectives are local copies (comm.py), so a one-GPU box never
 runs NCCL, and NCCL refuses two ranks on one device. With `MINIZERO_ONE_RANK_COLLECTIVES=backend`
@@ -24,9 +25,10 @@ goes unseen; so here every collective is issued late:
 The runs (public API only: minizero.initialize, the engine's calls and full_fp32_state_dict),
 each once with no process group and once through the backend, late, must give the same
 losses and the same fp32 weights, bit for bit (CASES: ZeRO 0-3 in bf16 with overlap_comm on,
-ZeRO-3 with the default knobs, fp16, parameter offload). A run through the backend that
-issued no collective means the core did not honour the switch: that is a FAIL here, not a
-pass. On a GPU the kernels are deterministic (torch.use_deterministic_algorithms), or two
+ZeRO-3 with the default knobs, fp16, parameter offload with every FlatParam partitioned,
+so that the copy of a shard from host memory meets NCCL's gather). A run through the backend
+that issued no collective means the core did not honour the switch, and an offload case that
+kept every parameter on the device offloaded nothing: each is a FAIL here, not a pass. On a GPU the kernels are deterministic (torch.use_deterministic_algorithms), or two
 runs could differ by the order of their atomic adds and say nothing about NCCL.
 
 Exit status 0 iff every case is identical and every backend run went through the backend; the
@@ -69,9 +71,13 @@ CASES = {
     "z3-bf16-default": (3, "bf16", {}),
     "z2-fp16-overlap": (2, "fp16", {"overlap_comm": True}),
     "z3-fp16-default": (3, "fp16", {}),
+    # threshold 0: at the default (1e5 elements) every parameter of the micro GPT is persistent,
+    # kept gathered on the device, and offload_param would move nothing to the host
     "z3-bf16-offload": (3, "bf16", {"offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                    "offload_param": {"device": "cpu", "pin_memory": True}}),
+                                    "offload_param": {"device": "cpu", "pin_memory": True},
+                                    "stage3_param_persistence_threshold": 0}),
 }
+OFFLOAD_CASES = ("z3-bf16-offload",)   # cases whose point is parameter shards in host memory
 
 
 def config(stage: int, dtype: str, zero: dict, micro_batch: int) -> dict:
@@ -107,7 +113,43 @@ def train(case: str, model: str, steps: int, micro_batch: int, seq: int) -> dict
         engine.step()
         losses.append(float(loss.detach().float()))
     state = {k: v.detach().cpu() for k, v in engine.full_fp32_state_dict().items()}
-    return {"losses": losses, "state": state, "skipped": int(engine.skipped_steps)}
+    return {"losses": losses, "state": state, "skipped": int(engine.skipped_steps), "placed": placement(engine)}
+
+
+def placement(engine) -> dict:
+    """Where the engine keeps its parameters (its public memory_breakdown and layout): bytes of
+    parameter shards in host memory, of all parameter bytes, and FlatParams partitioned of all."""
+    mem, layout = engine.memory_breakdown(), engine.layout()
+    return {"host_param_bytes": int(mem["host"]["params"]), "param_bytes": int(mem["params"]),
+            "partitioned": sum(not f["persistent"] for f in layout), "flat_params": len(layout)}
+
+
+def dry_run(cases: list, model: str = "micro", seq: int = 16, micro_batch: int = 4) -> list[str]:
+    """Each case's engine built on this process (no process group, no step, CPU if no GPU):
+    one line saying what it offloads. The offload case must move parameter shards to the host."""
+    import logging
+
+    import torch
+
+    import minizero
+    from minizero.gpt.model import GPT, get_preset
+    lines = []
+    logger = logging.getLogger("minizero")
+    level, _ = logger.level, logger.setLevel(logging.WARNING)   # the engines' own placement lines: ours instead
+    with launcher_hidden():
+        for case in cases:
+            stage, dtype, zero = CASES[case]
+            torch.manual_seed(0)
+            preset = get_preset(model, block_size=seq, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+            engine = minizero.initialize(model=GPT(preset), config=config(stage, dtype, zero, micro_batch))[0]
+            p = placement(engine)
+            where = (f"{p['partitioned']} of {p['flat_params']} FlatParams partitioned" if stage == 3 else
+                     f"ZeRO-{stage}: parameters whole on every rank")
+            lines.append(f"{case}: {p['host_param_bytes']:,} of {p['param_bytes']:,} parameter bytes in host memory; "
+                         f"{where}" + (" (offloads)" if p["host_param_bytes"] else
+                                       " (OFFLOADS NOTHING)" if case in OFFLOAD_CASES else ""))
+    logger.setLevel(level)
+    return lines
 
 
 @contextlib.contextmanager
@@ -215,8 +257,10 @@ def check(cases: list, model: str = "micro", steps: int = 3, micro_batch: int = 
             ok, why = same(alone[c], got)
             if ok and not calls:
                 ok, why = False, f"no collective went through {out['backend']}: the core ignored {name}={value}"
+            if ok and c in OFFLOAD_CASES and not got["placed"]["host_param_bytes"]:
+                ok, why = False, "offloaded nothing: every parameter stayed on the device (persistent FlatParams)"
             out["cases"][c] = {"identical": ok, "reason": why, "calls": calls, "losses": got["losses"],
-                               "skipped": got["skipped"]}
+                               "skipped": got["skipped"], "placed": got["placed"]}
     finally:
         os.environ.pop(name, None)
         comm.destroy()
@@ -230,12 +274,18 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--model", default="micro", help="GPT preset (default micro)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dry-run", action="store_true",
+                   help="build each case's engine here (no process group, no step) and say what it offloads")
     args = p.parse_args(argv)
     try:
         cases = kit.comma_list(args.cases, tuple(CASES), "cases")
     except kit.BenchError as e:
         print(f"nccl_ws1: error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        for line in dry_run(cases, args.model):
+            print(line, flush=True)
+        return 0
     if "RANK" not in os.environ:   # plain python: a one-rank group of our own
         from minizero.process_group import free_port, single_host_env
         os.environ.update(single_host_env(0, 1, free_port()))

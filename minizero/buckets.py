@@ -40,7 +40,7 @@ import torch
 
 from .flat_param import FlatParam, build_flat
 from .partition import FlatPlan, bucketize
-from .sharding import Sharding, plain, replicated
+from .sharding import Sharding
 
 
 MAX_IN_FLIGHT = 1   # reductions in flight with overlap_comm (module docstring)
@@ -55,9 +55,17 @@ class Bucket:
         self.arrived = 0        # gradients landed in this backward
         self.reduced = False    # reduction issued in this backward
 
+    def start_backward(self) -> None:
+        self.arrived, self.reduced = 0, False
+
+    def gradient_arrived(self) -> bool:
+        """One more of its parameters has its gradient: was it the last?"""
+        self.arrived += 1
+        return self.arrived == len(self.params)
+
     def post_backward(self) -> None:
-        """Its reduction is issued: nothing more for a bucket (ZeRO-3's Unit frees its
-        parameters here, zero3.py)."""
+        """Its reduction is issued (ZeRO-3's Unit also frees its parameters here, unit.py)."""
+        self.reduced = True
 
 
 class GradBuckets:
@@ -82,18 +90,14 @@ class GradBuckets:
         """Before a micro-step's backward: reduce in it? (every micro-step, or the last with overlap)"""
         self.active = self.every_micro_step or (self.overlap and boundary)
         for b in self.buckets:
-            b.arrived, b.reduced = 0, False
+            b.start_backward()
 
     def hook_for(self, b: Bucket):
         """The post_accumulate_grad hook of b's parameters: the bucket's last gradient issues
         its reduction (one closure per bucket: a backward calls it once per parameter)."""
-        expected = len(b.params)
-
         def grad_ready(_param) -> None:
-            if self.active:
-                b.arrived += 1
-                if b.arrived == expected:
-                    self.issue(b)
+            if self.active and b.gradient_arrived():
+                self.issue(b)
         return grad_ready
 
     def issue(self, bucket: Bucket, async_op: bool | None = None) -> None:
@@ -104,7 +108,6 @@ class GradBuckets:
             in_flight = self.reduce(f, async_op=self.overlap if async_op is None else async_op)
             if in_flight is not None:
                 self.in_flight.append(in_flight)
-        bucket.reduced = True
         bucket.post_backward()
 
     def finish_backward(self) -> None:
@@ -137,19 +140,11 @@ class GradBuckets:
         self.in_flight.clear()
 
 
-def size_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int,
-                 sharding: Sharding | None = None) -> list[Bucket]:
-    """One Bucket per entry of bucket_plan, holding one FlatParam cut as `sharding` says (default:
-    over all ranks, as ZeRO-1/2 cut it, so every rank owns slice r of every bucket)."""
+def build_buckets(module: torch.nn.Module, plans: list[FlatPlan], sharding: Sharding) -> list[Bucket]:
+    """One Bucket per plan, holding one FlatParam cut as `sharding` says (over all ranks at
+    ZeRO-1/2, so every rank owns slice r of every bucket; not cut at stage 0)."""
     by_name = dict(module.named_parameters())
-    sharding = sharding or plain()
-    return [Bucket(plan.label, [build_flat(plan, by_name, sharding)])
-            for plan in bucket_plan(module, param_groups, bucket_numel)]
-
-
-def replicated_buckets(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[Bucket]:
-    """Stage 0's buckets: the same plan, not cut (one shard: a rank's shard is the whole)."""
-    return size_buckets(module, param_groups, bucket_numel, replicated())
+    return [Bucket(plan.label, [build_flat(plan, by_name, sharding)]) for plan in plans]
 
 
 def bucket_plan(module: torch.nn.Module, param_groups: list[dict], bucket_numel: int) -> list[FlatPlan]:

@@ -2,7 +2,7 @@
 
 Every collective minizero issues goes through a wrapper in this file, for two reasons:
 
-1. *A ledger.* Each wrapper records how many calls were made and how many bytes were
+1. *A ledger* (ledger.py). Each wrapper records how many calls were made and how many bytes were
    handed to the collective and sent on the wire, so `engine.comm_stats()` can show a
    student that ZeRO-3 sends 1.5x the wire bytes of plain data parallelism (ZeRO paper,
    Rajbhandari et al., SC'20, section 7: all-reduce = reduce-scatter + all-gather = 2Ψ;
@@ -28,10 +28,10 @@ Two byte counts are kept per op:
   (the node's last rank of the ring), each link between nodes carrying (N-1)/N of an
   all-gather's buffer. The rest, wire_bytes - inter_node_bytes, stays on the node.
 
-Offload (offload.py) adds a second kind of traffic, between the rank's device and its host
+Offload (offload/host.py) adds a second kind of traffic, between the rank's device and its host
 memory: `copy_to_host` ("d2h") and `copy_to_device` ("h2d") are labelled and counted the
 same way (``bytes`` copied; ``wire_bytes`` 0, nothing crosses the network). The NVMe tier
-(nvme.py) adds "nvme_read" and "nvme_write", file to host memory and back, once a run swaps.
+(offload/nvme.py) adds "nvme_read" and "nvme_write", file to host memory and back, once a run swaps.
 
 Each collective and copy runs through `_issue`, which also announces it to the *observers*
 (`observers`, below): tools in minizero/observe/ (the desync check, the timeline trace,
@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -53,9 +52,10 @@ from torch.profiler import record_function
 # The setup lives in process_group.py; its names are re-exported so that code which moves
 # data says comm.get_rank(), comm.barrier(), ... from one module.
 from . import process_group as _pg
-from .process_group import (ONE_RANK_ENV, LaunchError, barrier, destroy, free_port, get_device, get_local_rank,  # noqa: F401
-                    get_rank, get_world_size, init_distributed, is_distributed, new_groups, node_of,
-                    ranks_per_node, single_host_env)
+from .ledger import COPIES, OPS, CommLedger, ledger  # noqa: F401  (comm.ledger: every byte moved)
+from .process_group import (ONE_RANK_ENV, LaunchError, all_gather_object, barrier, broadcast_object,  # noqa: F401
+                            destroy, free_port, get_device, get_local_rank, get_rank, get_world_size,
+                            init_distributed, is_distributed, new_groups, node_of, ranks_per_node, single_host_env)
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
 # reduce_scatter_single. The old names still work, through a wrapper that raises a
@@ -77,41 +77,7 @@ def torch_reduce_scatter():
     return dist.reduce_scatter_single if _SINGLE_NAMES else dist.reduce_scatter_tensor
 
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-COPIES = ("d2h", "h2d")   # offload's copies between this rank's device and host memory (offload.py)
 
-
-# ----------------------------------------------------------------------------- ledger
-
-class CommLedger:
-    """Calls, payload bytes and ring wire bytes per collective, since start (or reset)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.stats = {op: {"calls": 0, "bytes": 0, "wire_bytes": 0, "inter_node_bytes": 0} for op in OPS + COPIES}
-        self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
-
-    def record(self, op: str, nbytes: int, wire_bytes: int, label: str | None, inter_node: bool = False) -> None:
-        if op not in self.stats:   # NVMe swaps (nvme.py): listed from their first, so runs without show none
-            self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0, "inter_node_bytes": 0}
-        s = self.stats[op]
-        s["calls"] += 1
-        s["bytes"] += int(nbytes)
-        s["wire_bytes"] += int(wire_bytes)
-        if inter_node:
-            s["inter_node_bytes"] += int(wire_bytes)
-        if label:
-            b = self.by_label[f"{op}:{label}"]
-            b["calls"] += 1
-            b["bytes"] += int(nbytes)
-
-    def snapshot(self) -> dict:
-        return {op: dict(v) for op, v in self.stats.items()}
-
-
-ledger = CommLedger()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -144,7 +110,7 @@ def _label(op: str, label: str | None):
 #   phase_ends(name, engine)
 #   unit_begins(engine, unit, kind) a unit (unit.find_units: a block, or the root) starts its
 #   unit_ends(engine, unit, kind)   "forward", "recompute" or "backward" / has finished it; announced
-#                                   only while some observer has these methods (unit.UnitMarks)
+#                                   only while a tool watches the engine (observe/unit_marks.py)
 #   begin(op, label, tensor, nbytes, group) -> token   a collective or copy is about to be issued
 #   blocking(token)                 an asynchronous one's wait() is about to block on it
 #   end(token, op, label, nbytes, wire_bytes, msg_bytes)   it is done
@@ -412,7 +378,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, label: str | None = None, grou
 # Offload's copies. non_blocking: on a GPU the copy is queued on the current stream like the
 # collectives around it, so everything after it on that stream sees the data; the host side
 # must be pinned for the copy to really run asynchronously (offload.host_empty). A CPU reading
-# a d2h result must wait for the stream first (offload.py does, once per step).
+# a d2h result must wait for the stream first (offload/host.py does, once per step).
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer; pinned (page-locked) when asked, so device copies run asynchronously.
@@ -453,24 +419,6 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor, label: str | None = Non
     """dst (this rank's device) <- src (host memory)."""
     _issue("h2d", label, lambda: dst.copy_(src, non_blocking=True), _nbytes(src), 0)
     return dst
-
-
-def broadcast_object(obj, src: int = 0):
-    """A picklable Python object from `src` to every rank (not counted: it is control, not data)."""
-    if get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def all_gather_object(obj) -> list:
-    """Every rank's picklable `obj`, in rank order (control traffic, not counted)."""
-    if get_world_size() == 1:
-        return [obj]
-    out = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def raise_if_any_rank_failed(err: str | None, error_type: type, label: str) -> None:

@@ -11,10 +11,10 @@
                              5. share new parameters    (ZeRO-1/2 all-gather; ZeRO-3 gathers on use)
                              6. LR schedule, counters
 
-Two objects do the work: `self.stage`, the stage (zero0-3.py: where parameters and
+Two objects do the work: `self.zero`, the stage (zero0-3.py: where parameters and
 gradients live, which collective moves them, and when), and `self.sharded_optimizer`
 (sharded_optimizer.py: the step on this rank's shard, the same at every stage). With
-ZeRO-Offload a third, `self.offload` (offload.py), says what lives in host memory.
+ZeRO-Offload a third, `self.offload` (offload/host.py), says what lives in host memory.
 
 The names and semantics of the public members follow DeepSpeed's `DeepSpeedEngine`, so
 one script runs under either library; where they differ (a bug not copied, a more useful
@@ -32,20 +32,19 @@ import torch
 from . import checkpointing, comm
 from .config import ignored_knobs_note, load_config, renamed_keys_note
 from .fp16 import create_loss_scaler, overflow_vote
-from .lr_schedules import build_scheduler
+from .config.lr_schedules import build_scheduler
 from .memory import CATEGORIES, placed
 from .adam import build_optimizer
 from .offload import Offload
 from .sharded_optimizer import ShardedOptimizer
-from .unit import UnitMarks, find_units
-from .zero0 import DataParallel
+from .zero0 import Zero0
 from .zero1 import Zero1
 from .zero2 import Zero2
 from .zero3 import Zero3
 
 logger = logging.getLogger("minizero")
 
-STAGES = {0: DataParallel, 1: Zero1, 2: Zero2, 3: Zero3}
+STAGES = {0: Zero0, 1: Zero1, 2: Zero2, 3: Zero3}
 
 
 class Engine(torch.nn.Module):
@@ -69,18 +68,18 @@ class Engine(torch.nn.Module):
         model.to(device=self.device, dtype=self.dtype)  # bf16/fp16: the module computes in low precision
         self.module = model
         groups = param_groups_of(model, model_parameters)
-        self.stage = STAGES[self.config.zero.stage](model, groups, self.config.zero)
+        self.zero = STAGES[self.config.zero.stage](model, groups, self.config.zero)
         self.offload = Offload.from_config(self.config, self.device)   # None: all on the device
         states = self.offload.optimizer_states() if self.offload is not None else None   # None: on the device
-        self.sharded_optimizer = ShardedOptimizer(self.stage.flat_params, groups,
+        self.sharded_optimizer = ShardedOptimizer(self.zero.flat_params, groups,
                                                   lambda gs: build_optimizer(gs, self.config.optimizer, states is not None),
                                                   states=states)
         self.optimizer = self.sharded_optimizer.optimizer   # torch's Adam(W), on the fp32 master shards
         if self.offload is not None:
-            self.offload.place_params(self.stage.flat_params)   # offload_param: ZeRO-3's shards to the host
-            self.offload.start_nvme(self.stage.flat_params, self.sharded_optimizer)   # "nvme": on to their files
+            self.offload.place_params(self.zero.flat_params)   # offload_param: ZeRO-3's shards to the host
+            self.offload.start_nvme(self.zero.flat_params, self.sharded_optimizer)   # "nvme": on to their files
             if self.global_rank == 0:
-                logger.info(self.offload.describe(self.stage.flat_params))
+                logger.info(self.offload.describe(self.zero.flat_params))
 
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
             lr_scheduler = lr_scheduler(self.optimizer)  # a factory of the optimizer
@@ -93,7 +92,6 @@ class Engine(torch.nn.Module):
         self.micro_steps = 0
         self.global_samples = 0
         self._global_grad_norm = None
-        self.unit_marks = UnitMarks(self, find_units(model))
         self._configure_activation_checkpointing()
         self._log_config_notes()
         comm.announce("engine_ready", self)
@@ -129,7 +127,6 @@ class Engine(torch.nn.Module):
     # (comm.py's observer hook); none of them runs in these methods.
     @comm.observed("forward")
     def forward(self, *args, **kwargs):
-        self.unit_marks.follow_listeners()   # each unit's phases, announced while a tool listens
         cast = lambda t: t.to(self.device, self.dtype) if torch.is_tensor(t) and t.is_floating_point() \
             else (t.to(self.device) if torch.is_tensor(t) else t)
         return self.module(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
@@ -146,9 +143,9 @@ class Engine(torch.nn.Module):
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        self.stage.prepare_backward(self.is_gradient_accumulation_boundary())
+        self.zero.prepare_backward(self.is_gradient_accumulation_boundary())
         scaled.backward()
-        self.stage.finish_backward()
+        self.zero.finish_backward()
         return loss
 
     # ------------------------------------------------------------------ step
@@ -162,7 +159,7 @@ class Engine(torch.nn.Module):
     def _take_model_step(self) -> None:
         opt, phase = self.sharded_optimizer, comm.phase
         with phase("reduce_gradients", self):
-            self.stage.reduce_gradients()                                   # 1
+            self.zero.reduce_gradients()                                   # 1
         # The scale this step's backward used: unscale by it even after the scaler updates
         # below (DeepSpeed reads the updated one: docs/deepspeed.md, "The step on which the
         # loss scale grows").
@@ -182,7 +179,7 @@ class Engine(torch.nn.Module):
             with phase("optimizer", self):
                 opt.step(norm_sq, scale, self.config.gradient_clipping)     # 4
             with phase("after_step", self):
-                self.stage.after_step()                                     # 5
+                self.zero.after_step()                                     # 5
             opt.zero_grad()
             # == float(norm) / scale, bit for bit, without a second sync: sqrt is correctly
             # rounded in fp64 on every device, and the fp32 rounding is done on the host.
@@ -217,20 +214,20 @@ class Engine(torch.nn.Module):
     def memory_breakdown(self) -> dict:
         """This rank's persistent model-state bytes (memory.py has the paper's formulas):
         {"params", "grads", "master_params", "optimizer_states"}, each the total, plus
-        "device" and "host": the same four split by where they live (offload.py).
+        "device" and "host": the same four split by where they live (offload/host.py).
 
         grads: what a rank holds at the end of backward, before the step: stage 0/1 the
         full low-precision gradient, ZeRO-2/3 only its reduced shard."""
         opt = self.sharded_optimizer
         where = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
-        for f in self.stage.flat_params:
+        for f in self.zero.flat_params:
             where["host" if f.storage.on_host else "device"]["params"] += f.param_bytes()
-        where["device"]["grads"] = self.stage.grad_bytes()
+        where["device"]["grads"] = self.zero.grad_bytes()
         opt_place = "host" if opt.on_host else "device"
         where[opt_place]["master_params"] = opt.master_bytes()
         where[opt_place]["optimizer_states"] = opt.state_bytes()
         nvme = self.offload.nvme_places(where) if self.offload is not None and self.offload.tier is not None else None
-        for f in self.stage.flat_params:   # hpZ: from forward to the step, where the shard is (never a file)
+        for f in self.zero.flat_params:   # hpZ: from forward to the step, where the shard is (never a file)
             where["host" if f.storage.on_host else "device"]["params"] += f.sharding.secondary_bytes(f)
         return placed(where["device"], where["host"], nvme)
 
@@ -254,11 +251,11 @@ class Engine(torch.nn.Module):
             self.offload.close()
 
     def _states_in_memory(self):
-        """"device": "nvme": swapped states back in host memory for the block (offload.py);
+        """"device": "nvme": swapped states back in host memory for the block (offload/host.py);
         a checkpoint then holds what it holds with "device": "cpu"."""
         if self.offload is None:
             return contextlib.nullcontext()
-        return self.offload.resident(self.stage.flat_params, self.sharded_optimizer)
+        return self.offload.resident(self.zero.flat_params, self.sharded_optimizer)
 
     # ------------------------------------------------------------------ state and checkpoints
     def layout(self) -> list[dict]:
@@ -268,13 +265,13 @@ class Engine(torch.nn.Module):
         resharded into this one (checkpoint_files/)."""
         return [{"label": f.label, "names": f.names, "shapes": [tuple(s) for s in f.shapes], "numel": f.numel,
                  "padded_numel": f.padded_numel, "persistent": f.persistent, "group": f.group}
-                for f in self.stage.flat_params]
+                for f in self.zero.flat_params]
 
     @property
     def partition(self) -> tuple[int, int]:
         """(shards each parameter is cut into, this rank's shard): (1, 0) at stage 0, (N, rank)
         at ZeRO-1/2/3, (S, rank mod S) with HSDP's shard groups of S (sharding.py)."""
-        s = self.stage.flat_params[0].sharding
+        s = self.zero.flat_params[0].sharding
         return s.num_shards, s.shard_index
 
     def state_dict(self) -> dict:
@@ -292,7 +289,7 @@ class Engine(torch.nn.Module):
             lr_scheduler, loss_scaler                their state_dicts (None when there is none)
             counters                                 global_steps, skipped_steps, micro_steps, global_samples
         """
-        opt, flats = self.sharded_optimizer, self.stage.flat_params
+        opt, flats = self.sharded_optimizer, self.zero.flat_params
         trained = {n for f in flats for n in f.names}
         with self._states_in_memory():
             return {
@@ -358,15 +355,13 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ setup helpers
     def _configure_activation_checkpointing(self) -> None:
-        """Apply the `activation_checkpointing` section (DeepSpeed parses it but leaves
-        applying it to the user: docs/deepspeed.md, "activation_checkpointing is parsed,
-        not applied"): configure the module and, when the model exposes a `checkpoint_fn`
-        hook (our GPT does), checkpoint every block."""
-        if self.config.activation_checkpointing is None:
-            return
-        checkpointing.configure_from(self.config.activation_checkpointing)
-        if hasattr(self.module, "checkpoint_fn"):
-            self.module.checkpoint_fn = checkpointing.checkpoint
+        """Configure `minizero.checkpointing` from the `activation_checkpointing` section, so a
+        model that calls `minizero.checkpointing.checkpoint(block, x)` gets the config's options
+        (DeepSpeed parses the section but leaves even this to the user: docs/deepspeed.md,
+        "activation_checkpointing is parsed, not applied"). Which blocks to checkpoint is the
+        model's choice, as in DeepSpeed: the engine never writes onto the user's module."""
+        if self.config.activation_checkpointing is not None:
+            checkpointing.configure_from(self.config.activation_checkpointing)
 
     def _log_config_notes(self) -> None:
         for note in (ignored_knobs_note(self.config),   # DeepSpeed's buffer, copy and libaio knobs: accepted, no effect

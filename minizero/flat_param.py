@@ -37,7 +37,7 @@ Every collective that moves a FlatParam is a method here, so they read together:
 Which ranks each runs among, and from which shard, is the FlatParam's `sharding`'s decision
 (sharding.py: all ranks; with HSDP a group of them and its replicas; with hpZ the node's
 secondary shards); where this rank's shard lives between uses is its `storage`'s (device
-memory here; host memory and NVMe files in offload.py and nvme.py), which does two things
+memory here; host memory and NVMe files in offload/host.py and offload/nvme.py), which does two things
 only: hand the shard over as a device tensor, and take the updated values back.
 
 Each takes async_op (overlap_comm, ZeRO-3 prefetch): the collective is issued and a handle

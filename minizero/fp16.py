@@ -10,21 +10,30 @@ Why *dynamic*: the best S is the largest that does not overflow, and it drifts d
 training. So start high (2**16), and after every step:
 - overflow (an inf/NaN anywhere in the gradients, on any rank) -> skip the update and
   halve S;
-- `scale_window` steps in a row without overflow -> double S.
+- no overflow -> count it. The update of a clean step that follows k * `scale_window`
+  clean steps in a row (k >= 1; the start counts as an overflow at step -1) doubles S. So
+  the first doubling ends the (`scale_window` + 1)-th clean step, and each later one
+  `scale_window` clean steps after it: with the default window of 1000, steps 0-1000 run
+  at S, 1001-2000 at 2S. That is `stable_interval` in `update_scale` below, DeepSpeed's
+  arithmetic line for line (tests/agreement/test_loss_scaler.py pins it against
+  DeepSpeed's class).
 
 Why *hysteresis* (`delayed_shift`, DeepSpeed's "hysteresis", default 2 in the config): a
 single overflow is often a spike, not a sign that S is too high. With hysteresis h, the
 first h-1 overflows only use up a budget (the step is still skipped) and the h-th one
 halves S. The budget is *not* refilled by halving: every further overflow halves again
 until S is next raised (or, with `consecutive_hysteresis`, until one clean step). Without
-it, one spike costs `scale_window` steps at half the scale.
+it, one spike costs `scale_window` + 1 steps at half the scale.
 
-DeepSpeed quirk, not copied (docs/deepspeed.md, "Stage 0 fp16 loss scaler has no
-hysteresis"): at ZeRO stage 0, DeepSpeed's fp16 path is `FP16_Optimizer`, whose own
-scaler has no hysteresis (halves on the first overflow) and clamps at the minimum
-instead of raising. The ZeRO-1/2/3 optimizers use this class via `CreateLossScaler`
+DeepSpeed quirks, not copied (docs/deepspeed.md, "Stage 0 fp16 loss scaler has no
+hysteresis" and "Stage 0 fp16 never scales the loss"): at ZeRO stage 0, DeepSpeed's fp16
+path is `FP16_UnfusedOptimizer` (with `torch_adam`; `FP16_Optimizer` with FusedAdam),
+whose own scaler has no hysteresis (halves on the first overflow) and clamps at the
+minimum instead of raising; and since that stage never multiplies the loss by S, no
+backward can overflow, so its S doubles by the rule above for ever while the gradients are
+still divided by it. The ZeRO-1/2/3 optimizers use this class via `CreateLossScaler`
 (runtime/fp16/loss_scaler.py) with hysteresis and `raise_error_at_min_scale=True`.
-minizero uses that ZeRO behaviour at every stage.
+minizero scales the loss and uses that ZeRO behaviour at every stage.
 """
 from __future__ import annotations
 

@@ -18,13 +18,13 @@ paper.
 fp32 training (no mixed precision) has no separate master copy in minizero: the fp32
 parameters are the masters, so K = 8 and params/grads are 4 bytes each.
 
-Where each byte lives (offload.py). `memory_breakdown()` and `expected_bytes` return the
+Where each byte lives (offload/host.py). `memory_breakdown()` and `expected_bytes` return the
 four categories' totals plus the same four split by place:
 
     {"params": b, "grads": b, "master_params": b, "optimizer_states": b,
      "device": {the four categories}, "host": {the four categories}}
 
-With `"device": "nvme"` (nvme.py) a third place, "nvme", holds what the offloads would keep
+With `"device": "nvme"` (offload/nvme.py) a third place, "nvme", holds what the offloads would keep
 in host memory: it lives in files between uses, and "host" counts none of it.
 
 Without offload everything is on the device. `offload_optimizer` moves the optimizer's
@@ -60,7 +60,7 @@ CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
 
 def placed(device: dict, host: dict, nvme: dict | None = None) -> dict:
     """The breakdown's shape: per-category totals, then the `device` and `host` split, and
-    `nvme` when something is swapped to files ("device": "nvme", nvme.py)."""
+    `nvme` when something is swapped to files ("device": "nvme", offload/nvme.py)."""
     out = {**{k: device[k] + host[k] + (nvme[k] if nvme else 0) for k in CATEGORIES},
            "device": dict(device), "host": dict(host)}
     if nvme is not None:
@@ -75,7 +75,7 @@ def expected_bytes(flat_numels: Sequence[int], world_size: int, stage: int, mixe
 
     `persistent` marks ZeRO-3 FlatParams kept gathered (small parameters): their params
     count in full, their gradients and optimizer state stay partitioned. `nvme`: the
-    offloads are `"device": "nvme"` (nvme.py): what they put in host memory lives in files
+    offloads are `"device": "nvme"` (offload/nvme.py): what they put in host memory lives in files
     between uses, a third place, "nvme".
     """
     n = world_size if stage >= 1 else 1
@@ -108,18 +108,6 @@ def total(breakdown: dict) -> int:
     return int(sum(breakdown[k] for k in CATEGORIES))
 
 
-def human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
-
-
-def padding_elements(flat_numels: Sequence[int], world_size: int) -> int:
-    return sum(padded_numel(x, world_size) - x for x in flat_numels)
-
-
 # ----------------------------------------------------------------------------- measured, not computed
 
 def held_bytes(engine) -> dict:
@@ -135,7 +123,7 @@ def held_bytes(engine) -> dict:
     the shard), in the first category that holds it, in the order params, master_params,
     optimizer_states, grads: the way reference/ds_memory.py walks a DeepSpeed engine, so the
     two libraries are measured alike (runlog.MemoryMoments).
-    Place is logical, as in memory_breakdown: a shard or master in host memory (offload.py)
+    Place is logical, as in memory_breakdown: a shard or master in host memory (offload/host.py)
     counts on the host even when the training device is the CPU too.
 
     Returns memory_breakdown's shape: the four categories, then "device" and "host"; and
@@ -143,7 +131,7 @@ def held_bytes(engine) -> dict:
     gathered, "shard": elements of this rank's shards, padding included} (at stage 0 both
     are the whole model), so a comparison can tell padding from anything else.
     """
-    zero, opt = engine.stage, engine.sharded_optimizer
+    zero, opt = engine.zero, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
     # "device": "nvme": writes in flight finished first, so each state is counted in one place
     nvme = offload.swapped_out_bytes(zero.flat_params, opt) if offload is not None and offload.tier is not None else None

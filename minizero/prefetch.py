@@ -21,7 +21,7 @@ which modules fetch their parameters is the same every step, so record it once a
   gathered. The root, done at the end of forward and needed first in backward, is kept:
   one all-gather fewer per step. DeepSpeed's default (1e9 elements) keeps every unit from
   its forward to its backward when fewer than 1e9 elements are gathered between a unit's
-  two uses (every model here): ZeRO-3 then moves 2Ψ per step, not the paper's 3Ψ (and
+  two uses (any model under a billion parameters): ZeRO-3 then moves 2Ψ per step, not the paper's 3Ψ (and
   holds the whole model at the turn, which is what the knob trades). In a larger model
   only the units within 1e9 elements of their backward stay.
 - **max live** (`stage3_max_live_parameters`, elements): gathered elements of partitioned

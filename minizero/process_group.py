@@ -7,13 +7,17 @@ code runs on a laptop. Every rank's tensors live on `get_device()`: the CPU unde
 this rank's GPU under NCCL. `destroy()` tears the group down so that gloo's threads stop
 before the interpreter does.
 
-The collectives themselves are comm.py's; it re-exports these names, so callers write
-`comm.get_rank()` and `comm.init_distributed()`.
+Besides the setup: the control traffic between ranks (`barrier`, `broadcast_object`,
+`all_gather_object`: Python objects, never counted as data). The collectives themselves are
+comm.py's; it re-exports these names, so callers write `comm.get_rank()`,
+`comm.init_distributed()`, `comm.all_gather_object(...)`.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
 import sys
 
 import torch
@@ -25,13 +29,15 @@ from .launcher_env import launcher_rank
 ONE_RANK_ENV = "MINIZERO_ONE_RANK_COLLECTIVES"   # "backend": at world size 1, still through the backend (comm.py)
 one_rank_through_backend = False                # read from ONE_RANK_ENV when the group starts
 ring_crosses_node: dict = {}                    # comm.sends_across_nodes' answers, per group, for this group
+group_timeout_s: float | None = None            # the main group's collective timeout, when minizero knows it
+made_groups: list = []                          # this rank's groups from new_groups: they follow set_timeout
 
 
 class LaunchError(RuntimeError):
     """The launcher's environment cannot start a correct job; the message says what to do."""
 
 
-def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float = 1800) -> None:
     """Start the default process group from the launcher's environment, if not already up.
 
     torchrun (and DeepSpeed's launcher) export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
@@ -47,7 +53,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
     barriers and the CUDA RNG state follow the *current* device, which is GPU 0 unless
     set, so every local rank would otherwise use GPU 0 (NCCL's duplicate-GPU error or a hang).
     """
-    global one_rank_through_backend
+    global one_rank_through_backend, group_timeout_s
     one_rank_through_backend = os.environ.get(ONE_RANK_ENV) == "backend"
     ring_crosses_node.clear()   # a new engine: a new topology, maybe (MINIZERO_RANKS_PER_NODE)
     if dist.is_available() and dist.is_initialized():
@@ -71,6 +77,16 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> None:
     # forever and destroy() could not stop its threads. Imported now, the defaults are None.
     import torch.distributed.nn.functional as _  # noqa: F401  (binds no local `torch`)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    group_timeout_s = float(timeout_s)
+
+
+def launched_ranks() -> int:
+    """The ranks the launcher started (its WORLD_SIZE, a bare srun's step mapped by _from_slurm
+    first); 1 without a launcher. Read before any process group exists (the preflight asks)."""
+    _from_slurm()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 1
+    return int(os.environ["WORLD_SIZE"])
 
 
 def _from_slurm() -> None:
@@ -130,22 +146,33 @@ def get_local_rank() -> int:
 
 
 RANKS_PER_NODE_ENV = "MINIZERO_RANKS_PER_NODE"   # pretend a topology: k consecutive ranks per "node"
+HOST_ENV = "MINIZERO_HOST"   # pretend this process runs on the host of that name (a rehearsal on one machine)
+# Where each launcher says how many of its ranks share a node, in the order they are believed:
+# torchrun's count of the workers it started on this node, then srun's of its step's tasks
+# (set also when srun chose the placement itself: `srun -N2 -n8`), then the job's request.
+PER_NODE_VARS = (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 
 
 def ranks_per_node() -> int:
     """How many consecutive ranks share a node. MINIZERO_RANKS_PER_NODE says so explicitly
     (to rehearse a multi-node layout on one machine, as DeepSpeed's tests do); else the
-    launcher's count of ranks on this node: torchrun's LOCAL_WORLD_SIZE, srun's
-    SLURM_NTASKS_PER_NODE; else all ranks are on one node. torchrun and srun number ranks
-    node by node, so node n holds ranks [n*k, (n+1)*k)."""
+    launcher's count of ranks on this node (PER_NODE_VARS); else all ranks are on one node.
+    torchrun and srun (its default block distribution) number ranks node by node, so node n
+    holds ranks [n*k, (n+1)*k). These are what the launcher says; what the hosts say is
+    hosts_of_ranks(), and check_node_groups compares the two where it matters. A count that
+    differs between nodes (SLURM_STEP_TASKS_PER_NODE=4,3) is refused: nodes are blocks of one size."""
     world = get_world_size()
-    for var in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    if world == 1:
+        return 1   # one rank is one node, whatever a batch script's SLURM_NTASKS_PER_NODE asks for
+    for var in PER_NODE_VARS:
         value = os.environ.get(var)
         if value:
-            try:
-                k = int(value.split("(")[0])   # SLURM may write "4(x2)"
-            except ValueError:
-                raise LaunchError(f"{var}={value!r}: expected a whole number of ranks per node") from None
+            counts = per_node_counts(var, value)
+            k = counts[0]
+            if len(set(counts)) > 1:
+                raise LaunchError(f"{var}={value}: the nodes hold different numbers of ranks ({counts}); minizero's "
+                                  f"nodes are blocks of one size: start as many ranks on every node (srun "
+                                  f"--ntasks-per-node, torchrun --nproc-per-node)")
             if k < 1 or world % k:
                 raise LaunchError(f"{var}={value}: {world} ranks do not split into nodes of {k}; give a "
                                   f"divisor of the world size")
@@ -153,11 +180,151 @@ def ranks_per_node() -> int:
     return world
 
 
+def per_node_counts(var: str, value: str) -> list[int]:
+    """The ranks per node a launcher variable lists: "4" -> [4]; SLURM's "4(x2),3" -> [4, 4, 3]."""
+    counts = []
+    for part in value.split(","):
+        n, _, times = part.strip().partition("(x")
+        try:
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            raise LaunchError(f"{var}={value!r}: expected a whole number of ranks per node") from None
+    return counts
+
+
+def host_id() -> str:
+    """This process's host, as the machine itself says: its name and boot id ("name#boot"),
+    so that two machines of one name (cloned images) still differ and two processes of one
+    machine never do. MINIZERO_HOST replaces it: a rehearsal of several nodes on one machine
+    (tests/tools/test_preflight.py) gives each pretended node its own name. Never for a real job."""
+    pretend = os.environ.get(HOST_ENV)
+    if pretend:
+        return pretend
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:   # not Linux: the name alone
+        boot = ""
+    return f"{socket.gethostname()}#{boot}" if boot else socket.gethostname()
+
+
+def host_name(host: str) -> str:
+    """A host_id as a reader knows the machine: its name."""
+    return host.split("#")[0]
+
+
+def hosts_of_ranks() -> list[str]:
+    """Collective: every rank's host_id, by global rank (one all_gather_object)."""
+    hosts = [None] * get_world_size()
+    if is_distributed():
+        dist.all_gather_object(hosts, host_id())
+    else:
+        hosts = [host_id()]
+    return hosts
+
+
+def groups_spanning_hosts(hosts: list[str], size: int) -> list[list[int]]:
+    """The blocks of `size` consecutive ranks whose ranks run on more than one host."""
+    groups = [list(range(i, i + size)) for i in range(0, len(hosts), size)]
+    return [g for g in groups if len({hosts[r] for r in g}) > 1]
+
+
+def node_groups_problem(hosts: list[str], size: int, key: str, declared: int | None = None) -> str | None:
+    """The one line to say when blocks of `size` consecutive ranks (hpZ's k, HSDP's S: meant to
+    be nodes) are not the nodes `hosts` (each rank's host_id) make; None when they are.
+    `declared`: the launcher's ranks per node (ranks_per_node), named when the hosts disagree."""
+    where: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        where.setdefault(h, []).append(r)
+    counts = [len(r) for r in where.values()]
+    per_host = counts[0] if len(set(counts)) == 1 else None
+    said = f" ({declared} per node, the launcher says)" if declared and declared != per_host else ""
+    layout = (f"{len(where)} host(s) of {per_host} ranks" if per_host else
+              f"{len(where)} hosts of {'/'.join(map(str, counts))} ranks") + said
+    fix = f"set {key} to the ranks of one node" + (f" ({per_host})" if per_host else "")
+    if per_host and size > per_host:
+        fix += f", or start {size} ranks on each node"
+    spanning = groups_spanning_hosts(hosts, size)
+    if spanning:
+        g = spanning[0]
+        names = sorted({host_name(hosts[r]) for r in g})
+        more = f" (and {len(spanning) - 1} more group(s))" if len(spanning) > 1 else ""
+        crosses = {"zero_hpz_partition_size": "backward's all-gathers",
+                   "hsdp_shard_size": "all-gathers and reduce-scatters"}.get(key, "collectives")
+        placed = "" if all(where[h] == list(range(where[h][0], where[h][0] + len(where[h]))) for h in where) else             "; the ranks are not placed node by node (srun --distribution=block)"
+        return (f"{key} {size}: ranks {g[0]}-{g[-1]}, one node group, run on {len(names)} hosts "
+                f"({', '.join(names[:3])}){more}, on {layout}: its {crosses} cross nodes every step, the same "
+                f"numbers only slower; {fix}{placed}")
+    if per_host and size != per_host:
+        return (f"{key} {size} on {layout}: {per_host // size} groups share each node; {fix} to shard over "
+                f"the whole node")
+    return None
+
+
+def check_node_groups(size: int, key: str) -> str | None:
+    """Collective, where node groups are made (sharding.for_config): warn in one line (rank 0,
+    the "minizero" logger) when blocks of `size` consecutive ranks would span hosts or differ
+    from the ranks per host, read from the hosts themselves (hosts_of_ranks). A warning, not a
+    refusal: a group across hosts computes the same numbers, only its collectives cross the
+    slow link (and the ledger's inter-node bytes, which assume blocks, are then off). Under
+    MINIZERO_RANKS_PER_NODE alone the nodes are the pretended ones, and nothing is gathered.
+    Returns the line (None: nothing to say)."""
+    world = get_world_size()
+    if size <= 1 or world == 1:
+        return None
+    if os.environ.get(RANKS_PER_NODE_ENV) and not os.environ.get(HOST_ENV):
+        k = ranks_per_node()
+        hosts = [f"pretended node {r // k}" for r in range(world)]
+    else:
+        hosts = hosts_of_ranks()
+    line = node_groups_problem(hosts, size, key, ranks_per_node())
+    if line and get_rank() == 0:
+        logging.getLogger("minizero").warning(line)
+    return line
+
+
+def main_group_timeout() -> float | None:
+    """The main group's collective timeout in seconds: the one minizero gave it (init_distributed,
+    set_timeout), else what the group says (a group the user started), else None (torch's default)."""
+    if group_timeout_s is not None or not is_distributed():
+        return group_timeout_s
+    main = dist.group.WORLD
+    try:   # no public getter in torch: the backend's options hold it
+        return main._get_backend(get_device()).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def new_groups(ranks_per_group: list[list[int]]):
     """Process groups of the given ranks, made on every rank in the same order (a collective),
-    this rank's returned. Collectives on it run among its ranks only, in their order."""
-    mine, _ = dist.new_subgroups_by_enumeration(ranks_per_group)
+    this rank's returned. Collectives on it run among its ranks only, in their order. Each gets
+    the main group's timeout (torch would give a new group its backend's default: 10 minutes
+    under NCCL, whose watchdog would then end a hang in a node group with its own text before
+    minizero's named one), and follows set_timeout from then on."""
+    timeout = main_group_timeout()
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+    mine, _ = dist.new_subgroups_by_enumeration(ranks_per_group, **kwargs)
+    if mine is not None:
+        made_groups.append(mine)
     return mine
+
+
+def set_timeout(seconds: float) -> None:
+    """Every collective of the main group and of every group new_groups made, from now on, times
+    out after `seconds` (gloo raises; NCCL's watchdog aborts). torch.distributed.set_timeout is
+    the public call from torch 2.14 on; before it the same thing is distributed_c10d._set_pg_timeout,
+    which sets each of a group's backends' timeout (2.14 keeps it as a deprecated alias).
+    Under gloo the new timeout reaches the collectives from torch 2.10 on."""
+    global group_timeout_s
+    timeout = datetime.timedelta(seconds=seconds)
+    if hasattr(dist, "set_timeout"):
+        setter = dist.set_timeout
+    else:
+        from torch.distributed import distributed_c10d
+        setter = distributed_c10d._set_pg_timeout
+    for group in [None, *made_groups]:
+        setter(timeout, group)
+    group_timeout_s = float(seconds)
 
 
 def node_of(rank: int) -> int:
@@ -180,10 +347,27 @@ def get_device() -> torch.device:
 
 def free_port() -> int:
     """A TCP port free on this host right now, for MASTER_PORT of a single-host launch."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def broadcast_object(obj, src: int = 0):
+    """A picklable Python object from `src` to every rank (not counted: it is control, not data)."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (control traffic, not counted)."""
+    if get_world_size() == 1:
+        return [obj]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:
@@ -212,12 +396,15 @@ def destroy() -> None:
 
     launch/stress_exit.sh counts clean exits over many launches.
     """
+    global group_timeout_s
     if not is_distributed():
         return
     if sys.exc_info()[0] is None:
         dist.barrier()
     dist.destroy_process_group()
     ring_crosses_node.clear()
+    made_groups.clear()
+    group_timeout_s = None
 
 
 def single_host_env(rank: int, world_size: int, port: int) -> dict[str, str]:

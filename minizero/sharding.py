@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, process_group
 
 
 class Sharding:
@@ -228,6 +228,7 @@ def for_config(zero_cfg) -> Sharding:
     A collective: every rank makes every group, in the same order."""
     world, rank = comm.get_world_size(), comm.get_rank()
     hsdp, hpz = int(zero_cfg.hsdp_shard_size), int(zero_cfg.zero_hpz_partition_size)
+    process_group.check_node_groups(hsdp or hpz, "hsdp_shard_size" if hsdp else "zero_hpz_partition_size")
     if hsdp and hsdp < world:
         shards = consecutive_groups(world, hsdp)                        # [0..S-1], [S..2S-1], ...
         replicas = [list(range(j, world, hsdp)) for j in range(hsdp)]   # {j, j+S, j+2S, ...}

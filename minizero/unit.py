@@ -51,14 +51,15 @@ class Unit(Bucket):
     docstring); also ZeRO-2's gradient bucket. The unit owns its state and its gathers in
     flight; the Prefetcher only answers which units to free, prefetch or keep."""
 
-    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], live: "LiveNumel | None" = None):
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], live: "LiveNumel | None" = None,
+                 ends_forward: bool = False):
         super().__init__(name, flats)
         self.module = module
         self.state = ShardState.SHARDED
         self.live = live if live is not None else LiveNumel()   # shared by the units of one stage
         self.partitioned = [f for f in flats if not f.persistent]   # the persistent ones stay gathered
         self.partitioned_numel = sum(f.padded_numel for f in self.partitioned)   # elements while gathered
-        self.ends_forward = False   # the root: its post_forward ends the model's forward
+        self.ends_forward = ends_forward   # the root: its post_forward ends the model's forward
         self.in_use = False         # between its pre_ hook and its post_ hook: being computed
         self.gathers: list = []     # the comm.Pendings of an unshard still in flight
         self.prefetcher = None      # the Prefetcher (prefetch.py) it asks; given by attach
@@ -132,6 +133,7 @@ class Unit(Bucket):
         """The unit's gradients are issued for reduce-scatter (ZeRO-2's path, GradBuckets):
         free its parameters. Safe while the reduce-scatter may still run: it reads the flat
         gradient buffer, which its Pending keeps alive, never the parameters."""
+        super().post_backward()
         self._release()
 
     def _fetch(self, why: str) -> None:
@@ -159,8 +161,8 @@ class Unit(Bucket):
 class _OnBackward(torch.autograd.Function):
     """Identity on some tensors whose backward first calls `callback` (once), then passes the
     gradients on unchanged: the gradient arriving at a module's outputs is the signal that its
-    backward is next. ZeRO-3's pre_backward (re-gather the unit) and the trace's unit marks
-    (trace.py) are both this."""
+    backward is next. ZeRO-3's pre_backward (re-gather the unit) and the tools' unit marks
+    (observe/unit_marks.py) are both this."""
 
     @staticmethod
     def forward(ctx, callback, *tensors):
@@ -201,47 +203,3 @@ def find_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(m, nn.ModuleList) and not inside:
             units += [(f"{name}.{i}", child) for i, child in enumerate(m)]
     return units + [("root", model)]
-
-
-class UnitMarks:
-    """Announces each unit's forward, recompute and backward to comm's observers (unit_begins,
-    unit_ends), at every stage, while some observer listens for them: the hooks are put on
-    the units' modules when one starts listening and taken off when none does
-    (`follow_listeners`, called at each forward), so an engine nobody watches pays nothing.
-
-    A unit's backward starts when the first gradient reaches its outputs and ends when the
-    gradients reach its inputs (on_backward on each); the root's inputs are token ids, which
-    get no gradient: its backward ends with the engine's. The forward hook runs before the
-    unit's own (prepend), so its span includes a ZeRO-3 gather."""
-
-    def __init__(self, engine, units: list[tuple[str, nn.Module]]):
-        self.engine, self.units, self.handles = engine, units, []
-
-    def follow_listeners(self) -> None:
-        listening = comm.listening("unit_begins")
-        if listening and not self.handles:
-            for name, m in self.units:
-                self.handles.append(m.register_forward_pre_hook(self._pre_forward(name), prepend=True))
-                self.handles.append(m.register_forward_hook(self._post_forward(name)))
-        elif not listening and self.handles:
-            for h in self.handles:
-                h.remove()
-            self.handles = []
-
-    def _pre_forward(self, name: str):
-        def pre_forward(module, args):
-            kind = "recompute" if checkpointing.in_recompute() else "forward"
-            comm.announce("unit_begins", self.engine, name, kind)
-            if torch.is_grad_enabled():   # gradients reaching the inputs: the unit's backward is done
-                return on_backward(args, lambda: comm.announce("unit_ends", self.engine, name, "backward"))
-            return None
-        return pre_forward
-
-    def _post_forward(self, name: str):
-        def post_forward(module, args, output):
-            kind = "recompute" if checkpointing.in_recompute() else "forward"
-            comm.announce("unit_ends", self.engine, name, kind)
-            if torch.is_grad_enabled():   # the first gradient reaching the outputs: its backward starts
-                return on_backward(output, lambda: comm.announce("unit_begins", self.engine, name, "backward"))
-            return None
-        return post_forward

@@ -36,26 +36,31 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import Bucket, size_buckets
 from .flat_param import FlatParam, all_gather_params
-from .zero0 import DataParallel
+from .sharding import plain
+from .zero0 import Zero0
 
 
-class Zero1(DataParallel):
+class Zero1(Zero0):
     """Gradients accumulate in p.grad over the micro-steps; with overlap_comm the last
     micro-step's backward reduce-scatters each bucket as it fills; without, each bucket's
     flat gradient is reduce-scattered at the boundary: rank r keeps the averaged slice r only."""
     stage = 1
 
-    def make_buckets(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg) -> list[Bucket]:
+    def __init__(self, module: torch.nn.Module, param_groups: list[dict], zero_cfg, buckets=None):
         """The same buckets, each cut into N shards: rank r owns slice r of every bucket."""
-        return size_buckets(module, param_groups, int(zero_cfg.reduce_bucket_size))
+        super().__init__(module, param_groups, zero_cfg, buckets, sharding=plain())
 
     def reduce(self, flat: FlatParam, async_op: bool):
         """Only this rank's slice of the rank-averaged gradient."""
         return flat.reduce_scatter_grad(async_op=async_op)
 
     def after_step(self) -> None:
-        """Every rank updated only its slice: all-gather the new low-precision parameters.
-        The shard is a view of `full`, so the gather writes straight into the parameters."""
-        all_gather_params(self.flat_params)
+        """Every rank updated only its slice: all-gather the new low-precision parameters every
+        rank keeps whole (at ZeRO-1/2 all of them). The shard is a view of `full`, so the gather
+        writes straight into the parameters."""
+        self.gather_whole([f for f in self.flat_params if f.persistent])
+
+    def gather_whole(self, flats: list[FlatParam]) -> None:
+        """One all-gather per bucket, issued back to back (flat_param.all_gather_params)."""
+        all_gather_params(flats)

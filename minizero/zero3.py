@@ -19,8 +19,9 @@ What this file adds to ZeRO-2 (zero2.py), and all it adds:
   2. forward and backward: each Unit's hooks gather and free it (unit.py), when the
      Prefetcher says (prefetch.py);
   3. end of backward: nothing stays gathered into the step;
-  4. step: `after_step` gathers only the persistent parameters, all in one collective (the
-     rest on next use).
+  4. step: nothing gathered stays into the next step either; ZeRO-1's gather after the step
+     then gathers only what is kept whole, the persistent parameters, all in one collective
+     (the rest on next use).
 
 Per optimizer step every parameter is all-gathered twice (forward, backward) and its
 gradient reduce-scattered once: 3Ψ(N-1)/N on the wire per rank, 1.5x stage 0's
@@ -33,7 +34,7 @@ That is with DeepSpeed's knobs at 0. With `stage3_prefetch_bucket_size` the next
 gathers are issued while this one computes (`.prefetch` in the label), and
 `stage3_max_reuse_distance` keeps a unit that is used again within that many *elements* of
 upcoming gathers. DeepSpeed's default (1e9 elements) keeps every unit from its forward to
-its backward while the model is smaller than that (every model here): 2Ψ gathered per step
+its backward while the model is smaller than that (under a billion parameters): 2Ψ gathered per step
 instead of 3Ψ. With `overlap_comm` (DeepSpeed's default at stage 3) the gradients'
 reduce-scatters run asynchronously too (buckets.py).
 
@@ -53,10 +54,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import sharding
-from .flat_param import all_gather_coalesced, build_flat
+from .flat_param import FlatParam, all_gather_coalesced, build_flat
 from .partition import FlatPlan
 from .prefetch import Prefetcher
+from .sharding import Sharding, for_config
 from .unit import LiveNumel, Unit, find_units
 from .zero2 import Zero2
 
@@ -65,24 +66,24 @@ class Zero3(Zero2):
     stage = 3
 
     def __init__(self, module: nn.Module, param_groups: list[dict], zero_cfg):
-        # which ranks each parameter is cut over and gathered among: all of them, or the node
-        # (hpZ's secondary shard, HSDP's shard groups: sharding.py)
-        self.sharding = sharding.for_config(zero_cfg)
-        super().__init__(module, param_groups, zero_cfg)
-        units = self.buckets
+        # 1. layout: one Unit per module instead of ZeRO-2's size buckets (its gradients still take
+        #    ZeRO-2's path: GradBuckets' hooks, reduce-scatter when complete), each parameter cut
+        #    over all ranks or, with hpZ or HSDP, as sharding.py says
+        self.sharding = for_config(zero_cfg)
+        units = module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold), self.sharding)
+        super().__init__(module, param_groups, zero_cfg, units)
         # 2. forward and backward: each unit's hooks; when it is gathered and freed is the
         #    Prefetcher's decision: on demand, or read ahead from a recorded trace.
         self.prefetcher = Prefetcher(units, int(zero_cfg.stage3_prefetch_bucket_size),
                                      int(zero_cfg.stage3_max_live_parameters), int(zero_cfg.stage3_max_reuse_distance))
-        units[-1].ends_forward = True   # find_units puts the root last
         for u in units:
             u.attach(self.prefetcher)
 
-    # ------------------------------------------------------------------ 1. layout
-    def make_buckets(self, module: nn.Module, param_groups: list[dict], zero_cfg) -> list[Unit]:
-        """One Unit per module instead of ZeRO-2's size buckets; its gradients still take
-        ZeRO-2's path (GradBuckets: hooks, reduce-scatter when complete)."""
-        return module_units(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold), self.sharding)
+    @staticmethod
+    def plan(module: nn.Module, param_groups: list[dict], zero_cfg) -> list[FlatPlan]:
+        """The units' FlatParams (unit_plan), before they exist."""
+        units = unit_plan(module, param_groups, int(zero_cfg.stage3_param_persistence_threshold))
+        return [plan for _, _, plans in units for plan in plans]
 
     # ------------------------------------------------------------------ 3. end of backward
     def finish_backward(self) -> None:
@@ -93,22 +94,28 @@ class Zero3(Zero2):
     # ------------------------------------------------------------------ 4. step
     def after_step(self) -> None:
         """Partitioned parameters were updated in their shards and are gathered on next use
-        (none is still gathered: end_of_backward freed them, and reset() makes sure); only the
-        persistent (small, always-gathered) ones need an all-gather now."""
+        (none is still gathered: end_of_backward freed them, and reset() makes sure); ZeRO-1's
+        gather then brings back the ones kept whole, the persistent ones."""
         for u in self.prefetcher.reset():
             u.reshard()
-        persistent = [f for f in self.flat_params if f.persistent]
-        if persistent:
-            all_gather_coalesced(persistent, label="all.persist.params")
+        super().after_step()
+
+    def gather_whole(self, flats: list[FlatParam]) -> None:
+        """The persistent parameters, small, all in one collective (DeepSpeed gathers them in
+        one call too): one per unit would cost each its call's latency and host time."""
+        if flats:
+            all_gather_coalesced(flats, label="all.persist.params")
 
 
 def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int,
-                 sharding: sharding.Sharding) -> list[Unit]:
-    """One Unit per entry of unit_plan, its FlatParams built from the plan, cut as `sharding` says."""
+                 sharding: Sharding) -> list[Unit]:
+    """One Unit per entry of unit_plan, its FlatParams built from the plan, cut as `sharding`
+    says; the root (find_units puts it last) is the unit whose post_forward ends the forward."""
     by_name = dict(model.named_parameters())
     live = LiveNumel()
-    return [Unit(name, m, [build_flat(plan, by_name, sharding) for plan in plans], live)
-            for name, m, plans in unit_plan(model, param_groups, persistence_threshold)]
+    units = unit_plan(model, param_groups, persistence_threshold)
+    return [Unit(name, m, [build_flat(plan, by_name, sharding) for plan in plans], live, ends_forward=i == len(units) - 1)
+            for i, (name, m, plans) in enumerate(units)]
 
 
 def unit_plan(model: nn.Module, param_groups: list[dict],

@@ -54,6 +54,9 @@ class CommCounter:
         self.by_group: dict = {}   # (global ranks of the group) -> {op: {"calls", "bytes", "wire_bytes"}}
         self._depth = threading.local()
         self._across: dict = {}    # group ranks -> does this rank send to another node on their ring
+        # callables (op, args, kwargs) told of each collective before it runs (the outermost call
+        # of a chain): reference/torch_engine.py's peak recorder reads memory there
+        self.listeners: list = []
 
     def snapshot(self) -> dict:
         return {op: dict(v) for op, v in self.stats.items()}
@@ -119,6 +122,9 @@ class CommCounter:
         @functools.wraps(fn)
         def counted(*args, **kwargs):
             depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                for listener in self.listeners:
+                    listener(op, args, kwargs)
             self._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)

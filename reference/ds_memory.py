@@ -231,7 +231,7 @@ def _where(host: bool) -> str:
     return "host" if host else "device"
 
 
-def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
+def deepspeed_model_state_bytes(engine, discover: bool = True) -> Dict[str, Any]:
     """This rank's persistent model-state bytes, by category, from a live DeepSpeed engine.
 
     Returns {"params", "master_params", "optimizer_states", "grads", "buffers": int bytes,
@@ -240,7 +240,8 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
     "nvme" when it swaps states to files (ds_nvme.py; the totals include them),
     "kind": which optimizer wrapper was found, "details": {"category:source": bytes},
     "details_by_place": {"device"/"host": {"category:source": bytes}},
-    "unclaimed": {"attr": bytes}}.
+    "unclaimed": {"attr": bytes}} (the walk over every attribute of the optimizer that finds
+    them is skipped with `discover=False`, as the peak recorder's many readings do).
 
     ZeRO-Offload's extra buffers go in the category of what they carry (docs/deepspeed.md,
     "ZeRO-Offload's extra host buffers"): the fp32 gradient partitions
@@ -357,7 +358,7 @@ def deepspeed_model_state_bytes(engine) -> Dict[str, Any]:
     # ---------------- discovery: anything else the optimizer objects hold ----------------
     unclaimed: Dict[str, int] = {}
     holders = [("optimizer", opt)] + ([("optimizer.optimizer", inner)] if inner is not opt else [])
-    for holder_name, holder in holders:
+    for holder_name, holder in holders if discover else ():
         for k, v in list(vars(holder).items()):
             for t in _iter_tensors(v):
                 key = _storage_key(t)
@@ -444,3 +445,62 @@ def track_transient_buckets(engine) -> Dict[str, int]:
 
     opt.setup_buckets = setup_buckets
     return rec
+
+
+def peak_reading(engine) -> Dict[str, Any]:
+    """What a DeepSpeed engine holds right now, in runlog.PhasePeaks' shape: the walk above
+    (its four categories where they live, and the communication buckets, which are on the
+    device), without the discovery pass."""
+    held = deepspeed_model_state_bytes(engine, discover=False)
+    by_category = {**held["device"], "buffers": held["buffers"]}
+    detail = {k: v for k, v in held["details_by_place"]["device"].items() if k.split(":", 1)[0] in by_category}
+    return {"total": sum(by_category.values()), "by_category": by_category,
+            "host": sum(held["host"].values()), "detail": detail}
+
+
+def track_peaks(engine):
+    """A runlog.PhasePeaks of a live DeepSpeed engine: its forward, backward and step wrapped
+    (on this instance) as phases, and a reading (`peak_reading`) at each event inside them that
+    changes what it holds, as DeepSpeed 0.19.8 runs them:
+
+    stage 0        before and after engine.allreduce_gradients (the bucketed all-reduce after
+                   loss.backward), before and after the inner optimizer's step
+    ZeRO-1/2       (stage_1_and_2.py) before reduce_gradients (ZeRO-1: every gradient made,
+                   none reduced), before and after each average_tensor (a bucket's all-reduce:
+                   the ipg bucket full), after each reduce_ipg_grads (the bucket's gradients
+                   copied into the partition and freed), before and after the inner optimizer's
+                   step (the fp32 gradient partition single_partition_of_fp32_groups[i].grad
+                   made for it)
+    ZeRO-3         (stage3.py, partitioned_param_coordinator.py) after each fetch_sub_module
+                   (a submodule's parameters gathered), before each release_sub_module, before
+                   and after each __reduce_and_partition_ipg_grads (a bucket's reduce-scatter)
+                   and partition_grads, before and after each sub-group's inner optimizer step
+                   (its fp32 gradient made in _prepare_sub_group)
+
+    and at each phase's start and end. arm() before the step to read, result() after it."""
+    from minizero.train.runlog import PhasePeaks, wrap_phase, wrap_sample
+
+    peaks = PhasePeaks(lambda: peak_reading(engine))
+    opt = engine.optimizer
+    kind = type(opt).__name__
+    for method, phase in (("forward", "forward"), ("backward", "backward"), ("step", "step")):
+        wrap_phase(engine, method, peaks, phase)
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None and hasattr(inner, "step"):
+        wrap_sample(inner, "step", peaks, "optimizer.step")
+    elif hasattr(opt, "step") and kind not in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+        wrap_sample(opt, "step", peaks, "optimizer.step")   # stage 0 fp32: the torch optimizer itself
+    if kind == "DeepSpeedZeroOptimizer":
+        wrap_sample(opt, "reduce_gradients", peaks, "reduce_gradients", after=False)
+        wrap_sample(opt, "average_tensor", peaks, "average_tensor")
+        wrap_sample(opt, "reduce_ipg_grads", peaks, "reduce_ipg_grads", before=False)
+    elif kind == "DeepSpeedZeroOptimizer_Stage3":
+        coordinator = opt.parameter_offload.get_param_coordinator()
+        wrap_sample(coordinator, "fetch_sub_module", peaks, "fetch_sub_module", before=False)
+        wrap_sample(coordinator, "release_sub_module", peaks, "release_sub_module", after=False)
+        wrap_sample(opt, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads", peaks,
+                    "reduce_and_partition_ipg_grads")
+        wrap_sample(opt, "partition_grads", peaks, "partition_grads")
+    else:
+        wrap_sample(engine, "allreduce_gradients", peaks, "allreduce_gradients")
+    return peaks

@@ -14,10 +14,13 @@ files too (fp32, `length` elements each); those in `unswapped_gradients` are hos
 
 Measured (micro GPT at width 171, ZeRO-3 bf16, N = 2, both offloads on NVMe, max_in_cpu 0):
 one swappable sub-group of S = 356,197 elements per rank; after the first step and after
-every later backward and step, its three tensors are swapped out (12S bytes in files) and no
-gradient is. Parameters (`offload_param.device: "nvme"`) are not counted: at the end of
-training none of their partitions was in a file (they sit in DeepSpeed's pinned swap
-buffers, host memory: tests/agreement/test_agreement_nvme.py::test_bytes_on_nvme_per_rank).
+every later backward and step, its three tensors are swapped out (12S = 4,274,364 bytes of
+state; the files, each rounded up to 356,352 elements, take 4,276,224 bytes on disk) and no
+gradient is. Parameters (`offload_param.device: "nvme"`) are not counted here: DeepSpeed
+swaps a parameter's partition only when it has at least max(1 MiB, `aio.block_size`) bytes
+(partition_parameters.py, `_partition_param`; partitioned_param_swapper.py, `min_aio_bytes`),
+and these partitions are 114 KiB at most, so each is an ordinary host tensor, which the
+walker counts (tests/agreement/test_agreement_nvme.py::test_deepspeed_swaps_no_parameter_partition_under_1_mib).
 """
 from __future__ import annotations
 

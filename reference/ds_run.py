@@ -264,18 +264,22 @@ def build_model(model_fn, cfg: dict, seed: int, weight_decay=None):
     return model, model.configure_param_groups(weight_decay)
 
 
-def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None) -> dict:
+def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None, peaks=None) -> dict:
     """The measured loop, shared by run_deepspeed and tests.support.harness.run_minizero so both
     libraries see the same batches and report losses the same way: `steps` optimizer
     steps of `gradient_accumulation_steps` micro-batches; per step the mean micro-batch
     loss (local, and averaged over ranks in fp64), loss scale (`loss_scale(engine)`),
     global grad norm, lrs and wall time; `probe(engine)` into `memory` after the last
-    backward and after each step."""
+    backward and after each step; `peaks` (a recorder with arm() and result():
+    minizero.train.runlog.PhasePeaks, MinizeroPeaks) armed for the last step, its result in
+    memory["peaks"]."""
     rank, world = comm.get_rank(), comm.get_world_size()
     gas = engine.gradient_accumulation_steps()
     engine.train()
     losses, local_losses, scales, norms, lrs, step_seconds = [], [], [], [], [], []
     for step in range(steps):
+        if peaks is not None and step == steps - 1:
+            peaks.arm()
         ts = time.perf_counter()
         acc = 0.0
         for micro in range(gas):
@@ -302,6 +306,8 @@ def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None
         lrs.append([float(v) for v in engine.get_lr()])
         if memory is not None:
             memory["after_step"].append(probe(engine))
+    if peaks is not None and memory is not None:
+        memory["peaks"] = peaks.result()
     return {"losses": losses, "local_losses": local_losses, "loss_scales": scales, "grad_norms": norms,
             "lrs": lrs, "step_seconds": step_seconds}
 
@@ -339,7 +345,9 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         final_state    full fp32 state dict (see full_fp32_state_dict), unless disabled
         memory         if capture_memory: {"after_init": d, "after_backward": [d per step],
                        "after_step": [d per step], "transient_buckets": {"max_bytes",
-                       "calls"}} (ZeRO-1/2 bucket buffers live only during backward)
+                       "calls"}} (ZeRO-1/2 bucket buffers live only during backward),
+                       "peaks": the last step's fullest moment in backward and in the
+                       step (reference.ds_memory.track_peaks)}
         init_seconds, step_seconds (wall time per optimizer step), rank, world_size,
         optimizer_kind (DeepSpeed's optimizer wrapper class), zero_stage, config (as used)
     """
@@ -371,11 +379,13 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         from reference.ds_memory import deepspeed_model_state_bytes as probe
         from reference.ds_memory import track_transient_buckets
 
+        from reference.ds_memory import track_peaks
         memory = {"after_init": probe(engine), "after_backward": [], "after_step": [],
                   "transient_buckets": track_transient_buckets(engine)}
 
     driven = drive(engine) if drive is not None else engine
-    out = train_steps(driven, batches, steps, _loss_scale, probe, memory)
+    out = train_steps(driven, batches, steps, _loss_scale, probe, memory,
+                      track_peaks(engine) if capture_memory else None)
     if driven is not engine:
         out.update(driven.result())
     out.update({

@@ -306,6 +306,104 @@ def held_bytes(engine: TorchEngine) -> dict:
     return placed(where, dict.fromkeys(CATEGORIES, 0))
 
 
+def _fsdp2_groups(engine: TorchEngine) -> list:
+    """Every FSDPParamGroup of the engine's model (none under DDP)."""
+    groups = []
+    for m in engine.module.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is not None:
+            groups.extend(get()._fsdp_param_groups)
+    return groups
+
+
+def peak_reading(engine: TorchEngine, extra=()) -> dict:
+    """What an FSDP2 engine holds right now, in runlog.PhasePeaks' shape. Its own buffers,
+    each storage once (torch 2.14, torch/distributed/fsdp/_fully_shard/_fsdp_param.py):
+
+        params:sharded parameters    each FSDPParam's padded local shard (the fp32 master too:
+                                     FSDP2 steps it; bf16 has no other copy between steps)
+        params:gathered parameters   all_gather_outputs, while a group is unsharded
+        grads:unsharded gradients    the gathered parameters' .grad, as autograd leaves them,
+                                     and unsharded_accumulated_grad
+        grads:sharded gradients      the sharded parameters' .grad (the reduce-scatter's output)
+        optimizer_states             Adam's moments
+        buffers:<name>               `extra`: (name, tensor) pairs handed in by the caller (the
+                                     reduce-scatter's input, which nothing else points at)
+
+    Everything is on the device (the reference does not offload)."""
+    cats = dict.fromkeys(("params", "grads", "master_params", "optimizer_states", "buffers"), 0)
+    detail: dict = {}
+    seen: set = set()
+
+    def claim(category, name, t):
+        if t is None:
+            return
+        t = t._local_tensor if is_sharded(t) else t
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            return
+        seen.add(storage.data_ptr())
+        cats[category] += storage.nbytes()
+        key = f"{category}:{name}"
+        detail[key] = detail.get(key, 0) + storage.nbytes()
+
+    groups = _fsdp2_groups(engine)
+    fsdp_params = [fp for g in groups for fp in g.fsdp_params]
+    for fp in fsdp_params:
+        claim("params", "sharded parameters", fp.sharded_param)
+    for fp in fsdp_params:
+        for t in fp.all_gather_outputs:
+            claim("params", "gathered parameters", t)
+    if not groups:   # DDP: the module's parameters
+        for p in engine.module.parameters():
+            claim("params", "module parameters", p)
+    for fp in fsdp_params:
+        unsharded = getattr(fp, "_unsharded_param", None)
+        claim("grads", "unsharded gradients", None if unsharded is None else unsharded.grad)
+        claim("grads", "unsharded gradients", fp.unsharded_accumulated_grad)
+    for p in engine.module.parameters():
+        claim("grads", "sharded gradients" if groups else "module gradients", p.grad)
+    for st in engine.optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                claim("optimizer_states", "Adam moments", v)
+    for name, t in extra:
+        claim("buffers", name, t)
+    return {"total": sum(cats.values()), "by_category": cats, "host": 0, "detail": detail}
+
+
+def track_peaks(engine: TorchEngine):
+    """A runlog.PhasePeaks of an FSDP2 engine: its backward and step as phases, and a reading
+    (`peak_reading`) after each group's wait_for_unshard (gathered) and pre_backward, before
+    its reshard, before and after its post_backward (the unsharded gradients, then the
+    reduce-scatter), at each collective before it runs (reference.comm_counter's listeners:
+    the reduce-scatter's input buffer counted there, the one moment it can be seen), and
+    before and after the optimizer's step. DDP (stage 0) is not read: its reducer's bucket
+    buffers live in C++, out of reach. arm() before the step to read, result() after it."""
+    from minizero.train.runlog import PhasePeaks, wrap_phase, wrap_sample
+
+    extra: list = []
+    peaks = PhasePeaks(lambda: peak_reading(engine, extra))
+    wrap_phase(engine, "backward", peaks, "backward")
+    wrap_phase(engine, "step", peaks, "step")
+    wrap_sample(engine.optimizer, "step", peaks, "optimizer.step")
+    for g in _fsdp2_groups(engine):
+        fqn = g._module_fqn or "root"
+        wrap_sample(g, "wait_for_unshard", peaks, f"{fqn} gathered", before=False)
+        wrap_sample(g, "pre_backward", peaks, f"{fqn} pre_backward", before=False)
+        wrap_sample(g, "reshard", peaks, f"{fqn} reshard", after=False)
+        wrap_sample(g, "post_backward", peaks, f"{fqn} post_backward")
+
+    def before_collective(op, args, kwargs):
+        if op == "reduce_scatter":
+            inp = kwargs.get("input") if "input" in kwargs else (args[1] if len(args) > 1 else None)
+            extra[:] = [("reduce-scatter input", inp)] if torch.is_tensor(inp) else []
+        peaks.sample(f"{op} (before)")
+        extra.clear()
+    COUNTER.listeners.append(before_collective)
+    return peaks
+
+
 def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bool = False, seed: int = 0,
               weight_decay=None, return_final_state: bool = True, drive=None) -> dict:
     """Train `steps` optimizer steps with DDP/FSDP2 on this rank: reference/ds_run.py's
@@ -321,7 +419,10 @@ def run_torch(model_fn, config: dict, batches, steps: int, *, capture_memory: bo
     memory = {"after_backward": [], "after_step": []} if capture_memory else None
     before = COUNTER.snapshot()
     driven = drive(engine) if drive is not None else engine
-    out = train_steps(driven, batches, steps, lambda e: 1.0, lambda e: held_bytes(engine), memory)
+    peaks = track_peaks(engine) if capture_memory and engine.stage != 0 else None
+    out = train_steps(driven, batches, steps, lambda e: 1.0, lambda e: held_bytes(engine), memory, peaks)
+    if peaks is not None:
+        COUNTER.listeners.clear()
     after = COUNTER.snapshot()
     if driven is not engine:
         out.update(driven.result())

@@ -64,6 +64,21 @@ def _check_config(cfg, world_size):
     return cfg
 
 
+def _track_peaks(engine):
+    from reference.torch_engine import track_peaks
+    return track_peaks(engine) if engine.stage != 0 else _NoPeaks()
+
+
+class _NoPeaks:
+    """DDP's reducer keeps its bucket buffers in C++, out of the recorder's reach: no peaks."""
+
+    def arm(self):
+        pass
+
+    def result(self):
+        return {}
+
+
 TORCH = mtrain.Library(
     name="torch",
     initialize=_initialize,
@@ -73,6 +88,7 @@ TORCH = mtrain.Library(
     check_config=_check_config,
     user_errors=(TorchEngineError,),
     held_bytes=held_bytes,                 # at the moments runlog.MemoryMoments picks
+    peaks=_track_peaks,                    # FSDP2's peaks in the last step (DDP: none)
 )
 
 

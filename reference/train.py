@@ -202,6 +202,11 @@ def _comms_summary(run):
     return (result or {}).get("summary") or {}, table
 
 
+def _track_peaks(engine):
+    from reference.ds_memory import track_peaks
+    return track_peaks(engine)
+
+
 DEEPSPEED = mtrain.Library(
     name="deepspeed",
     initialize=_initialize,
@@ -210,6 +215,7 @@ DEEPSPEED = mtrain.Library(
     comm_snapshot=lambda engine: COUNTER.snapshot(),
     check_config=_check_config,
     held_bytes=_held_bytes,   # the same walk (+ layout), at the moments runlog.MemoryMoments picks
+    peaks=_track_peaks,       # the same walk at every event of the last step (reference.ds_memory.track_peaks)
     comms_summary=_comms_summary,
 )
 

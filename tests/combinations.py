@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.support.harness import PatternBatches, make_model
+from tests.support.harness import PatternBatches, checkpoint_blocks, make_model
 
 N, PER_NODE = 4, 2
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
@@ -230,15 +230,16 @@ def run_cell(cell: dict, folder: str) -> dict:
     """Train one cell on this rank (a collective: every rank runs the same cells in order)."""
     import minizero
     from minizero import comm
-    from minizero.errors import ConfigError
+    from minizero.config import ConfigError
 
     torch.manual_seed(0)
     model = make_model("micro", "gpt")
     calls_before = sum(v["calls"] for v in comm.ledger.snapshot().values())
     t0 = time.perf_counter()
     try:
-        engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1),
-                                         config=config(cell, folder))
+        cfg = config(cell, folder)
+        engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1), config=cfg)
+        checkpoint_blocks(model, cfg)   # the model checkpoints its own blocks, as under DeepSpeed
     except ConfigError as e:
         issued = sum(v["calls"] for v in comm.ledger.snapshot().values()) - calls_before
         return {"status": "refused", "line": str(e), "lines": len(str(e).splitlines()), "issued": issued}
@@ -266,7 +267,7 @@ def run_cell(cell: dict, folder: str) -> dict:
 def _free_groups(engine) -> None:
     """hpZ's and HSDP's process groups, let go after the cell (a launch makes hundreds)."""
     import torch.distributed as dist
-    s = getattr(engine.stage, "sharding", None)
+    s = getattr(engine.zero, "sharding", None)
     for g in (getattr(s, "group", None), getattr(s, "replicas", None), getattr(s, "secondary_group", None)):
         if g is not None:
             dist.destroy_process_group(g)

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from tests.support.harness import PatternBatches, make_model
+from tests.support.harness import PatternBatches, checkpoint_blocks, make_model
 from tests.support.launcher import run_ranks
 
 STEPS, GLOBAL_BATCH, SEQ = 6, 8, 16
@@ -101,6 +101,7 @@ def _run_case(c: dict, rank: int, world: int) -> dict:
         cfg["activation_checkpointing"] = {"partition_activations": False}
     labels0 = {k: dict(v) for k, v in comm.ledger.by_label.items()}
     engine, *_ = minizero.initialize(model=model, model_parameters=model.configure_param_groups(0.1), config=cfg)
+    checkpoint_blocks(model, cfg)
     vocab = (model.gpt if hasattr(model, "gpt") else model).tok_emb.num_embeddings
     batches = PatternBatches(vocab, SEQ, GLOBAL_BATCH, c["gas"])
     rec = {"steps": []}

@@ -242,7 +242,7 @@ def memory_numbers(v: Numbers, runs: Runs) -> None:
     """Part 1: the paper's Figure 1 and the tutorial model's bytes per rank (the two
     memory_table commands, whose output the page shows), and the threshold's effect."""
     from minizero.observe.memory_table import compute, figure1, meta_model
-    from minizero.zero_config import ZeroConfig
+    from minizero.config.zero import ZeroConfig
     for name in runs.commands:
         if "memory_table" in runs.commands[name]:
             runs.output(name)   # the page's two commands, run as printed
@@ -519,9 +519,9 @@ def offload_numbers(v: Numbers, runs: Runs) -> None:
 def nodes_numbers(v: Numbers, runs: Runs) -> None:
     """Part 11: ZeRO-3, hpZ and HSDP on 2 pretended nodes of 2 ranks (MINIZERO_RANKS_PER_NODE=2).
     The prediction: the tiny GPT's FlatParams padded to 4 (or to 2: HSDP's shards) through
-    hierarchy.step_traffic; the runs: every rank's ledger of the traced step (rank<r>.json),
+    node_costs.step_traffic; the runs: every rank's ledger of the traced step (rank<r>.json),
     summed per node as the printed table sums it (ledger_table.link_bytes). They must agree."""
-    from minizero.hierarchy import step_traffic
+    from minizero.observe.node_costs import step_traffic
     from minizero.observe import ledger_table
     from minizero.observe.memory_table import layout, meta_model
     from minizero.observe.node_table import layout_costs
@@ -690,7 +690,7 @@ def bank_numbers(v: Numbers) -> None:
     v.put("q.ck.input", b * t * c * 2)
     v.put("q.ck.inputs12", layers * b * t * c * 2)
     # Q23: ZeRO-3, hpZ and HSDP for Ψ = 7.5e9 on 64 nodes x 8 GPUs, bf16 (the papers' formulas)
-    from minizero.hierarchy import paper_costs
+    from minizero.observe.node_costs import paper_costs
     psi, nodes, per_node = 7_500_000_000, 64, 8
     v.put("q.nodes.psi", "7.5e9")
     v.put("q.nodes.m", nodes)

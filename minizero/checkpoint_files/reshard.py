@@ -8,7 +8,7 @@ folder (the tag and `latest`) that M ranks resume as if they had saved it.
 this is only needed to convert once, or to look at the result; both run the same code,
 checkpoint_state.rank_state. A bad folder or argument is one line on stderr, exit code 2.
 
-The new layout is the one the stage builds (memory_table.layout: the stages' own plan
+The new layout is the one the stage builds (the stage's own `plan`, Zero0.plan or Zero3.plan
 functions), laid out on a stand-in of the model rebuilt from the parameter names on the
 meta device: each dotted name a module path, a numbered child a ModuleList entry (a
 ZeRO-3 unit). For a model built that way (the GPT here) the folder resumes by the plain
@@ -56,7 +56,7 @@ def target_layout(source, stage: int) -> list[dict]:
     """The FlatParams stage `stage` builds for the source's model and param groups (with the
     saved config's reduce_bucket_size and stage3_param_persistence_threshold): per FlatParam
     {"label", "names", "shapes", "group", "persistent"}, in buffer order."""
-    from ..observe.memory_table import layout
+    from ..engine import STAGES
     model = stand_in_model(source.names, source.shapes)
     params = dict(model.named_parameters())
     groups = [{"params": [params[n] for n in g["names"]]} for g in source.groups]
@@ -64,7 +64,7 @@ def target_layout(source, stage: int) -> list[dict]:
     saved_zero = ((source.config or {}).get("zero_optimization") or {})
     zero = ZeroConfig.parse({k: v for k, v in saved_zero.items() if k in zero_keys}
                             if isinstance(saved_zero, dict) else {}, "zero_optimization")
-    plans = layout(model, groups, stage, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold)
+    plans = STAGES[stage].plan(model, groups, zero)
     return [{"label": p.label, "names": list(p.names), "shapes": [tuple(source.shapes[n]) for n in p.names],
              "group": p.group, "persistent": p.persistent} for p in plans]
 

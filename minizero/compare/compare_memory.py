@@ -112,8 +112,9 @@ def memory_differences(stage, dtype, moment, category, place, mz, ds) -> list:
             return parts
         if stage in (1, 2) and not ds_offloads:
             parts.append((left, "ZeRO-1/2's gradient partition holds the whole parameters that straddle its slice "
-                                "(and, at ZeRO-1 with gradient_accumulation_steps 1, it reduces in backward hooks "
-                                f"like ZeRO-2 where minizero's ZeRO-1 holds the full gradient until the step) ({HOLDS})"))
+                                "(and DeepSpeed's ZeRO-1 reduces at the end of engine.backward, in reduce_gradients "
+                                "after loss.backward, where minizero's ZeRO-1 reduces at the start of engine.step: "
+                                f"until then both hold the full gradient) ({HOLDS})"))
             return parts
     pad = padding_bytes(stage, dtype, category, mz, ds)
     if left and pad and left == pad:
@@ -184,7 +185,7 @@ def category_bytes(entry, category, place=None) -> int:
 
 def placed_bytes(entry) -> dict:
     """{"device": bytes, "host": bytes} of one rank's model states; and "nvme" when the run
-    swapped states to files ("device": "nvme", minizero/nvme.py)."""
+    swapped states to files ("device": "nvme", minizero/offload/nvme.py)."""
     out = {w: sum(category_bytes(entry, c, w) for c in CATEGORIES) for w in PLACES}
     if "nvme" in entry:
         out["nvme"] = sum(int(entry["nvme"].get(c) or 0) for c in CATEGORIES)
@@ -195,6 +196,92 @@ def offloaded(results) -> bool:
     """Whether any run of either library holds model states in host memory (ZeRO-Offload)."""
     return any(placed_bytes(e)["host"] for runs in results.values() for s in runs.values()
                for e in state_entries(s))
+
+
+# ----------------------------------------------------------------------------- peaks
+
+PEAK_PHASES = ("backward", "step")
+PEAK_TITLES = {"backward": "during backward", "step": "during the step"}
+PEAKS = f'{DOCS}, "Memory at its peak"'
+# minizero's memory_track kinds, as the report names them
+KIND_NAMES = {"params.gathered": "full parameters", "params.shard": "parameter shards",
+              "params.secondary": "hpZ secondary shards", "master_params": "fp32 masters",
+              "optimizer_states": "Adam's moments", "grads.shard": "reduced gradient shards",
+              "grads.buffer": "flat gradients being reduced", "grads.param": "p.grad"}
+# Why the libraries' peaks differ, by stage and phase (both measured on the device, at the
+# events each recorder samples: minizero.train.runlog.PhasePeaks).
+PEAK_WHY = {
+    (0, "backward"): "both hold every gradient at the end of backward; neither reduces in it without overlap_comm",
+    (0, "step"): "DeepSpeed's stage 0 (FP16_UnfusedOptimizer) makes an fp32 .grad for every parameter "
+                 "before Adam (4Ψ) beside the bf16 p.grad; minizero all-reduces its buckets' flat "
+                 "gradients and steps its fp32 masters from them",
+    (1, "backward"): "both hold every gradient (2Ψ) until they reduce: DeepSpeed inside engine.backward "
+                     "(reduce_gradients, after loss.backward: its peak, the partition filling and a bucket beside "
+                     "the gradients not yet reduced), minizero inside engine.step",
+    (1, "step"): "minizero reduce-scatters in the step (every bucket's flat gradient issued at once beside the p.grad "
+                 "not yet copied); DeepSpeed's step makes the fp32 gradient of one param group's partition for Adam "
+                 "(single_partition_of_fp32_groups[i].grad) beside its bf16 partition",
+    (2, "backward"): "both reduce from the gradient hooks as each bucket fills: DeepSpeed's partition holds whole "
+                     "straddling parameters and its reduce_bucket_size bucket, minizero its shard and the bucket's "
+                     "flat gradient being reduced",
+    (2, "step"): "DeepSpeed's step makes the fp32 gradient of one param group's partition for Adam beside its bf16 "
+                 "partition; minizero's CPU Adam converts its bf16 shard 1 MB at a time (adam.ChunkedAdamW)",
+    (3, "backward"): "both gather one unit at a time (prefetch off) and reduce-scatter a bucket (DeepSpeed: "
+                     "reduce_bucket_size, persistent) or a unit's flat gradient (minizero); DeepSpeed pads each "
+                     "parameter, minizero each unit",
+    (3, "step"): "DeepSpeed makes each sub-group's fp32 gradient for Adam, keeps its bf16 gradient partition and its "
+                 "reduce bucket; minizero steps from its reduced shards",
+}
+
+
+def peak_entries(summary) -> list | None:
+    """Per-rank peaks of the run's last step (runlog.MemoryMoments' "peaks"), or None."""
+    moments = summary.get("memory_moments") or {}
+    return moments.get("peaks")
+
+
+def peak_pieces(peak) -> list:
+    """[(name, bytes)] of what a rank held at a peak, largest first: minizero's kinds by
+    KIND_NAMES, DeepSpeed's and PyTorch's buffers by their own names."""
+    pieces = {}
+    for key, nbytes in (peak.get("detail") or {}).items():
+        name = KIND_NAMES.get(key) or key.split(":", 1)[-1]
+        pieces[name] = pieces.get(name, 0) + int(nbytes)
+    return sorted(((n, b) for n, b in pieces.items() if b), key=lambda nb: -nb[1])
+
+
+def peaks_table(results, libs=LIBS) -> str:
+    """Rank 0's fullest moment during backward and during the step of the last step, each
+    library's buffers at that moment, and the difference to minizero's peak."""
+    lines = ["| stage | phase | library | peak B | - minizero | held at the peak (B) | read at |",
+             "|---|---|---|---|---|---|---|"]
+    for stage in sorted(results):
+        entries = {lib: peak_entries(results[stage][lib]) for lib in libs if lib in results[stage]}
+        for phase in PEAK_PHASES:
+            base = (entries.get("minizero") or [{}])[0].get(phase)
+            for lib, per_rank in entries.items():
+                peak = (per_rank or [{}])[0].get(phase)
+                if not peak:
+                    continue
+                held = ", ".join(f"{name} {b:,}" for name, b in peak_pieces(peak))
+                diff = "" if lib == "minizero" or not base else f"{peak['total'] - base['total']:+,}"
+                lines.append(f"| {stage} | {PEAK_TITLES[phase]} | {lib} | {peak['total']:,} | {diff} | {held} | "
+                             f"{peak.get('at', '')} |")
+    return "\n".join(lines)
+
+
+def peaks_section(results, libs=LIBS) -> list:
+    """report.md's section on each rank's peak: the table, then why the peaks differ."""
+    if not any(peak_entries(r[lib]) for r in results.values() for lib in libs if lib in r):
+        return []
+    why = [f"- stage {stage}, {PEAK_TITLES[phase]}: {PEAK_WHY[(stage, phase)]}."
+           for stage in sorted(results) for phase in PEAK_PHASES if (stage, phase) in PEAK_WHY]
+    return [f"## Model states at their peak (rank 0, the last step)", "",
+            "Each library's own buffers (parameters gathered or not, gradients, gradient buckets and partitions, "
+            "fp32 masters, Adam's moments) read at every event inside `engine.backward` and inside `engine.step` "
+            "that can change them (a collective, a unit's gather or release, the optimizer's step), on the "
+            f"device; the fullest reading of each phase ({PEAKS}). Activations are not counted.", "",
+            peaks_table(results, libs), "", *why, ""]
 
 
 def moments_section(results, dtype) -> list:

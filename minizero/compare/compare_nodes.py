@@ -16,7 +16,7 @@ only by how each library pads what it cuts (docs/fsdp.md draws the three layouts
                _aligned_size); hpZ's secondary partition is padded/k of each
     FSDP2      each parameter's dim 0 padded to a multiple of the shard ranks
                (torch's _fsdp_param.py), so a (1, 63, 63) tensor is cut as (4, 63, 63) at N = 4
-With P the padded elements and b the bytes per element, per rank and step (hierarchy.step_traffic):
+With P the padded elements and b the bytes per element, per rank and step (node_costs.step_traffic):
     ZeRO-3 hpZ   all-gather P·b·((N-1)/N + (k-1)/k) (forward over N, backward over the node);
                  reduce-scatter P·b·(N-1)/N
     HSDP         all-gather 2·P·b·(S-1)/S; reduce-scatter P·b·(S-1)/S; all-reduce of the
@@ -35,7 +35,7 @@ import contextlib
 import json
 import os
 
-from ..hierarchy import step_traffic
+from ..observe.node_costs import step_traffic
 from ..partition import padded_numel
 from .render import SHORT   # the table's column suffixes, one per library
 
@@ -110,7 +110,7 @@ def padded_elements(lib: str, model: str, shards: int) -> tuple[int, int]:
 
 def predicted(lib: str, model: str, dtype: str, world: int, per_node: int, scheme: str) -> tuple[dict, dict, int]:
     """({op: rank 0's wire bytes per step}, {op: the link's bytes per step}, padded elements)
-    that `lib` must move, from its padding rule and hierarchy.step_traffic (minizero's norm
+    that `lib` must move, from its padding rule and node_costs.step_traffic (minizero's norm
     replaced by the library's own count of them)."""
     b = 4 if dtype == "fp32" else 2
     shards = per_node if scheme == "hsdp" else world

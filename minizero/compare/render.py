@@ -36,7 +36,7 @@ def table(rows) -> str:
     first, others = SHORT[libs[0]], libs[1:]
     placed = any(r[lib]["host_bytes_rank0"] or r[lib].get("nvme_bytes_rank0")
                  for r in rows for lib in libs if "host_bytes_rank0" in r[lib])
-    # "device": "nvme" (minizero/nvme.py): a third place, the states in swap files
+    # "device": "nvme" (minizero/offload/nvme.py): a third place, the states in swap files
     nvme = any(r[lib].get("nvme_bytes_rank0") for r in rows for lib in libs)
     nodes = any(r[lib].get("link_bytes_per_step") is not None for r in rows for lib in libs)
     columns = PER_LIB[:2] + (PLACED if placed else []) + (NVME if nvme else []) + PER_LIB[2:] + (LINK if nodes else [])

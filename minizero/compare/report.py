@@ -5,16 +5,15 @@ moments compare_memory.py's, the comms summaries compare_comms.py's, the bytes b
 pretended nodes compare_nodes.py's."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import platform
 
 from minizero.compare import REPO
 from minizero.compare.compare_comms import comms_section
-from minizero.compare.compare_memory import LIBS, moments_section
+from minizero.compare.compare_memory import LIBS, moments_section, peaks_section
 from minizero.compare.compare_nodes import hierarchy_keys, nodes_section, ranks_per_node, scheme_of
 from minizero.compare.render import NAMES, SHORT, moments_by_lib, table
+from minizero.runtime.about import machine, versions  # noqa: F401  (compare.py reads them from here)
 
 
 def doc_link(page: str, out: str) -> str:
@@ -22,27 +21,6 @@ def doc_link(page: str, out: str) -> str:
     repository, so the link survives a move of the whole checkout."""
     path = os.path.join(REPO, "docs", page)
     return os.path.relpath(path, out) if out.startswith(REPO + os.sep) else path
-
-
-def machine() -> str:
-    import torch
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"CPU: {cpu} ({os.cpu_count()} cores), no GPU"
-
-
-def versions() -> dict:
-    def version(p):
-        try:
-            return importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-    return {"python": platform.python_version(), **{p: version(p) for p in ("torch", "deepspeed")}}
 
 
 def note(args, pinned: dict, offload: bool = False) -> str:
@@ -62,7 +40,9 @@ def note(args, pinned: dict, offload: bool = False) -> str:
         "- Memory: both libraries are measured at the same two moments of the last step, from the buffers they "
         "really hold (minizero's `memory.held_bytes`, DeepSpeed's `reference/ds_memory.py` walker): the state "
         "columns above are the end of backward; the section below has both moments, and names every byte "
-        "that differs. On CPU, peak MB is the process RSS.",
+        "that differs. Memory peaks between those moments (a bucket being reduced, a unit gathered, the fp32 "
+        "gradient a step makes for Adam): the peaks section reads each library at every such event of the last "
+        "step. On CPU, peak MB is the process RSS.",
         f"- This comparison adds {json.dumps(pinned)} "
         "to `zero_optimization` unless the config sets "
         "them: DeepSpeed's ZeRO-3 defaults replace `F.linear` (matmul then `+= bias`, which rounds differently "
@@ -86,8 +66,11 @@ def note(args, pinned: dict, offload: bool = False) -> str:
     if args.dtype != "fp32" and 0 in args.stages:
         lines.append("- Stage 0 in fp16/bf16: DeepSpeed's stage-0 wrappers take one Adam step with zero gradients "
                      "at init (losses drift, bf16 up to ~6e-3 in 20 steps); its stage-0 fp16 never multiplies "
-                     "the loss by the scale (gradients 1/65536 too small) and its loss scaler has no hysteresis. "
-                     "minizero does not copy these quirks.")
+                     "the loss by the scale but divides the gradients by it (1/65536 too small), and since an "
+                     "unscaled backward never overflows, the scale doubles every `loss_scale_window` clean steps "
+                     "without bound (1/131072 after 1,000 steps, 1/262144 after 2,000: docs/deepspeed.md, \"Stage 0 "
+                     "fp16 never scales the loss\"); its loss scaler has no hysteresis. minizero does not copy these "
+                     "quirks: its scaled backward overflows when the scale is too large, and the scale comes down.")
     if args.dtype != "fp32":
         lines.append("- Expected loss agreement in low precision is op-order noise (bf16 ~2e-4, fp16 ~3e-5 "
                      "over 20 steps); fp32 agrees to ~1e-6.")
@@ -137,6 +120,7 @@ def report_md(info, args, rows, pinned: dict, offload: bool = False, results=Non
         "![loss curves](loss_curves.png)", "",
         *(moments_section(ds_results, args.dtype) if pair else []),
         *(moments_by_lib(results, libs) if libs != list(LIBS) else []),
+        *peaks_section(results, [lib for lib in libs]),
         "![memory](memory.png)", "",
         *(nodes_section(results, args, libs, per_node, scheme_of(args)) if per_node else []),
         *(comms_section(ds_results) if pair else [])])

@@ -23,7 +23,6 @@ step, so it is neither counted in the ledger nor announced to the observers.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import time
 import zlib
@@ -31,7 +30,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import comm, process_group
 
 
 DEBUG_ENV = "MINIZERO_DEBUG_COLLECTIVES"
@@ -94,19 +93,11 @@ def configure(check: bool = False, timeout_s: float | None = None) -> None:
 
 
 def set_group_timeout(seconds: float) -> None:
-    """The default group's timeout for every collective from now on (gloo raises after it;
-    NCCL's watchdog aborts after it). torch.distributed.set_timeout is the public call from
-    torch 2.14 on; before it the same thing is distributed_c10d._set_pg_timeout, which sets
-    each of the group's backends' default timeout (2.14 keeps it as a deprecated alias).
-    Under gloo the new timeout reaches the collectives from torch 2.10 on; 2.6 and 2.8 kept
-    the one the group was created with, one reason pyproject.toml asks for 2.10
-    (tests/support/other_torch.sh runs the tests under another torch)."""
-    timeout = datetime.timedelta(seconds=seconds)
-    if hasattr(dist, "set_timeout"):
-        dist.set_timeout(timeout)
-        return
-    from torch.distributed import distributed_c10d
-    distributed_c10d._set_pg_timeout(timeout, distributed_c10d._get_default_group())
+    """The collective timeout of the main group and of every group minizero made (hpZ's and
+    HSDP's node groups: process_group.new_groups), from now on: gloo raises after it, NCCL's
+    watchdog aborts after it (process_group.set_timeout). A node group keeping torch's
+    default (10 minutes under NCCL) would end a hang there with NCCL's text, not the named line."""
+    process_group.set_timeout(seconds)
 
 
 def set_phase(phase: str, global_step: int, micro_step: int) -> None:
@@ -126,26 +117,28 @@ def describe(op: str, label: str | None, numel: int, dtype: torch.dtype) -> str:
     return f"{op} '{label or '-'}' ({numel} x {str(dtype).replace('torch.', '')})"
 
 
-def check_agreement(op: str, label: str | None, t: torch.Tensor) -> None:
-    """All ranks all-gather (op, crc32(label), numel, dtype, steps, seq): 8 int64 per rank,
-    the same shape whatever collective each rank is about to issue, so ranks that disagree
-    still meet here. On disagreement the labels are exchanged (every rank knows, so every
-    rank makes that call too) and every rank raises the same CollectiveMismatch. The
-    fingerprint goes where `t` is: a collective's tensor is on the rank's device."""
+def check_agreement(op: str, label: str | None, t: torch.Tensor, group=None) -> None:
+    """The ranks of `group` (default: all) all-gather (op, crc32(label), numel, dtype, steps,
+    seq): 8 int64 per rank, the same shape whatever collective each rank is about to issue,
+    so ranks that disagree still meet here. On disagreement the labels are exchanged (every
+    rank knows, so every rank makes that call too) and every rank raises the same
+    CollectiveMismatch, naming global ranks. The fingerprint goes where `t` is: a
+    collective's tensor is on the rank's device. A node group's collective (hpZ, HSDP) is
+    checked among that group's ranks, the only ones that issue it."""
     numel, dtype = t.numel(), t.dtype
     dt = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     mine = torch.tensor([zlib.crc32(op.encode()), zlib.crc32((label or "").encode()), numel, dt,
                          guard.global_step, guard.micro_step, guard.seq, 0], dtype=torch.int64)
-    n = dist.get_world_size()
+    n = dist.get_world_size(group)
     everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
-    comm.torch_all_gather()(everyone, mine.to(t.device))
+    comm.torch_all_gather()(everyone, mine.to(t.device), group=group)
     wait_named(t, op, label, t.numel() * t.element_size())   # a rank left alone times out here, named
     rows = everyone.view(n, -1)[:, :4].cpu()
     if bool((rows == rows[0]).all()):
         return
     infos = [None] * n
-    dist.all_gather_object(infos, (describe(op, label, numel, dtype), where(), guard.seq))
-    lines = "; ".join(f"rank {r}: {d} in {w} (collective #{s} of this rank)" for r, (d, w, s) in enumerate(infos))
+    dist.all_gather_object(infos, (dist.get_rank(), describe(op, label, numel, dtype), where(), guard.seq), group=group)
+    lines = "; ".join(f"rank {r}: {d} in {w} (collective #{s} of this rank)" for r, d, w, s in infos)
     raise CollectiveMismatch(f"ranks issued different collectives: {lines}. Every rank must run the same "
                              f"modules and the same number of micro-steps (docs/debugging.md)")
 
@@ -169,16 +162,15 @@ class DesyncCheck:
 
 class AgreementCheck:
     """comm.py's observer while the desync check is on (configure subscribes it): the check
-    before each collective (on the default group only: a subgroup's ranks are not all of
-    them), and under NCCL each collective waited for on the host, named. Off, a collective
-    pays nothing for it."""
+    before each collective, among the ranks of the collective's group (all of them, or a node
+    group's), and under NCCL each collective waited for on the host, named. Off, a
+    collective pays nothing for it."""
 
     def begin(self, op: str, label: str | None, t: torch.Tensor, nbytes: int, group):
-        if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size() == 1:
+        if op in comm.COPIES or not dist.is_initialized() or dist.get_world_size(group) == 1:
             return None
         try:
-            if group is None:
-                check_agreement(op, label, t)   # a rank left alone times out here
+            check_agreement(op, label, t, group)   # a rank left alone times out here
         except CollectiveMismatch:
             raise
         except RuntimeError as e:   # gloo's timeout and connection errors; DistBackendError is one

@@ -3,7 +3,7 @@
 Each rank's model-state bytes (params, grads, fp32 masters, Adam moments; on the device and
 on the host) at any world size, computed from minizero's own layout code without starting
 a process: the model is built on the meta device (shapes, no storage), each stage's layout
-plan (buckets.bucket_plan, zero3.unit_plan: the very functions the stages
+plan (each stage's `plan`: Zero0.plan, Zero3.plan, the very functions the stages
 build their FlatParams from) lists its FlatParams, and memory.expected_bytes pads each to a
 multiple of N. The plan does not depend on N, so N = 1024 costs what N = 2 does. Equal byte
 for byte to `engine.memory_breakdown()` of real engines (tests/tools/test_memory_table.py).
@@ -29,13 +29,14 @@ import shutil
 
 import torch
 
-from ..memory import CATEGORIES, expected_bytes, human, paper_bytes, total
+from ..memory import CATEGORIES, expected_bytes, paper_bytes, total
 from ..partition import FlatPlan
+from .node_table import human
 
 
 def offload_section(stage: int, offload: str, nvme_path: str = "nvme") -> dict:
     """The zero_optimization keys `--offload` adds at this stage (stage 0 offloads nothing,
-    offload_param exists at stage 3 only). "nvme": both, with "device": "nvme" (nvme.py)."""
+    offload_param exists at stage 3 only). "nvme": both, with "device": "nvme" (offload/nvme.py)."""
     out = {}
     where = {"device": "nvme", "nvme_path": nvme_path} if offload == "nvme" else {"device": "cpu"}
     if offload in ("optimizer", "both", "nvme") and stage >= 1:
@@ -59,14 +60,14 @@ def meta_model(model_name: str):
 
 def layout(model, param_groups, stage: int, reduce_bucket_size: int = 500_000_000,
            persistence_threshold: int = 0) -> list[FlatPlan]:
-    """The FlatParams a stage builds for this model, from the stage's own plan function."""
-    from .. import zero3
-    from ..buckets import bucket_plan
-    if stage in (0, 1, 2):
-        return bucket_plan(model, param_groups, reduce_bucket_size)
-    if stage == 3:
-        return [plan for _, _, plans in zero3.unit_plan(model, param_groups, persistence_threshold) for plan in plans]
-    raise ValueError(f"stage {stage}: use 0, 1, 2 or 3")
+    """The FlatParams a stage builds for this model: the stage's own plan (Zero0.plan, Zero3.plan)."""
+    from ..config import ZeroConfig
+    from ..engine import STAGES
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage}: use 0, 1, 2 or 3")
+    zero = ZeroConfig.parse({"stage": stage, "reduce_bucket_size": reduce_bucket_size,
+                             "stage3_param_persistence_threshold": persistence_threshold}, "zero_optimization")
+    return STAGES[stage].plan(model, param_groups, zero)
 
 
 def computed_breakdown(plans: list[FlatPlan], world: int, stage: int, dtype: str = "bf16",

@@ -33,8 +33,8 @@ by category (`categories`) are held_bytes' numbers at every moment:
     grads.buffer        the flat gradient buffer a reduction reads, while it has storage
     grads.param         each parameter's .grad, as autograd leaves it
 
-Places: "device", "host" (offload.py; logical, as in memory_breakdown), "nvme" (a state whose
-bytes wait in its file: nvme.py). Samples carry only the kinds and places that hold bytes.
+Places: "device", "host" (offload/host.py; logical, as in memory_breakdown), "nvme" (a state whose
+bytes wait in its file: offload/nvme.py). Samples carry only the kinds and places that hold bytes.
 
 The gaps are the seam's: the core announces no event when a unit releases its parameters or a
 reduction frees its gradient buffer, so such a drop shows at the next event (a unit's
@@ -53,6 +53,7 @@ import torch
 
 from .. import comm
 from ..memory import CATEGORIES   # memory_breakdown's four categories
+from . import unit_marks
 
 KINDS = ("params.gathered", "params.shard", "params.secondary", "master_params", "optimizer_states",
          "grads.shard", "grads.buffer", "grads.param")
@@ -71,9 +72,9 @@ def _buffers(engine):
     The one function that reads the core's internals: the FlatParams' full buffer, shard (and
     whether its storage is in host memory), hpZ secondary, gradient shard, flat gradient buffer
     and parameters' grads; the optimizer's masters, state and place; the offload's NVMe files."""
-    flats, opt = engine.stage.flat_params, engine.sharded_optimizer
+    flats, opt = engine.zero.flat_params, engine.sharded_optimizer
     offload = getattr(engine, "offload", None)
-    swapped = {id(t) for _, t, _ in offload.swapped(flats, opt)} if offload is not None and offload.tier else set()
+    swapped = {id(t) for _, t, _ in offload.swappable(flats, opt)} if offload is not None and offload.tier else set()
     for f in flats:
         yield "params.gathered", f.full, False, False
         yield "params.shard", f.shard, f.storage.on_host, id(f.shard) in swapped
@@ -97,7 +98,7 @@ def gathered(engine) -> list[str]:
     """Labels of the FlatParams gathered now whose shard has a storage of its own (ZeRO-3's
     partitioned ones: a ZeRO-0/1/2 or persistent shard is a view of the full buffer)."""
     out = []
-    for f in engine.stage.flat_params:
+    for f in engine.zero.flat_params:
         full = f.full.untyped_storage()
         if full.nbytes() > 0 and f.shard.untyped_storage().data_ptr() != full.data_ptr():
             out.append(f.label)
@@ -170,11 +171,13 @@ class MemoryTrack:
         self.subscribed = False
         if subscribe:
             comm.subscribe(self)
+            unit_marks.watch(engine)
             self.subscribed = True
 
     def close(self) -> None:
         if self.subscribed:
             comm.unsubscribe(self)
+            unit_marks.unwatch(self.engine)
             self.subscribed = False
 
     def __enter__(self):

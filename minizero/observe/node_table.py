@@ -3,7 +3,7 @@ M nodes of L ranks, what each rank holds and what each step sends, and what cros
 
 Three numbers per scheme, per optimizer step (gradient accumulation 1, every parameter
 partitioned and gathered at each use: no prefetch, reuse or persistence), with hpZ's k and
-HSDP's S set to L, the ranks of one node (minizero/hierarchy.py says what each scheme does):
+HSDP's S set to L, the ranks of one node (minizero/sharding.py says what each scheme does):
 
 - model-state bytes per rank (parameters, gradients, fp32 masters, Adam's moments; hpZ's
   secondary shard included: it lives from the first forward to the step);
@@ -13,23 +13,32 @@ HSDP's S set to L, the ranks of one node (minizero/hierarchy.py says what each s
   that link carries in one step (the sum of the inter-node bytes of node a's ranks), the
   number that sets the step's time when the link between nodes is the slow one.
 
-Each comes twice. "paper": hierarchy.paper_costs, the papers' accounting (no padding, the
+Each comes twice. "paper": node_costs.paper_costs, the papers' accounting (no padding, the
 gradient norm's few bytes left out): ZeRO (Rajbhandari et al., SC'20) for ZeRO-3, ZeRO++
 (Wang et al., arXiv 2306.10209, section 3.2) for hpZ, PyTorch FSDP (Zhao et al., arXiv
 2304.11277, section 3.2.2) for HSDP. "layout": the same quantities exactly, from the
 FlatParams minizero builds for the model (zero3.unit_plan on a meta-device model, each padded
 to a multiple of the ranks it is cut over: N, or S with HSDP), memory.expected_bytes and
-hierarchy.step_traffic: byte for byte what a real run's engine.memory_breakdown() and
+node_costs.step_traffic: byte for byte what a real run's engine.memory_breakdown() and
 engine.comm_stats() say (tests/tools/test_node_table.py runs one at 2 x 2).
 """
 from __future__ import annotations
 
-from ..hierarchy import paper_costs, step_traffic
-from ..memory import expected_bytes, human, total
+from ..memory import expected_bytes, total
+from .node_costs import paper_costs, step_traffic
 from ..partition import padded_numel
 
 SCHEMES = ("zero3", "hpz", "hsdp")
 QUANTITIES = ("states", "wire", "link")
+
+
+def human(nbytes: float) -> str:
+    """A byte count as people read it: 1.5 KiB, 31.4 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
 
 
 def scheme_name(scheme: str, per_node: int) -> str:

@@ -14,14 +14,14 @@ Tracks, per rank:
                `_take_model_step`), all announced by the engine through comm.py's observer hook
   units        each unit's forward, backward, and recompute (activation checkpointing
                re-running a block's forward inside backward), announced by the engine while a
-               tracer listens (unit.UnitMarks). Units are ZeRO-3's: every block of the model's
+               tracer listens (observe/unit_marks.py). Units are ZeRO-3's: every block of the model's
                outermost ModuleList, and the root (unit.find_units)
   collectives  one event per collective: op, label (FlatParam or bucket), payload bytes,
                wire bytes and inter-node bytes (the wire bytes this rank sends to another
                node: all or none of them, comm.py) exactly as the ledger counts them, and
                wait_us, the part of it spent waiting for the last rank to arrive (drawn as a
                nested "wait")
-  copies       ZeRO-Offload's device<->host copies (offload.py)
+  copies       ZeRO-Offload's device<->host copies (offload/host.py)
   memory       each rank's model-state bytes by kind and place at every event above
                (memory_track.py): Chrome-trace counters, so Perfetto draws them, and the
                samples themselves, with the event each was taken at, under the document's
@@ -32,7 +32,7 @@ and its place in the step ("seq": the i-th collective or copy this rank issued);
 memory samples of its begin, blocking wait and end carry the same seq.
 
 A unit's backward starts when the first gradient reaches its outputs and ends when the
-gradients reach its inputs (unit.UnitMarks says how); the root's inputs are token ids, which
+gradients reach its inputs (observe/unit_marks.py says how); the root's inputs are token ids, which
 get no gradient: its backward ends with the engine's.
 
 Times: microseconds since the trace started, on one axis for all ranks: every rank
@@ -74,6 +74,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import comm
+from . import unit_marks
 from .memory_track import MemoryTrack
 
 TRACKS = ("step", "units", "collectives", "copies", "memory")   # tid = index
@@ -149,6 +150,7 @@ class Tracer:
         _open_tracers[id(engine)] = self
         _last_tracer[engine] = self
         comm.subscribe(self)
+        unit_marks.watch(engine)   # each unit's forward and backward, while the trace lives
 
     # ---------------------------------------------------------------- steps
     def wants(self, step: int) -> bool:
@@ -369,6 +371,7 @@ class Tracer:
         self.closed = True
         self.recording = False   # a run that ended inside a traced step: keep what it recorded
         comm.unsubscribe(self)
+        unit_marks.unwatch(self.engine)
         _open_tracers.pop(id(self.engine), None)
         paths = [self._write(f"rank{self.rank}.json", self.document())]
         if failed:

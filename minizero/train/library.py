@@ -32,6 +32,7 @@ class Library:
     check_config: Callable          # (cfg, world_size) -> cfg as the engine will use it
     user_errors: tuple = field(default_factory=tuple)   # exception types that mean bad input
     held_bytes: Callable | None = None   # engine -> dict: what it holds right now (runlog.MemoryMoments)
+    peaks: Callable | None = None        # engine -> a recorder of the last step's peaks (runlog.MemoryMoments)
     # run -> (summary dict, printed table) of the comms logger, or None when it is off; called
     # by runlog.finish on every rank when all are there (DeepSpeed's log_summary is collective)
     comms_summary: Callable | None = None
@@ -39,8 +40,10 @@ class Library:
 
 def _minizero_initialize(model, param_groups, cfg, args):
     import minizero
-    # minizero applies an activation_checkpointing section itself (GPT.checkpoint_fn).
+    import minizero.checkpointing
     engine, _, _, _ = minizero.initialize(model=model, model_parameters=param_groups, config=cfg)
+    if "activation_checkpointing" in cfg:   # the engine configured it; the model checkpoints its blocks
+        model.checkpoint_fn = minizero.checkpointing.checkpoint
     return engine
 
 
@@ -70,6 +73,7 @@ MINIZERO = Library(
     comm_snapshot=lambda engine: engine.comm_stats(),
     check_config=_minizero_check_config,
     held_bytes=memory.held_bytes,
+    peaks=runlog.MinizeroPeaks,
     comms_summary=_minizero_comms_summary,
 )
 

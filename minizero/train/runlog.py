@@ -120,25 +120,168 @@ class MemoryMoments:
     loop calls take() at both moments of every step; only `step` (the run's last) is read,
     so nothing else pays for the walk. summary.json's model_state_bytes stays what it was
     (minizero's layout formula, DeepSpeed's walk at the end of the run); these are the two
-    numbers to set side by side."""
+    numbers to set side by side.
 
-    def __init__(self, measure, step: int):
-        self.measure, self.step = measure, step
+    `peaks(engine)`, when given, makes a recorder of the same step's fullest moments
+    (PhasePeaks' result: MinizeroPeaks, reference.ds_memory.track_peaks,
+    reference.torch_engine.track_peaks); it is made and armed at the previous step's
+    after_step moment, so a run of one step (or resumed at its last) has none."""
+
+    def __init__(self, measure, step: int, peaks=None):
+        self.measure, self.step, self.peaks = measure, step, peaks
         self.readings: dict[str, dict] = {}
+        self.recorder, self.peak = None, None
 
     def take(self, moment: str, engine, step: int) -> None:
         assert moment in MOMENTS, moment
         if step == self.step and self.measure is not None:
             self.readings[moment] = self.measure(engine)
+        if moment != "after_step" or self.peaks is None:
+            return
+        if step == self.step - 1 and self.recorder is None:
+            self.recorder = self.peaks(engine)
+            self.recorder.arm()
+        elif step == self.step and self.recorder is not None:
+            self.peak = {k: v for k, v in self.recorder.result().items() if k != "readings"}
 
     def result(self, together: bool) -> dict | None:
-        """{"step", "after_backward": [per rank], "after_step": [per rank]}, or None when the
-        run never reached the step. Collective when `together` (every rank calls it)."""
-        mine = {m: self.readings.get(m) for m in MOMENTS}
+        """{"step", "after_backward": [per rank], "after_step": [per rank]} and, with a peak
+        recorder, "peaks": [per rank], or None when the run never reached the step.
+        Collective when `together` (every rank calls it)."""
+        mine = {**{m: self.readings.get(m) for m in MOMENTS}, "peaks": self.peak}
         ranks = comm.all_gather_object(mine) if together else [mine]
         if any(r[m] is None for r in ranks for m in MOMENTS):
             return None
-        return {"step": self.step, **{m: [r[m] for r in ranks] for m in MOMENTS}}
+        out = {"step": self.step, **{m: [r[m] for r in ranks] for m in MOMENTS}}
+        if all(r["peaks"] for r in ranks):
+            out["peaks"] = [r["peaks"] for r in ranks]
+        return out
+
+
+PEAK_PHASES = ("backward", "step")
+
+
+class PhasePeaks:
+    """Each rank's fullest moment in each phase of one optimizer step, read the same way
+    under every library, so the peaks compare like for like (MemoryMoments has two chosen
+    moments; memory peaks between them, where a bucket is being reduced or a unit is
+    gathered):
+
+        backward   inside engine.backward (every micro-step of the step), its epilogue included
+        step       inside engine.step (the boundary one: reduction at ZeRO-1/stage 0 where it
+                   runs there, the update, the parameter all-gather after it)
+
+    `read()` returns what the engine holds right now, {"total": bytes on the device,
+    "by_category": {params, grads, master_params, optimizer_states, buffers: device bytes},
+    "host": bytes on the host, "detail": {name: bytes}}: the engine's own buffers (gathered
+    parameters, shards, gradient buckets and partitions, flat gradients, masters, Adam's
+    moments, offload staging), not activations. The library's recorder calls `enter`/`leave`
+    around its phases and `sample(where)` at each event inside them that can change those
+    buffers (a collective, a unit's gather or release, the optimizer's step); only samples
+    between `arm()` and `result()` count, so a run reads its last step only. A peak is read
+    at the samples: a buffer made and freed between two of them is not seen (each
+    recorder's docstring says where it samples)."""
+
+    def __init__(self, read):
+        self.read, self.armed, self.phase, self.peaks, self.readings = read, False, None, {}, []
+
+    def arm(self) -> None:
+        self.armed, self.peaks, self.readings = True, {}, []
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        self.sample(f"{phase} begins")
+
+    def leave(self, phase: str) -> None:
+        self.sample(f"{phase} ends")
+        self.phase = None
+
+    def sample(self, where: str) -> None:
+        if not self.armed or self.phase not in PEAK_PHASES:
+            return
+        reading = dict(self.read(), at=where)
+        self.readings.append({"phase": self.phase, "at": where, "total": reading["total"],
+                              "by_category": dict(reading["by_category"]), "detail": dict(reading["detail"])})
+        best = self.peaks.get(self.phase)
+        if best is None or reading["total"] > best["total"]:
+            self.peaks[self.phase] = reading
+
+    def result(self) -> dict:
+        """{phase: the reading at its fullest sample, "readings": every sample in order, as
+        {"phase", "at", "total", "by_category", "detail"}}; disarms."""
+        self.armed = False
+        return {**self.peaks, "readings": list(self.readings)}
+
+
+def wrap_phase(obj, method: str, peaks: PhasePeaks, phase: str) -> None:
+    """obj.<method> (an instance attribute from now on) runs inside `phase` of `peaks`."""
+    inner = getattr(obj, method)
+
+    def in_phase(*a, **k):
+        peaks.enter(phase)
+        try:
+            return inner(*a, **k)
+        finally:
+            peaks.leave(phase)
+    setattr(obj, method, in_phase)
+
+
+def wrap_sample(obj, method: str, peaks: PhasePeaks, where: str, before: bool = True, after: bool = True) -> None:
+    """A sample of `peaks` before and/or after each call of obj.<method> (an instance attribute from now on)."""
+    inner = getattr(obj, method)
+
+    def sampled(*a, **k):
+        if before:
+            peaks.sample(f"{where} (before)")
+        out = inner(*a, **k)
+        if after:
+            peaks.sample(f"{where} (after)")
+        return out
+    setattr(obj, method, sampled)
+
+
+class MinizeroPeaks:
+    """PhasePeaks' result for a minizero engine, from minizero.observe.memory_track: its
+    MemoryTrack samples the engine's buffers at every event the engine and comm announce
+    (each phase's begin and end, each unit's forward/recompute/backward, the begin, blocking
+    wait and end of every collective and host copy); the fullest device sample of each phase
+    is the peak. memory_track reads the FlatParams' buffers (gathered, shard, hpZ secondary,
+    reduced gradient shard, flat gradient buffer, p.grad), the masters and Adam's moments:
+    the fp32 gradient the step makes for Adam is not among them (on a CPU the step converts
+    the bf16 shard slice by slice, so there is none), nor is a buffer freed between two
+    announced events (memory_track's docstring)."""
+
+    def __init__(self, engine):
+        self.engine, self.track = engine, None
+
+    def arm(self) -> None:
+        from minizero.observe.memory_track import MemoryTrack
+        self.track = MemoryTrack(self.engine)
+
+    def result(self) -> dict:
+        from minizero.observe.memory_track import category, total
+        track, self.track = self.track, None
+        if track is None:
+            return {}
+        track.close()
+
+        def reading(s):
+            device = s["held"].get("device", {})
+            by_category = dict.fromkeys(("params", "grads", "master_params", "optimizer_states", "buffers"), 0)
+            for kind, nbytes in device.items():
+                by_category[category(kind)] += nbytes
+            where = " ".join(str(s[k]) for k in ("event", "phase", "op", "label", "unit", "kind") if s.get(k))
+            return {"total": total(s["held"], "device"), "by_category": by_category,
+                    "host": total(s["held"], "host"), "detail": dict(device), "at": where}
+        out = {"readings": []}
+        for phase in PEAK_PHASES:
+            samples = track.within(phase)
+            if not samples:
+                continue
+            out[phase] = reading(max(samples, key=lambda s: total(s["held"], "device")))
+            out["readings"] += [{"phase": phase, **{k: r[k] for k in ("at", "total", "by_category", "detail")}}
+                                for r in map(reading, samples)]
+        return out
 
 
 # ----------------------------------------------------------------------------- the metrics line

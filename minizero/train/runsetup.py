@@ -15,7 +15,7 @@ import torch
 from minizero import comm
 from minizero.train import rundir, runlog
 from minizero.gpt.data import build_datasets, make_loader
-from minizero.lr_schedules import MinGPTSchedule
+from minizero.train.schedule import MinGPTSchedule
 from minizero.gpt.model import GPT
 from minizero.train.train_args import UserError, build_config, dtype_of, find_checkpoint, model_config, stage_of
 

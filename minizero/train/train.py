@@ -73,7 +73,7 @@ def train(args, lib: Library) -> None:
         raise UserError("--trace records minizero's own timeline; DeepSpeed has none (--comms-logger gives "
                         "its per-op latency table)")
     run = setup(args, lib)
-    run.moments = runlog.MemoryMoments(lib.held_bytes, step=run.max_steps)   # model states at the last step
+    run.moments = runlog.MemoryMoments(lib.held_bytes, step=run.max_steps, peaks=lib.peaks)   # the last step's
     aim_trace(run)
     guard = NonFiniteGuard(args.max_nonfinite_steps, enabled=run.dtype != "fp16")
     status = "failed"

@@ -1,7 +1,7 @@
 """Activation checkpointing agreement (issue 4), world size 2, "tiny" GPT with dropout 0.1 ON.
 
-(a) minizero with the config's `activation_checkpointing` section (the engine applies it:
-    configure + model.checkpoint_fn = minizero.checkpointing.checkpoint) vs DeepSpeed with
+(a) minizero with the config's `activation_checkpointing` section (the engine configures it,
+    the harness sets model.checkpoint_fn = minizero.checkpointing.checkpoint) vs DeepSpeed with
     the same section (reference/ds_run.py calls deepspeed.checkpointing.configure, which
     deepspeed.initialize does not, and sets checkpoint_fn = deepspeed.checkpointing.checkpoint),
     20 steps, stages 0 and 3 in fp32 and stage 3 in bf16; partition_activations on (with

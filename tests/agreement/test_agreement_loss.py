@@ -26,7 +26,8 @@ runtime/fp16/unfused_optimizer.py, is what stage 0 + torch_adam gives):
   2. fp16 only: FP16_UnfusedOptimizer is a DeepSpeedOptimizer, not a ZeROOptimizer, so
      DeepSpeedEngine.backward never calls scale_if_loss: the loss is NOT multiplied by the
      loss scale, while step() -> unscale_and_clip_grads still divides the gradients by
-     cur_scale (65536). The gradients reaching AdamW are 65536x too small (~1e-8, the size
+     cur_scale (65536, doubling every loss_scale_window clean steps, since nothing
+     overflows: docs/deepspeed.md, "Stage 0 fp16 never scales the loss"). The gradients reaching AdamW are 65536x too small (~1e-8, the size
      of eps), and the fp16 backward itself runs unscaled (small gradients flush to zero);
      its reported norm is the unscaled one (not divided by the scale), which is why it is
      close to stage 1's but not equal.
@@ -247,12 +248,12 @@ def test_deepspeed_unscales_by_the_grown_loss_scale():
     at the end of step index 4), then differ; the scale trajectories stay identical.
     Tolerance 0 throughout: minizero given the quirk in the harness (tests/support/probes.py:
     unscale_by_updated_scale) equals DeepSpeed bitwise on every step, so the difference
-    after step 4 is exactly the quirk (no noise threshold)."""
-    from reference.ds_run import run_deepspeed
+    after step 4 is exactly the quirk (no noise threshold). And the norm DeepSpeed's ZeRO-3
+    reports on that step is half the true one (ZeRO-1/2's is right)."""
     from tests.support.launcher import run_ranks
 
     cfg, steps = _grow_config(), 7
-    ds = run_ranks(run_deepspeed, world_size=A.N, args=(A.MODEL_FN, cfg, A.BATCHES, steps), env=A.ENV)[0]
+    ds, ds3 = run_ranks(_deepspeed_zero1_then_zero3, world_size=A.N, args=(cfg, steps, 5), env=A.ENV)[0]
     jobs = [dict(model_fn=A.MODEL_FN, config=cfg, batches=A.BATCHES, steps=steps, variant=v)
             for v in ("minizero", "ds_grown_scale")]
     mz, quirk = run_ranks(A.run_minizero_many, world_size=A.N, args=(jobs,), env=A.ENV)[0]
@@ -261,3 +262,32 @@ def test_deepspeed_unscales_by_the_grown_loss_scale():
     assert ds["losses"][5] != mz["losses"][5]
     assert quirk["losses"] == ds["losses"] and quirk["loss_scales"] == ds["loss_scales"]
     assert A.max_abs_diff(quirk["final_state"], ds["final_state"]) == 0.0
+
+    # The reported norm on that step (docs/deepspeed.md, "The step on which the loss scale
+    # grows"): ZeRO-1/2 divide the scaled norm by the scale before the update (`prev_scale`,
+    # stage_1_and_2.py, step), ZeRO-3 by the grown one (stage3.py, step: `scaled_global_grad_norm
+    # / self.loss_scale` after `_loss_scale_update_and_overflow_cleanup`): half the true norm.
+    # ZeRO-3 runs the same arithmetic as ZeRO-1 up to step 4 (same losses), so its norms are
+    # ZeRO-1's up to their roundings: ZeRO-1's norm is within 4u of the exact one, ZeRO-3's is
+    # fp64 throughout, each fp64 sum of Ψ squares within Ψ 2^-53 (test_grad_norm_* above).
+    print("\nreported norms, steps 3 and 4: DeepSpeed ZeRO-1 " + ", ".join(f"{n!r}" for n in ds["grad_norms"][3:5])
+          + "; ZeRO-3 " + ", ".join(f"{n!r}" for n in ds3["grad_norms"][3:5])
+          + "; minizero " + ", ".join(f"{n!r}" for n in mz["grad_norms"][3:5]))
+    assert ds3["losses"] == ds["losses"][:5] and ds3["loss_scales"] == ds["loss_scales"][:5]
+    bound = lambda n: (5 * U32 + 2 * PSI * U64) * n
+    for k in range(4):
+        assert abs(ds3["grad_norms"][k] - ds["grad_norms"][k]) <= bound(ds["grad_norms"][k]), k
+        assert abs(mz["grad_norms"][k] - ds["grad_norms"][k]) <= bound(ds["grad_norms"][k]), k
+    assert abs(2 * ds3["grad_norms"][4] - ds["grad_norms"][4]) <= bound(ds["grad_norms"][4])
+    assert abs(mz["grad_norms"][4] - ds["grad_norms"][4]) <= bound(ds["grad_norms"][4])
+
+
+def _deepspeed_zero1_then_zero3(cfg: dict, steps1: int, steps3: int) -> tuple:
+    """DeepSpeed's ZeRO-1 run of `cfg`, then its ZeRO-3 run (one pair of processes: ZeRO-3,
+    which patches torch for the rest of the process, comes last)."""
+    from reference.ds_run import run_deepspeed
+
+    zero1 = run_deepspeed(A.MODEL_FN, cfg, A.BATCHES, steps1)
+    cfg3 = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage": 3}}
+    zero3 = run_deepspeed(A.MODEL_FN, cfg3, A.BATCHES, steps3, return_final_state=False)
+    return zero1, zero3

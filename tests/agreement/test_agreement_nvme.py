@@ -104,14 +104,32 @@ def _run(lib: str, device: str, path: str) -> dict:
     r["files"] = swap_file_bytes(path, comm.get_rank()) if device == "nvme" else None
     r["final_state"] = state()
     if lib == "minizero":
-        r["shard"] = sum(f.shard_numel for f in engine.stage.flat_params)
+        r["shard"] = sum(f.shard_numel for f in engine.zero.flat_params)
         r["memory"] = engine.memory_breakdown()
         engine.destroy()
     else:
         r["groups"] = [sum(-(-n // comm.get_world_size()) for n in g) for g in numels]   # S per param group
         from reference.ds_memory import deepspeed_model_state_bytes
         r["memory"] = deepspeed_model_state_bytes(engine)
+        if device == "nvme":
+            r["param_partitions"] = _ds_param_partitions(engine)
     return r
+
+
+def _ds_param_partitions(engine) -> dict:
+    """Where DeepSpeed keeps each parameter's partition with offload_param "nvme": its bytes,
+    its final_location (OffloadDeviceEnum.nvme when it lives in a swap file), the swapper's
+    threshold (min_aio_bytes = max(MIN_AIO_BYTES, aio.block_size)), and how many partitions
+    lie inside the swapper's pinned pool of buffers."""
+    params = list(engine.module.parameters())
+    swapper = params[0].nvme_swapper
+    pool = swapper.buffers.untyped_storage()
+    lo, hi = pool.data_ptr(), pool.data_ptr() + pool.nbytes()
+    return {"bytes": [p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params],
+            "final_location": [None if p.ds_tensor.final_location is None else str(p.ds_tensor.final_location)
+                               for p in params],
+            "min_aio_bytes": swapper.min_aio_bytes,
+            "in_pool": sum(lo <= p.ds_tensor.untyped_storage().data_ptr() < hi for p in params)}
 
 
 def _ds_fp32_state(engine):
@@ -152,9 +170,9 @@ def test_bytes_on_nvme_per_rank(runs):
       (runtime/swap_tensor/utils.py; is_swappable_tensor in optimizer_utils.py), its numel
       rounded up to AIO_ALIGNED_BYTES x intra_op_parallelism / 4 = 256 elements. The no-decay
       group (biases, layer norms) is below it and stays in host memory;
-    - parameters: no swap file is left under zero_stage_3/bfloat16params/ at the end of training,
-      though max_in_cpu is 0: the partitions sit in DeepSpeed's pinned swap buffers
-      (buffer_count x buffer_size elements), which hold this whole model."""
+    - parameters: no swap file is written under zero_stage_3/bfloat16params/, though max_in_cpu
+      is 0: a partition goes to NVMe only when it has at least max(1 MiB, aio.block_size) bytes
+      (test_deepspeed_swaps_no_parameter_partition_under_1_mib)."""
     MIN_AIO_BYTES, ALIGN = 1 << 20, 256
     for rank in range(N):
         mz, ds = runs[("minizero", "nvme")][rank], runs[("deepspeed", "nvme")][rank]
@@ -183,3 +201,24 @@ def test_deepspeed_bytes_in_files_are_counted(runs):
         for c in ("master_params", "optimizer_states"):
             assert nvme["memory"][c] == cpu["memory"][c], c
 
+
+
+def test_deepspeed_swaps_no_parameter_partition_under_1_mib(runs):
+    """docs/nvme.md, "DeepSpeed's NVMe offload": ZeRO-3's Init makes a parameter's partition
+    live in NVMe only when `param_swapper.swappable_tensor(numel=partition_size)` holds
+    (runtime/zero/partition_parameters.py, _partition_param), i.e. it has at least
+    `min_aio_bytes` = max(MIN_AIO_BYTES = 1 MiB, aio.block_size) bytes
+    (runtime/swap_tensor/partitioned_param_swapper.py). The micro GPT at width 171 has
+    partitions of at most 116,964 bytes (114 KiB): every one is an ordinary host tensor,
+    none in a swap file and none in the swapper's pinned pool of buffers. (The old text said
+    they sit in that pool.)"""
+    from pathlib import Path
+
+    for rank in range(N):
+        got = runs[("deepspeed", "nvme")][rank]["param_partitions"]
+        assert got["min_aio_bytes"] == 1 << 20
+        assert max(got["bytes"]) == 116_964 < got["min_aio_bytes"]
+        assert got["final_location"] == [None] * len(got["bytes"])
+        assert got["in_pool"] == 0
+    page = " ".join((Path(__file__).resolve().parents[2] / "docs" / "nvme.md").read_text().split())
+    assert "max(1 MiB, `aio.block_size`)" in page and "pinned swap buffers" not in page

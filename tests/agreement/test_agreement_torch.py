@@ -35,13 +35,43 @@ PSI = 108_801
 RUNS = ((3, "fp32"), (2, "fp32"), (0, "fp32"), (3, "bf16"), (2, "bf16"), (0, "bf16"))
 
 
+def _record_fsdp2_gathers() -> list:
+    """FSDP2's own calls, in order, from here on (this rank process only: each configuration
+    is its own launch): ("pre_forward" | "pre_backward", module) from FSDPParamGroup's hooks
+    and ("prefetch", "forward" | "backward", target module) from FSDPParamGroup._prefetch_unshard,
+    the one place FSDP2 all-gathers a module other than the one about to run
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    events = []
+    pre_forward, pre_backward, prefetch = (FSDPParamGroup.pre_forward, FSDPParamGroup.pre_backward,
+                                           FSDPParamGroup._prefetch_unshard)
+
+    def pre_forward_logged(self, *a, **k):
+        events.append(("pre_forward", self._module_fqn))
+        return pre_forward(self, *a, **k)
+
+    def pre_backward_logged(self, *a, **k):
+        events.append(("pre_backward", self._module_fqn))
+        return pre_backward(self, *a, **k)
+
+    def prefetch_logged(target, pass_type):
+        events.append(("prefetch", pass_type, target._module_fqn))
+        return prefetch(target, pass_type)
+    FSDPParamGroup.pre_forward, FSDPParamGroup.pre_backward = pre_forward_logged, pre_backward_logged
+    FSDPParamGroup._prefetch_unshard = staticmethod(prefetch_logged)
+    return events
+
+
 def _both_libraries(runs, steps):
     from reference.torch_engine import run_torch
     out = {}
     for stage, dtype in runs:
         cfg = A.make_config(stage, dtype)
         mz = run_minizero(A.MODEL_FN, cfg, A.BATCHES, steps, capture_memory=True)
+        events = _record_fsdp2_gathers() if (stage, dtype) == (3, "fp32") else None
         pt = run_torch(A.MODEL_FN, cfg, A.BATCHES, steps, capture_memory=True)
+        if events is not None:
+            pt["fsdp2_events"] = events
         shapes = {n: tuple(p.shape) for n, p in A.MODEL_FN().named_parameters()}
         out[(stage, dtype)] = (mz, pt, shapes)
     return out
@@ -81,6 +111,55 @@ def test_bf16_bitwise_zero3_zero2(results, stage):
     for mz, pt, _ in (r[(stage, "bf16")] for r in results):
         assert mz["losses"] == pt["losses"], max_list_diff(mz["losses"], pt["losses"])
         assert max_abs_diff(mz["final_state"], pt["final_state"]) == 0.0
+
+
+def test_fsdp2_prefetches_in_backward_only(results):
+    """docs/fsdp.md, "What each prefetches": FSDP2 (fully_shard per block and the root, its
+    defaults) all-gathers ahead of use only in backward: each module's pre-backward, after its
+    own all-gather, issues the all-gather of the module whose forward ended just before its
+    own (FSDPParamGroup._backward_prefetch, post_forward_order). In forward no module gathers another: each gathers
+    itself in its own pre-forward, and only set_modules_to_forward_prefetch would change that
+    (the old text said FSDP2 issues the next module's all-gather when the current one's
+    forward starts). The last step of the run, rank 0."""
+    _, pt, _ = results[0][(3, "fp32")]
+    events = pt["fsdp2_events"]
+    last = max(i for i, e in enumerate(events) if e == ("pre_forward", ""))   # the root: the last step starts
+    step = events[last:]
+    forward = [e[1] for e in step if e[0] == "pre_forward"]
+    assert forward == ["", "blocks.0", "blocks.1"]
+    assert not [e for e in step if e[:2] == ("prefetch", "forward")]
+    backward = [(e[1], step[i + 1][2]) for i, e in enumerate(step[:-1])
+                if e[0] == "pre_backward" and step[i + 1][:2] == ("prefetch", "backward")]
+    # each module's pre-backward prefetches the module whose forward ended just before its
+    # own (post-forward order: blocks.0, blocks.1, then the root, which encloses them)
+    assert backward == [("", "blocks.1"), ("blocks.1", "blocks.0")]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fsdp2_peaks_beside_minizeros(results, dtype):
+    """Each rank's fullest moment in backward and in the step (runlog.PhasePeaks: FSDP2's from
+    reference/torch_engine.py's track_peaks, minizero's from memory_track), on the same runs:
+    each peak is the sum of the buffers it lists; FSDP2 without reshard (stage 2) holds every
+    gathered parameter through backward (its padded Ψ in the compute dtype), with reshard
+    (stage 3) less; its step holds the fp32 shard, its fp32 sharded gradient and Adam's
+    moments, no gathered parameter. The bytes go to docs/deepspeed.md, "Memory at its peak"."""
+    psi_pt = _fsdp2_padded_numel(results[0][(3, dtype)][2])
+    lp = 4 if dtype == "fp32" else 2
+    for stage in (2, 3):
+        for rank, r in enumerate(results):
+            mz, pt, _ = r[(stage, dtype)]
+            for lib, peaks in (("minizero", mz["memory"]["peaks"]), ("torch", pt["memory"]["peaks"])):
+                for phase in ("backward", "step"):
+                    top = peaks[phase]
+                    assert top["total"] == sum(top["by_category"].values()) == sum(top["detail"].values()), lib
+            gathered = [x["detail"].get("params:gathered parameters", 0) for x in pt["memory"]["peaks"]["readings"]
+                        if x["phase"] == "backward"]
+            assert (max(gathered) == lp * psi_pt) if stage == 2 else (0 < max(gathered) < lp * psi_pt), stage
+            step = pt["memory"]["peaks"]["step"]["detail"]
+            assert "params:gathered parameters" not in step and step["grads:sharded gradients"] == 4 * psi_pt // N
+            print(f"\n{dtype} stage {stage} rank {rank} peaks, backward / step: minizero "
+                  f"{mz['memory']['peaks']['backward']['total']:,} / {mz['memory']['peaks']['step']['total']:,}; "
+                  f"FSDP2 {pt['memory']['peaks']['backward']['total']:,} / {pt['memory']['peaks']['step']['total']:,}")
 
 
 def test_bf16_stage0_ddp_is_another_computation(results):

@@ -473,6 +473,12 @@ def _continue_at_one_rank(converted: str, original: str) -> dict:
     2-rank ZeRO-3 one (resharded as it loads)."""
     cfg = make_config(1)
     batches = SyntheticBatches(62, 63, 2, seed=5)
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    from reference.ds_run import full_fp32_state_dict
+
     engine = _ds_engine(make_config(3))
     try:                        # DeepSpeed's own answer to its 2-rank folder on 1 rank
         engine.load_checkpoint(original)
@@ -480,20 +486,40 @@ def _continue_at_one_rank(converted: str, original: str) -> dict:
     except Exception as e:
         refused = f"{type(e).__name__}: {e}"
     del engine
+    # ... without the optimizer states it loads: the masters copied up from the bf16 weights
+    engine = _ds_engine(make_config(3))
+    engine.load_checkpoint(original, load_optimizer_states=False)
+    weights_only = dict(full_fp32_state_dict(engine))
+    del engine
+    # ... and its supported route: a universal checkpoint, loaded with checkpoint.load_universal
+    tag = _tag(original)
+    universal = os.path.join(os.path.dirname(converted), "universal")
+    ds_to_universal.main(Namespace(input_folder=os.path.join(original, tag), output_folder=os.path.join(universal, tag),
+                                   num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                   inject_missing_state=False))
+    with open(os.path.join(universal, "latest"), "w") as f:
+        f.write(tag)
+    engine = _ds_engine({**make_config(3), "checkpoint": {"load_universal": True}})
+    engine.load_checkpoint(universal)
+    from_universal = {"masters": dict(full_fp32_state_dict(engine)), "moments": _ds_moments(engine)}
+    del engine
     engine = _ds_engine(cfg)
     engine.load_checkpoint(converted)
     ds = _loop(engine, batches, STEPS, STEPS)
     del engine
     engine = _mz_engine(cfg)
     engine.load_checkpoint(original)
-    return {"ds": ds, "mz": _loop(engine, batches, STEPS, STEPS), "ds_refused": refused}
+    return {"ds": ds, "mz": _loop(engine, batches, STEPS, STEPS), "ds_refused": refused,
+            "ds_weights_only": weights_only, "ds_universal": from_universal}
 
 
 def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs, tmp_path):
-    """DeepSpeed cannot load its checkpoint at another world size ("Automatic adjustment of
-    ZeRO's optimizer state partitioning with a new world size is not currently supported");
-    export_deepspeed rewrites it: 2 ranks at ZeRO-3 -> 1 rank at ZeRO-1, state bit for bit,
-    and DeepSpeed continues it as minizero continues the original."""
+    """DeepSpeed cannot load its checkpoint at another world size with its optimizer states
+    ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is
+    not currently supported"), loads it without them (masters rounded to bf16), and loads
+    its universal conversion whole; export_deepspeed rewrites it: 2 ranks at ZeRO-3 -> 1
+    rank at ZeRO-1, state bit for bit, and DeepSpeed continues it as minizero continues the
+    original."""
     from minizero.checkpoint_files.export_deepspeed import main
 
     original = runs[3][0] / "ds"
@@ -506,9 +532,22 @@ def test_a_deepspeed_checkpoint_rewritten_for_another_world_size_and_stage(runs,
     res = run_ranks(_continue_at_one_rank, world_size=1, args=(str(tmp_path / "one"), str(original)),
                     env={**ENV, "MINIZERO_FORCE_PG": "1"})[0]
     assert res["ds"] == res["mz"]
-    # DeepSpeed fact: engine.load_checkpoint refuses a ZeRO folder saved at another world size
+    # DeepSpeed fact (docs/deepspeed.md, "DeepSpeed refuses its own ZeRO checkpoint at another
+    # world size"): engine.load_checkpoint refuses a ZeRO folder saved at another world size,
+    # with load_optimizer_states=True (the default) and universal checkpoints off ...
     assert res["ds_refused"].startswith("ZeRORuntimeException") and \
         "Automatic adjustment of ZeRO's optimizer state partitioning" in res["ds_refused"]
+    # ... with load_optimizer_states=False it loads, the fp32 masters rounded to the bf16 weights ...
+    saved = {n: {k: src.read(k, n).view(src.shapes[n]) for k in ("master", "exp_avg", "exp_avg_sq")} for n in src.names}
+    for n in src.names:
+        assert torch.equal(res["ds_weights_only"][n], saved[n]["master"].bfloat16().float()), n
+    assert any(not torch.equal(res["ds_weights_only"][n], saved[n]["master"]) for n in src.names)
+    # ... and a universal checkpoint (ds_to_universal, then checkpoint.load_universal) loads
+    # at the new world size with every master and moment as saved
+    for n in src.names:
+        assert torch.equal(res["ds_universal"]["masters"][n], saved[n]["master"]), n
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(res["ds_universal"]["moments"][n][kind], saved[n][kind]), (n, kind)
 
 
 # ----------------------------------------------------------------------------- loading never runs code

@@ -323,7 +323,7 @@ def test_ignored_knobs_lists_offload_keys_minizero_does_not_act_on():
               for k, row in cls.rows().items() if row.metadata["acts"]}
     assert acting == {"offload_optimizer.device", "offload_optimizer.pin_memory", "offload_optimizer.nvme_path",
                       "offload_param.device", "offload_param.pin_memory", "offload_param.nvme_path",
-                      "offload_param.buffer_count"}   # nvme: the swap folder; shards read ahead (nvme.py)
+                      "offload_param.buffer_count"}   # nvme: the swap folder; shards read ahead (offload/nvme.py)
     plain = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
              "offload_param": {"device": "cpu"}}
     assert ignored_knobs(load_config({"train_batch_size": 8, "zero_optimization": plain}, 1)) == []

@@ -66,6 +66,29 @@ def test_deepspeed_ignores_unknown_top_level_keys_but_not_in_zero_optimization(d
         ds_parse({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_max_live_params": 0}})
 
 
+def test_deepspeed_refuses_the_top_level_keys_of_removed_features(ds_parse):
+    """Not every unknown key is ignored: DeepSpeedConfig.__init__ calls
+    _reject_removed_config_keys (runtime/config.py), which raises DeepSpeedConfigError for
+    each key of _REMOVED_TOP_LEVEL_CONFIG_KEYS (and a few zero_optimization keys). The
+    section of docs/deepspeed.md names every one of them."""
+    import re
+    from pathlib import Path
+
+    removed = sorted(ds_config_mod._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    assert "amp" in removed and "elasticity" in removed
+    for key in removed:
+        with pytest.raises(ds_config_mod.DeepSpeedConfigError):
+            ds_parse({"train_batch_size": 8, key: {}})
+    for key in sorted(ds_config_mod._REMOVED_ZERO_CONFIG_KEYS):
+        with pytest.raises(ds_config_mod.DeepSpeedConfigError):
+            ds_parse({"train_batch_size": 8, "zero_optimization": {"stage": 3, key: 1}})
+    page = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
+    section = page.split("\n## Unknown top-level config keys are ignored", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", section))
+    assert set(removed) <= named, sorted(set(removed) - named)
+    assert set(ds_config_mod._REMOVED_ZERO_CONFIG_KEYS) <= named
+
+
 def test_comms_logger_is_on_whenever_the_section_is_present(ds_parse, monkeypatch):
     import deepspeed.comm.comm as ds_comm
     logger = ds_comm.comms_logger
@@ -189,13 +212,23 @@ class CollectiveLog:
         from deepspeed.comm import comm as ds_comm
 
         self.calls = []
+        self.where = "outside"     # set by the wrappers of _observe: which part of DeepSpeed is running
+        self.where_counts = {}     # where -> collectives issued there
+        self.all_reduce_tensors = None   # a list while set: (input, the same tensor after) of each all_reduce
         for name in self.NAMES:
             setattr(ds_comm.cdb, name, self._wrap(name, getattr(ds_comm.cdb, name)))
 
     def _wrap(self, name, fn):
         def logged(*args, **kwargs):
-            self.calls.append((name, [t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]))
-            return fn(*args, **kwargs)
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            self.calls.append((name, [t.numel() for t in tensors]))
+            self.where_counts[self.where] = self.where_counts.get(self.where, 0) + 1
+            before = tensors[0].detach().clone() if self.all_reduce_tensors is not None and name == "all_reduce" \
+                else None
+            out = fn(*args, **kwargs)
+            if before is not None:
+                self.all_reduce_tensors.append((before, tensors[0].detach().clone()))
+            return out
         return logged
 
     def take(self):
@@ -203,12 +236,14 @@ class CollectiveLog:
         return out
 
 
-def _engine(stage, bf16=False, **zero):
+def _engine(stage, bf16=False, fp16=None, **zero):
     torch.manual_seed(0)
     model = ThreeLinear()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
               "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, **zero}}
+    if fp16 is not None:
+        config["fp16"] = {"enabled": True, **fp16}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=config)
     return engine
@@ -321,14 +356,109 @@ def _observe(save_root):
                 "after_initialize": after_initialize, "after_configure": module_state()}
 
     def stage0_unused():
-        return _train(_engine(0), collective_log(), [True, True, False])
+        """Stage 0 fp32 (no ZeRO optimizer): besides the stale-gradient probe, how its
+        all-reduce averages (engine.py, allreduce_bucket): the tensor handed to all_reduce
+        is this rank's gradient undivided, and the gradient after the epilogue is the sum
+        times 1/N (gradient_predivide_factor 1: `postscale_gradients`)."""
+        engine = _engine(0)
+        log = collective_log()
+        grads = {}
+        epilogue = engine.allreduce_gradients
+
+        def allreduce_gradients(*a, **k):
+            grads["local"] = torch.cat([p.grad.detach().flatten() for p in engine.module.parameters()
+                                        if p.grad is not None])
+            log.all_reduce_tensors = []
+            try:
+                return epilogue(*a, **k)
+            finally:
+                grads["all_reduce"] = log.all_reduce_tensors
+                log.all_reduce_tensors = None
+                grads["after"] = torch.cat([p.grad.detach().flatten() for p in engine.module.parameters()
+                                            if p.grad is not None])
+        engine.allreduce_gradients = allreduce_gradients
+        steps = _train(engine, log, [True, True, False])
+        sent = torch.cat([before for before, _ in grads["all_reduce"]])
+        summed = torch.cat([after for _, after in grads["all_reduce"]])
+        n = torch.linalg.vector_norm
+        return {"steps": steps, "sent_norm": float(n(sent)), "local_norm": float(n(grads["local"])),
+                "summed_norm": float(n(summed)), "after_norm": float(n(grads["after"]))}
+
+    def stage0_fp16_scale():
+        """Stage 0 fp16 (FP16_UnfusedOptimizer: no ZeRO optimizer), loss_scale_window 4, 20
+        steps: the scale after each step, whether it was skipped, and the factor between the
+        gradient backward made (module p.grad, fp16) and the fp32 gradient the optimizer
+        steps with (wrapping the inner optimizer's step)."""
+        from reference.ds_run import patch_cpu_fp16
+        patch_cpu_fp16()
+        engine = _engine(0, fp16={"loss_scale_window": 4})
+        opt = engine.optimizer
+        ratios = []
+        inner = opt.optimizer.step
+
+        def step(*a, **k):
+            made = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for g in opt.fp16_groups for p in g]))
+            given = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for g in opt.fp32_groups for p in g]))
+            ratios.append(float(made / given))
+            return inner(*a, **k)
+        opt.optimizer.step = step
+        scales, skipped = [], []
+        for i in range(20):
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * i + torch.distributed.get_rank()))
+            engine.backward(engine(x.half()))
+            engine.step()
+            scales.append(float(opt.loss_scale))
+            skipped.append(bool(opt.overflow))
+        return {"kind": type(opt).__name__, "scales": scales, "skipped": skipped, "ratios": ratios}
 
     def zero12():
+        """ZeRO-1 and -2 (fp32, a bucket of 100 elements, so the 216 parameters fill several):
+        what the steps show, and where backward's reductions run: inside loss.backward (the
+        gradient hooks) or after it, in engine._backward_epilogue (ZeRO-1: reduce_gradients),
+        and how many gradient elements the rank holds in p.grad when the epilogue starts.
+        A third engine: ZeRO-1 with overlap_comm on."""
         out = {}
-        for stage in (1, 2):
-            engine = _engine(stage)
+        log = collective_log()
+        for stage, overlap in ((1, False), (2, False), (1, True)):
+            engine = _engine(stage, reduce_bucket_size=100, **({"overlap_comm": True} if overlap else {}))
             opt = engine.optimizer
+            held = []
+            epilogue = engine._backward_epilogue
+
+            def backward_epilogue(*a, _engine=engine, _epilogue=epilogue, _held=held, **k):
+                _held.append(sum(p.grad.numel() for p in _engine.module.parameters() if p.grad is not None))
+                log.where = "epilogue"
+                try:
+                    return _epilogue(*a, **k)
+                finally:
+                    log.where = "outside"
+            engine._backward_epilogue = backward_epilogue
+            forward = engine.forward
+
+            def hooks_forward(*a, _forward=forward, **k):
+                log.where = "forward"
+                try:
+                    return _forward(*a, **k)
+                finally:
+                    log.where = "hooks"   # from here to the epilogue: loss.backward's gradient hooks
+            engine.forward = hooks_forward
+            step = engine.step
+
+            def outside_step(*a, _step=step, **k):
+                log.where = "step"
+                try:
+                    return _step(*a, **k)
+                finally:
+                    log.where = "outside"
+            engine.step = outside_step
+            log.where_counts = {}
+            steps = _train(engine, log, [True, True, False])
+            where = dict(log.where_counts)
+            if overlap:
+                out["1_overlap"] = {"overlap_comm": opt.overlap_comm, "where": where, "held_at_epilogue": held}
+                continue
             out[stage] = {
+                "overlap_comm": opt.overlap_comm, "where": where, "held_at_epilogue": held,
                 "kind": type(opt).__name__,
                 "master_dtypes": [str(t.dtype) for t in opt.single_partition_of_fp32_groups],
                 "master_numel": sum(t.numel() for t in opt.single_partition_of_fp32_groups),
@@ -336,7 +466,7 @@ def _observe(save_root):
                 "param_storages": _storages(opt.bit16_groups_flat),
                 "param_dtypes": [str(t.dtype) for t in opt.bit16_groups_flat],
                 "multi_rank_allreduce": opt.use_multi_rank_bucket_allreduce,
-                "steps": _train(engine, collective_log(), [True, True, False]),
+                "steps": steps,
             }
             if stage == 2:
                 out[stage]["checkpoint"] = _checkpoint(engine, os.path.join(save_root, "stage2"))
@@ -376,6 +506,7 @@ def _observe(save_root):
     record("fp16_initialize", fp16_initialize)
     record("activation_checkpointing", activation_checkpointing)
     record("stage0_unused", stage0_unused)
+    record("stage0_fp16_scale", stage0_fp16_scale)
     record("zero12", zero12)
     record("zero2_bf16_checkpoint", zero2_bf16_checkpoint)
     record("zero3", zero3)   # last: it replaces F.linear for the rest of the process
@@ -440,9 +571,67 @@ def test_zero12_backward_all_reduces_the_whole_gradient(seen):
         assert all(_gathered(step["step"]) == PSI for step in res["steps"])
 
 
+def test_zero1_reduces_after_backward_and_zero2_in_its_hooks(seen):
+    """docs/deepspeed.md, "Memory DeepSpeed holds per rank" and fsdp.md's row "reduce while
+    backward runs". A gradient hook reduces only `if self.partition_gradients or
+    self.overlap_comm` (stage_1_and_2.py, process_gradients), and overlap_comm is off below
+    stage 3 by default: ZeRO-1 issues every reduction after loss.backward returns, in
+    engine._backward_epilogue -> allreduce_gradients -> optimizer.reduce_gradients, and so
+    holds every parameter's gradient (Ψ elements) when that starts; ZeRO-2 reduces from its
+    hooks, overlap_comm off as well, and holds less. ZeRO-1 with overlap_comm on reduces in
+    its hooks too (the boundary micro-step's). The old text said ZeRO-1 reduces in hooks at
+    gradient_accumulation_steps 1."""
+    zero12 = _get(seen, "zero12")
+    z1, z2, z1_overlap = zero12[1], zero12[2], zero12["1_overlap"]
+    assert (z1["overlap_comm"], z2["overlap_comm"], z1_overlap["overlap_comm"]) == (False, False, True)
+    steps = 3
+    assert "hooks" not in z1["where"] and z1["where"]["epilogue"] >= steps
+    assert z1["held_at_epilogue"] == [PSI, PSI, PSI - 72]   # every gradient made, none reduced yet
+    assert z2["where"]["hooks"] >= steps                     # buckets reduced while backward runs
+    assert all(h < want for h, want in zip(z2["held_at_epilogue"], [PSI, PSI, PSI - 72]))
+    assert z1_overlap["where"]["hooks"] >= steps
+
+
+def test_stage0_sums_the_gradients_then_multiplies_by_one_over_n(seen):
+    """docs/deepspeed.md, "fp32 stage 0 and stage 2 are bitwise equal": stage 0's all-reduce
+    (engine.py, allreduce_bucket, postscale_gradients with gradient_predivide_factor 1) is
+    handed this rank's gradient undivided and multiplies the sum by 1/N after it, (g0 + g1)
+    * 1/2, where ZeRO divides first, g0/2 + g1/2. At N = 2 both are exact halvings of
+    the same sum. Norms: scaling by a power of two is exact, so the comparisons are `==`."""
+    got = _get(seen, "stage0_unused")
+    assert got["sent_norm"] == got["local_norm"]           # not divided before the sum
+    assert got["after_norm"] == got["summed_norm"] / N     # the sum times 1/N after it
+    assert got["summed_norm"] != got["local_norm"]
+
+
+def test_stage0_fp16_scale_doubles_every_window_and_divides_the_gradients(seen):
+    """docs/deepspeed.md, "Stage 0 fp16 never scales the loss". FP16_UnfusedOptimizer.step
+    calls `_update_scale(False)` on every clean step (unfused_optimizer.py, step), and since
+    the backward is not multiplied by the scale it never overflows: the scale doubles on the
+    window rule (the update of step 4, 8, 12, 16 at window 4) without bound, and every step
+    divides the gradients by the scale as updated, so the gradient the optimizer gets is the
+    backward's divided by 2**16 at first and by 2**20 after 16 steps. (The old text: "the
+    scale never moves".) Exact: the factor is a power of two, so the norms divide exactly."""
+    got = _get(seen, "stage0_fp16_scale")
+    assert got["kind"] == "FP16_UnfusedOptimizer"
+    assert got["skipped"] == [False] * 20
+    assert got["scales"] == [2.0 ** (16 + k // 4) for k in range(20)]
+    assert got["ratios"] == got["scales"]
+
+
+def test_the_compare_report_says_stage0_fp16_scale_grows():
+    """Where a user comparing the libraries looks: `python -m minizero.compare`'s notes, for
+    a run with stage 0 in fp16, say that DeepSpeed's scale grows without bound."""
+    from minizero.compare.report import note
+    args = types.SimpleNamespace(out="/tmp/report", dtype="fp16", stages=[0, 1])
+    text = " ".join(note(args, {}).split())
+    assert "the scale doubles every `loss_scale_window` clean steps without bound" in text
+    assert "never multiplies the loss by the scale" in text
+
+
 def test_zero3_reapplies_a_stale_gradient_and_stages_0_to_2_do_not(seen):
     zero12 = _get(seen, "zero12")
-    for stage, steps in ((0, _get(seen, "stage0_unused")), (1, zero12[1]["steps"]), (2, zero12[2]["steps"])):
+    for stage, steps in ((0, _get(seen, "stage0_unused")["steps"]), (1, zero12[1]["steps"]), (2, zero12[2]["steps"])):
         assert not torch.equal(steps[1]["b"], steps[0]["b"])
         assert torch.equal(steps[2]["b"], steps[1]["b"]), f"stage {stage} moved b without a gradient"
     z3 = _get(seen, "zero3")["defaults"]["steps"]

@@ -65,7 +65,7 @@ def _minizero_stage(stage: int) -> dict:
         train_steps(engine, A.BATCHES, STEPS, lambda e: 1.0, None, None)
     finally:
         comm.unsubscribe(watch)
-    return {"peak": watch.peak, "buckets": [f.padded_numel * 2 for f in engine.stage.flat_params]}
+    return {"peak": watch.peak, "buckets": [f.padded_numel * 2 for f in engine.zero.flat_params]}
 
 
 def _deepspeed() -> dict:

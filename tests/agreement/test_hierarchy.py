@@ -1,4 +1,4 @@
-"""minizero's node-aware ZeRO-3 (minizero/hierarchy.py) against the libraries it copies, on 4
+"""minizero's node-aware ZeRO-3 (minizero/sharding.py) against the libraries it copies, on 4
 gloo ranks pretending to be 2 nodes x 2 (MINIZERO_RANKS_PER_NODE=2; tests/support/two_nodes.py):
 hpZ against DeepSpeed 0.19.8's zero_hpz_partition_size, HSDP against FSDP2 on a (replicate,
 shard) mesh, and the ledger's intra/inter-node split against the formulas.
@@ -21,7 +21,7 @@ import math
 
 import pytest
 
-from minizero.hierarchy import step_traffic
+from minizero.observe.node_costs import step_traffic
 from tests.support import agreement as A
 from tests.support import two_nodes as T
 from tests.support.harness import max_abs_diff
@@ -110,7 +110,7 @@ def assert_ledger_is_the_rings(runs, scheme, n, per_node, steps):
 
 @pytest.mark.parametrize("zero, scheme", [(T.ZERO3, "zero3"), (T.HPZ, "hpz"), (T.HSDP, "hsdp")])
 def test_the_ledgers_inter_node_split_is_the_rings(zero, scheme):
-    """Per rank and step, the ledger's wire and inter-node bytes are hierarchy.step_traffic's:
+    """Per rank and step, the ledger's wire and inter-node bytes are node_costs.step_traffic's:
     a ring sends every byte of a rank to the next rank of its group, across nodes or not.
     2 nodes x 2 ranks."""
     assert_ledger_is_the_rings(T.minizero_runs(zero, "bf16"), scheme, T.N, T.PER_NODE, T.STEPS)

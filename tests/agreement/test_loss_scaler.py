@@ -192,3 +192,37 @@ def test_overflow_vote_single_process():
         flag = mz.overflow_vote(torch.tensor(norm_sq))
         assert isinstance(flag, torch.Tensor) and flag.dtype == torch.float32 and flag.shape == (1,)
         assert flag.item() == want
+
+
+def _doubling_steps(scaler, overflows):
+    """The indices of the updates that raised the scale, feeding `overflows` (one bool per step)."""
+    out = []
+    for i, overflow in enumerate(overflows):
+        before = scaler.cur_scale
+        scaler.update_scale(overflow)
+        if scaler.cur_scale > before:
+            out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 4, 1000])
+def test_the_scale_doubles_on_the_clean_step_after_window_clean_steps(window):
+    """When DeepSpeed's DynamicLossScaler doubles (loss_scaler.py, `update_scale`:
+    stable_interval = cur_iter - last_overflow_iter - 1, doubling when it is a positive
+    multiple of the window): the update of the (window + 1)-th clean step from the start
+    (which counts as an overflow at step -1), then every window-th; after an overflow at step
+    o, again at o + window + 1. minizero's scaler does the same, and minizero/fp16.py's
+    docstring says so (it used to say "`scale_window` steps in a row -> double")."""
+    d, m = _pair(scale_window=window, hysteresis=1)
+    clean = [False] * (3 * window + 1)
+    assert _doubling_steps(d, clean) == [window, 2 * window, 3 * window]
+    o = 2 * window + 5
+    seq = [False] * o + [True] + [False] * (2 * window + 1)
+    d, m = _pair(scale_window=window, hysteresis=1)
+    want = [k * window for k in range(1, o + 1) if k * window < o] + [o + window + 1, o + 2 * window + 1]
+    assert _doubling_steps(d, seq) == want
+    d, m = _pair(scale_window=window, hysteresis=1)
+    assert _doubling_steps(m, seq) == want
+    doc = " ".join(mz.__doc__.split())
+    assert "the first doubling ends the (`scale_window` + 1)-th clean step" in doc
+    assert "`scale_window` steps in a row without overflow -> double S" not in doc

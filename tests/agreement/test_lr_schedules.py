@@ -1,10 +1,11 @@
-"""minizero.lr_schedules against deepspeed.runtime.lr_schedules: identical lr, step for step."""
+"""minizero.config.lr_schedules (and train/schedule.py's MinGPTSchedule) against deepspeed.runtime.lr_schedules: identical lr, step for step."""
 import math
 
 import pytest
 import torch
 
-from minizero import lr_schedules as mz
+from minizero.config import lr_schedules as mz
+from minizero.train.schedule import MinGPTSchedule
 from minizero.config import ConfigError, load_config
 
 ds = pytest.importorskip("deepspeed.runtime.lr_schedules")
@@ -141,7 +142,7 @@ def test_bad_warmup_args():
 
 def test_mingpt_schedule_endpoints():
     opt = _optimizer()
-    s = mz.MinGPTSchedule(opt, learning_rate=6e-4, warmup_tokens=1000, final_tokens=11000)
+    s = MinGPTSchedule(opt, learning_rate=6e-4, warmup_tokens=1000, final_tokens=11000)
     assert _lrs(opt) == [0.0]
     s.step(tokens=500)
     assert _lrs(opt) == [6e-4 * 0.5]
@@ -157,8 +158,8 @@ def test_mingpt_schedule_endpoints():
 
 def test_mingpt_schedule_state_dict():
     opt_a, opt_b = _optimizer(), _optimizer()
-    a = mz.MinGPTSchedule(opt_a, 3e-3, warmup_tokens=256, final_tokens=4096)
-    b = mz.MinGPTSchedule(opt_b, 3e-3, warmup_tokens=256, final_tokens=4096)
+    a = MinGPTSchedule(opt_a, 3e-3, warmup_tokens=256, final_tokens=4096)
+    b = MinGPTSchedule(opt_b, 3e-3, warmup_tokens=256, final_tokens=4096)
     for _ in range(7):
         a.step(tokens=64)
     b.load_state_dict(a.state_dict())
@@ -167,18 +168,18 @@ def test_mingpt_schedule_state_dict():
         b.step(tokens=64)
         assert _lrs(opt_a) == _lrs(opt_b)
     with pytest.raises(ValueError):
-        mz.MinGPTSchedule(opt_a, 3e-3, warmup_tokens=10, final_tokens=10)
+        MinGPTSchedule(opt_a, 3e-3, warmup_tokens=10, final_tokens=10)
 
 
 def test_mingpt_schedule_resumes_with_its_saved_shape():
     """A run resumed with a larger --max-steps builds a schedule for the new length; loading
     the saved state must bring back the old shape (and the lr it had), not jump the lr."""
     opt_a, opt_b = _optimizer(), _optimizer()
-    a = mz.MinGPTSchedule(opt_a, 3e-3, warmup_tokens=256, final_tokens=4096)
+    a = MinGPTSchedule(opt_a, 3e-3, warmup_tokens=256, final_tokens=4096)
     for _ in range(70):
         a.step(tokens=64)
     assert _lrs(opt_a) == [3e-3 * 0.1]                       # past the end: the 10% floor
-    b = mz.MinGPTSchedule(opt_b, 3e-3, warmup_tokens=512, final_tokens=8192)   # "--max-steps" doubled
+    b = MinGPTSchedule(opt_b, 3e-3, warmup_tokens=512, final_tokens=8192)   # "--max-steps" doubled
     b.load_state_dict(a.state_dict())
     assert (b.warmup_tokens, b.final_tokens) == (256, 4096) and _lrs(opt_b) == _lrs(opt_a)
     a.step(tokens=64)

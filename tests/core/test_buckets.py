@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minizero.buckets import GradBuckets, bucket_plan, replicated_buckets
+from minizero.buckets import GradBuckets, bucket_plan, build_buckets
+from minizero.sharding import replicated
 
 
 class Chain(nn.Module):
@@ -59,7 +60,7 @@ def _setup(overlap, every_micro_step, bucket_numel=25):
     torch.manual_seed(0)
     m = Chain()
     groups = [{"params": list(m.parameters())}]
-    buckets = replicated_buckets(m, groups, bucket_numel)
+    buckets = build_buckets(m, bucket_plan(m, groups, bucket_numel), replicated())
     r = Recorder()
     return m, buckets, r, GradBuckets(buckets, r.reduce, every_micro_step=every_micro_step, overlap=overlap)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import minizero.checkpointing_buffers as cb
+import minizero.checkpointing.buffers as cb
 import minizero.checkpointing as ck
 from minizero.checkpointing import checkpoint, configure
 from minizero.observe.saved_bytes import count_saved_bytes, saved_bytes_for_backward

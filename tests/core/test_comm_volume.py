@@ -6,7 +6,7 @@ minizero.comm.ledger.by_label), against the ZeRO paper's analysis (section 7):
     ZeRO-3      all-gather fwd + all-gather bwd + reduce-scatter  3Ψ(N-1)/N
 
 in elements, times the element size for ring wire bytes. Ψ is the *padded* numel summed over
-engine.stage.flat_params (padding travels too). The step measured is the last of a run
+engine.zero.flat_params (padding travels too). The step measured is the last of a run
 (after at least one warm-up step). The scalar all-reduces (the `grad_norm` sum at stages
 1-3, the fp16 `overflow` vote) are control traffic: they are taken out by label.
 

@@ -18,7 +18,7 @@ from tests.support.harness import SyntheticBatches, make_config, micro_engine
 def test_stage0_and_zero1_free_the_gradient_buffer_after_the_step(stage, dtype):
     engine, model = micro_engine(make_config(stage, dtype, micro_batch=2, lr=1e-3))
     batches = SyntheticBatches(model.config.vocab_size, model.config.block_size, 2)
-    flats = engine.stage.flat_params
+    flats = engine.zero.flat_params
     first = None
     for step in range(3):
         x, y = batches(step, 0, 0, 1)
@@ -37,7 +37,7 @@ def test_stage0_and_zero1_free_the_gradient_buffer_after_the_step(stage, dtype):
 def test_zero2_and_zero3_release_the_gradient_buffer_after_each_reduction(stage):
     engine, model = micro_engine(make_config(stage, "fp32", micro_batch=2, lr=1e-3))
     batches = SyntheticBatches(model.config.vocab_size, model.config.block_size, 2)
-    flats = engine.stage.flat_params
+    flats = engine.zero.flat_params
     for step in range(2):
         x, y = batches(step, 0, 0, 1)
         engine.backward(engine(x, y)[1])

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's NVMe tier in minizero (minizero/nvme.py): the same numbers as host offload,
+"""ZeRO-Infinity's NVMe tier in minizero (minizero/offload/nvme.py): the same numbers as host offload,
 the bytes in files between uses, and nothing lost.
 
 One launch of 2 gloo ranks trains the micro GPT with `"device": "cpu"` and `"device": "nvme"`
@@ -66,7 +66,7 @@ def _run_all(base):
             r["memory"] = engine.memory_breakdown()
             r["held"] = memory.held_bytes(engine)   # measured from the tensors, after the step
             r["final_state"] = engine.full_fp32_state_dict()
-            r["shards"] = [(f.shard_numel, f.persistent, f.shard.element_size()) for f in engine.stage.flat_params]
+            r["shards"] = [(f.shard_numel, f.persistent, f.shard.element_size()) for f in engine.zero.flat_params]
             folder = os.path.join(path, "minizero_swap", f"rank{comm.get_rank()}")
             r["files"] = sorted(os.listdir(folder)) if device == "nvme" else []
             engine.destroy()
@@ -152,7 +152,7 @@ def _start(path, mode=None):
     cannot be made (a file is in its place)."""
     import shutil
     from minizero import comm
-    from minizero.errors import ConfigError
+    from minizero.config import ConfigError
     from tests.support.harness import micro_engine
     if mode == "full":   # this forked rank only
         shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 40, (1 << 40) - 1000, 1000)
@@ -201,7 +201,8 @@ def test_folder_in_use_is_refused_and_stale_files_are_removed(tmp_path):
 def _train(path, ckpt, device, steps, save_at=None, resume=False, kill_at=None):
     """Train to `steps` with both offloads on `device`; save at `save_at`; resume from `ckpt`;
     with kill_at, the process dies (os._exit) half-way through the first swap write of that step."""
-    from minizero import comm, nvme
+    from minizero import comm
+    from minizero.offload import nvme
     from tests.support.harness import micro_engine, train_step
     engine, _ = micro_engine(_cfg(3, "bf16", ("optimizer", "param"), 0, device, path))
     start = engine.load_checkpoint(ckpt)[1]["step"] if resume else 0

@@ -1,4 +1,4 @@
-"""ZeRO-Offload in minizero (minizero/offload.py): offload moves numbers, it must not change them.
+"""ZeRO-Offload in minizero (minizero/offload/host.py): offload moves numbers, it must not change them.
 
 One launch of 2 gloo ranks trains the micro GPT with every offload combination beside the
 same run without offload, and asserts:
@@ -256,13 +256,13 @@ def test_cuda_offload_places_pins_and_copies():
         assert m.device.type == "cpu" and m.is_pinned() and m.dtype == torch.float32
     for st in opt.optimizer.state.values():
         assert st["exp_avg"].device.type == "cpu"
-    for f in engine.stage.flat_params:
+    for f in engine.zero.flat_params:
         assert f.shard.device.type == "cpu" and f.shard.is_pinned() and f.full.device.type == "cuda"
     before = comm.ledger.snapshot()
     _cuda_step(engine)
     after = comm.ledger.snapshot()
     moved = {op: after[op]["bytes"] - before[op]["bytes"] for op in ("d2h", "h2d")}
-    shards = sum(f.shard_numel for f in engine.stage.flat_params) * 2
+    shards = sum(f.shard_numel for f in engine.zero.flat_params) * 2
     # d2h: gradient shards; h2d: each unit's shard before its forward and backward gathers
     assert moved == {"d2h": shards, "h2d": 2 * shards}
     assert all(torch.isfinite(m).all() for m in opt.masters)

@@ -53,7 +53,7 @@ def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False
     digest = torch.cat([state[k].reshape(-1) for k in sorted(state)])
     return {"losses": losses, "norms": norms, "state": digest, "last_step_calls": {k: v for k, v in last.items() if v},
             "peak_live": live["peak"],
-            "unit_numel": max((u.partitioned_numel for u in getattr(engine.stage, "buckets", [])
+            "unit_numel": max((u.partitioned_numel for u in getattr(engine.zero, "buckets", [])
                                if hasattr(u, "partitioned_numel")), default=0)}
 
 
@@ -131,19 +131,19 @@ def _overlap_probe(stage: int):
     cfg = make_config(stage, "fp32", micro_batch=2, lr=1e-2, zero={"reduce_bucket_size": 3000, "overlap_comm": True})
     engine, _ = micro_engine(cfg)
     seen = {"issued": 0}
-    real_issue = engine.stage.grad_buckets.issue
+    real_issue = engine.zero.grad_buckets.issue
 
     def issue(bucket, *args, **kwargs):
         seen["issued"] += 1
         real_issue(bucket, *args, **kwargs)
-    engine.stage.grad_buckets.issue = issue
+    engine.zero.grad_buckets.issue = issue
     x, y = PatternBatches(62, 16, global_batch=4)(1, 0, comm.get_rank(), 2)
     _, loss = engine(x, y)
-    engine.stage.prepare_backward(True)   # what engine.backward does first; then backward itself
+    engine.zero.prepare_backward(True)   # what engine.backward does first; then backward itself
     loss.backward()
     issued_in_backward = seen["issued"]
-    engine.stage.finish_backward()
-    return {"issued_in_backward": issued_in_backward, "in_flight_after_backward": len(engine.stage.grad_buckets.in_flight)}
+    engine.zero.finish_backward()
+    return {"issued_in_backward": issued_in_backward, "in_flight_after_backward": len(engine.zero.grad_buckets.in_flight)}
 
 
 # ----------------------------------------------------------------------------- the volume DeepSpeed moves

@@ -13,7 +13,7 @@ from minizero import zero0, zero1, zero2, zero3
 from minizero.zero3 import unit_plan
 
 PACKAGE = Path(zero0.__file__).parent
-CHAIN = [zero0.DataParallel, zero1.Zero1, zero2.Zero2, zero3.Zero3]
+CHAIN = [zero0.Zero0, zero1.Zero1, zero2.Zero2, zero3.Zero3]
 
 
 def test_each_stage_derives_from_the_one_before():
@@ -23,15 +23,27 @@ def test_each_stage_derives_from_the_one_before():
 
 
 def _methods(cls) -> set[str]:
-    return {n for n, v in vars(cls).items() if inspect.isfunction(v)}
+    return {n for n, v in vars(cls).items() if inspect.isfunction(v) or isinstance(v, staticmethod)}
 
 
 def test_each_stage_overrides_only_what_its_mechanism_changes():
     """What the ZeRO paper says each stage changes (section 5), as the methods each class
     defines itself; a method repeated from the class before would show here."""
-    assert _methods(zero1.Zero1) == {"make_buckets", "reduce", "after_step"}      # sharded buckets, reduce-scatter, all-gather
+    assert _methods(zero1.Zero1) == {"__init__", "reduce", "after_step", "gather_whole"}   # cut buckets, reduce-scatter, all-gather
     assert _methods(zero2.Zero2) == {"reduce_gradients", "grad_bytes"}  # reduced in backward, held as a shard
-    assert _methods(zero3.Zero3) == {"__init__", "make_buckets", "finish_backward", "after_step"}
+    assert _methods(zero3.Zero3) == {"__init__", "plan", "finish_backward", "after_step", "gather_whole"}
+
+
+def test_each_stage_extends_the_one_before():
+    """A stage builds its own layout and hands it to its parent's constructor (no constructor
+    calls a method a subclass overrides); where a stage changes a step its parent still needs,
+    it calls the parent's (ZeRO-3's after_step: ZeRO-1's gather of what is kept whole)."""
+    for cls in CHAIN:
+        src = inspect.getsource(cls.__init__) if "__init__" in vars(cls) else ""
+        assert "self.plan(" not in src and "self.make_buckets(" not in src, cls
+    for cls in (zero3.Zero3,):
+        for name in ("__init__", "finish_backward", "after_step"):
+            assert "super()." in inspect.getsource(getattr(cls, name)), (cls, name)
     assert zero2.Zero2.reduce_every_micro_step and not zero1.Zero1.reduce_every_micro_step
 
 
@@ -97,5 +109,5 @@ def test_a_zero3_engine_at_world_size_1_gathers_and_frees_around_each_unit():
         loss = engine(torch.randint(0, 10, (2, 5)))
         engine.backward(loss)
         engine.step()
-    assert all(not f.full_is_allocated() for f in engine.stage.flat_params)
-    assert engine.stage.grad_bytes() == sum(f.shard_numel for f in engine.stage.flat_params) * 4
+    assert all(not f.full_is_allocated() for f in engine.zero.flat_params)
+    assert engine.zero.grad_bytes() == sum(f.shard_numel for f in engine.zero.flat_params) * 4

@@ -8,7 +8,7 @@ from torch import nn
 from minizero import comm
 from minizero.flat_param import FlatParam
 from minizero.sharding import replicated
-from minizero.unit import ShardState, Unit, UnitMarks, find_units, on_backward
+from minizero.unit import ShardState, Unit, find_units, on_backward
 
 
 class Block(nn.Module):
@@ -73,36 +73,3 @@ def test_on_backward_calls_back_once_when_the_gradient_arrives_and_passes_it_on(
     assert calls == []
     (a.sum() + b.sum()).backward()
     assert calls == [1] and torch.equal(x.grad, torch.full((3,), 5.0))
-
-
-class Listener:
-    def __init__(self):
-        self.events = []
-
-    def unit_begins(self, engine, unit, kind):
-        self.events.append(("begin", unit, kind))
-
-    def unit_ends(self, engine, unit, kind):
-        self.events.append(("end", unit, kind))
-
-
-def test_unit_marks_announce_each_units_phases_only_while_someone_listens():
-    net = Net()
-    marks = UnitMarks("engine", find_units(net))
-    marks.follow_listeners()
-    assert marks.handles == []                 # nobody listens: no hooks at all
-    listener = Listener()
-    comm.subscribe(listener)
-    try:
-        marks.follow_listeners()
-        net(torch.randn(2, 3)).backward()
-    finally:
-        comm.unsubscribe(listener)
-    marks.follow_listeners()
-    assert marks.handles == []
-    forward = [e for e in listener.events if e[2] == "forward"]
-    assert forward[:2] == [("begin", "root", "forward"), ("begin", "blocks.0", "forward")]
-    # backward: each unit begins when its output's gradient arrives and ends when its input's
-    # does; the first block's input (the data) and the root's need no gradient: no end
-    backward = [e[:2] for e in listener.events if e[2] == "backward"]
-    assert backward == [("begin", "root"), ("begin", "blocks.1"), ("end", "blocks.1"), ("begin", "blocks.0")]

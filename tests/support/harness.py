@@ -74,6 +74,15 @@ def make_config(stage: int, dtype: str = "fp32", *, micro_batch: int, lr: float,
 
 # ----------------------------------------------------------------------------- model
 
+def checkpoint_blocks(model: nn.Module, cfg: Dict[str, Any]) -> None:
+    """What a user's model does to checkpoint its blocks under minizero (as under DeepSpeed, the
+    engine configures minizero.checkpointing and leaves the blocks to the model): the GPT's
+    checkpoint_fn, when the config has an activation_checkpointing section."""
+    if "activation_checkpointing" in cfg and hasattr(model, "checkpoint_fn"):
+        import minizero.checkpointing
+        model.checkpoint_fn = minizero.checkpointing.checkpoint
+
+
 def param_groups(model: nn.Module, wd: float) -> List[Dict[str, Any]]:
     """minGPT's split for any model: Linear weights decay, everything else does not;
     parameters in named_parameters() order (GPT.configure_param_groups' groups exactly)."""
@@ -133,6 +142,7 @@ def micro_engine(cfg: Dict[str, Any], kind: str = "gpt", **overrides):
     torch.manual_seed(0)
     model = make_model("micro", kind, **overrides)
     engine, *_ = minizero.initialize(model=model, config=cfg, model_parameters=model.configure_param_groups(0.1))
+    checkpoint_blocks(model, cfg)
     return engine, model
 
 
@@ -215,6 +225,7 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     t0 = time.perf_counter()
     engine, _, _, _ = minizero.initialize(model=model, model_parameters=model_parameters, config=cfg)
     init_seconds = time.perf_counter() - t0
+    checkpoint_blocks(model, cfg)
     ds_norms = probes.apply_variant(engine, variant)
     comm.ledger.reset()
 
@@ -223,8 +234,9 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     if capture_memory:
         memory = {"after_init": engine.memory_breakdown(), "after_backward": [], "after_step": []}
     driven = drive(engine) if drive is not None else engine
+    from minizero.train.runlog import MinizeroPeaks
     out = train_steps(driven, batches, steps, lambda e: float(e.loss_scale),
-                      lambda e: e.memory_breakdown(), memory)
+                      lambda e: e.memory_breakdown(), memory, MinizeroPeaks(engine) if capture_memory else None)
     if driven is not engine:
         out.update(driven.result())
     out["ledger"] = engine.comm_stats()

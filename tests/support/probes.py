@@ -21,7 +21,7 @@ def flat_layout(engine) -> List[Dict[str, Any]]:
     return [{"label": f.label, "group": f.group, "numel": f.numel, "padded": f.padded_numel,
              "shard": f.shard_numel, "persistent": bool(f.persistent), "n_params": len(f.params),
              "elem": f.full.element_size()}
-            for f in engine.stage.flat_params]
+            for f in engine.zero.flat_params]
 
 
 # ----------------------------------------------------------------------------- memory
@@ -33,7 +33,7 @@ def _storage_key(t):
 def measured_bytes(engine) -> dict:
     """Walk the live tensors of the model state (as reference/ds_memory.py counts DeepSpeed's),
     deduplicated by storage: what this rank really holds right now."""
-    z, opt = engine.stage, engine.sharded_optimizer
+    z, opt = engine.zero, engine.sharded_optimizer
     seen = set()
 
     def count(tensors):
@@ -59,7 +59,7 @@ def measured_bytes(engine) -> dict:
 def watch_live_grad_numel(engine) -> dict:
     """Register hooks (after the engine's own) that record in the returned dict's "max" the
     most full-gradient elements alive at once on this rank."""
-    z = engine.stage
+    z = engine.zero
     all_params = [p for f in z.flat_params for p in f.params]
     live = {"max": 0}
 
@@ -73,7 +73,7 @@ def watch_live_grad_numel(engine) -> dict:
 def watch_z3_gathered(engine) -> dict:
     """ZeRO-3: record in the returned dict's "max" how many partitioned FlatParams are
     gathered at once during forward (checked before each unit's forward)."""
-    z = engine.stage
+    z = engine.zero
     gathered_fwd = {"max": 0}
 
     def count_gathered(*_):
@@ -112,7 +112,7 @@ def watch_live_numel() -> dict:
 def after_backward(engine) -> dict:
     """Where the gradients are right after backward: are the parameters' .grad all None,
     how many elements they hold, each FlatParam's reduced-gradient shard size (or None)."""
-    z = engine.stage
+    z = engine.zero
     all_params = [p for f in z.flat_params for p in f.params]
     return dict(
         p_grad_none=all(p.grad is None for p in all_params),
@@ -123,7 +123,7 @@ def after_backward(engine) -> dict:
 def z3_between_steps(engine) -> dict:
     """ZeRO-3 between steps: the partitioned FlatParams, the bytes their full buffers hold,
     the element counts of the parameters they hold, and every unit's shard state."""
-    z = engine.stage
+    z = engine.zero
     part = [f for f in z.flat_params if not f.persistent]
     return dict(
         n_partitioned=len(part),
@@ -138,7 +138,7 @@ def poison_reduced_grad(engine, stage: int) -> None:
     """Set one element of this rank's *reduced* gradient to inf right after the engine's
     reduction (the first FlatParam holding a grad_shard: its last element at stage 0, its
     first otherwise). Undo with `unpoison`."""
-    z = engine.stage
+    z = engine.zero
     orig = z.reduce_gradients
 
     def poisoned():
@@ -148,7 +148,7 @@ def poison_reduced_grad(engine, stage: int) -> None:
 
 
 def unpoison(engine) -> None:
-    engine.stage.__dict__.pop("reduce_gradients", None)
+    engine.zero.__dict__.pop("reduce_gradients", None)
 
 
 def opt_step_counts(engine) -> list:
@@ -158,7 +158,7 @@ def opt_step_counts(engine) -> list:
 
 def grads_left(engine) -> int:
     """Gradient tensors still held: parameters' .grad plus FlatParams' grad_shard."""
-    z = engine.stage
+    z = engine.zero
     return (sum(1 for f in z.flat_params for p in f.params if p.grad is not None)
             + sum(1 for f in z.flat_params if f.grad_shard is not None))
 
@@ -226,7 +226,7 @@ def ds_stage0_arithmetic(engine) -> None:
     3. gradients all-reduced as a sum, then multiplied by 1/N (postscale_gradients)."""
     import torch.distributed as dist
 
-    zero, opt = engine.stage, engine.sharded_optimizer
+    zero, opt = engine.zero, engine.sharded_optimizer
     assert zero.stage == 0 and opt.mixed
     for m in opt.masters:
         m.grad = torch.zeros_like(m)
@@ -277,7 +277,7 @@ def _param_groups(engine) -> List[List[torch.nn.Parameter]]:
     parameter is in; ZeRO-2's buckets hold them in another order). The harness builds its
     groups in named_parameters() order (GPT.configure_param_groups, or model.parameters()),
     so this is the order DeepSpeed laid them out in."""
-    group_of = {id(p): f.group for f in engine.stage.flat_params for p in f.params}
+    group_of = {id(p): f.group for f in engine.zero.flat_params for p in f.params}
     n = len(engine.optimizer.param_groups)
     return [[p for p in engine.module.parameters() if group_of.get(id(p)) == gi] for gi in range(n)]
 
@@ -288,7 +288,7 @@ def _full_grads(engine) -> Dict[int, torch.Tensor]:
     import torch.distributed as dist
 
     out = {}
-    for f in engine.stage.flat_params:
+    for f in engine.zero.flat_params:
         full = f.grad_shard
         if f.num_shards > 1:
             full = torch.empty(f.padded_numel, dtype=f.grad_shard.dtype, device=f.grad_shard.device)

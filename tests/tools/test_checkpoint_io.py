@@ -263,7 +263,7 @@ def _nan_on_rank1(d, where):
     _one_step(engine, comm.get_rank())
     engine.save_checkpoint(d, tag="good")
     if comm.get_rank() == 1:
-        t = engine.sharded_optimizer.masters[0] if where == "master" else engine.stage.flat_params[0].shard
+        t = engine.sharded_optimizer.masters[0] if where == "master" else engine.zero.flat_params[0].shard
         t.view(-1)[3] = float("nan")
     try:
         engine.save_checkpoint(d, tag="bad")

@@ -317,3 +317,52 @@ def test_a_hang_under_nccl_with_the_check_on_is_named_after_the_timeout(monkeypa
     assert "not done after 0.2 s" in str(e.value) and "Another rank issued no collective" in str(e.value)
     monkeypatch.setattr(desync.guard, "check", False)
     desync.wait_named(_GpuTensor(), "all_gather", "root.g0.fwd", 40)   # check off: no host wait at all
+
+
+# ----------------------------------------------------------------------------- node groups (hpZ, HSDP)
+
+def _node_group_left_alone(check: bool, done_flag: str):
+    """4 ranks, node groups [0, 1] and [2, 3] (process_group.new_groups, as sharding.py makes
+    hpZ's and HSDP's), the collective timeout 2 s. Ranks 2 and 3 all-gather on their group;
+    rank 0 does on its group, which rank 1 never joins (it waits for `done_flag`). Returns
+    rank 0's error and how long it took, the others' None."""
+    import torch.distributed as dist
+
+    from minizero import comm
+    from minizero.observe import desync
+    group = comm.new_groups([[0, 1], [2, 3]])
+    desync.subscribe()
+    desync.configure(check=check, timeout_s=2)
+    rank, out = dist.get_rank(), None
+    try:
+        if rank == 1:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(done_flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            t0 = time.monotonic()
+            try:
+                comm.all_gather_into_tensor(torch.empty(2 * DIM), torch.ones(DIM), label="node.g0", group=group)
+            except Exception as e:
+                out = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+                open(done_flag, "w").close()
+    finally:
+        desync.configure()
+    return out
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["check-off", "check-on"])
+def test_a_node_group_collective_left_alone_ends_in_the_named_line_within_the_timeout(tmp_path, check):
+    """A node group gets the main group's timeout (process_group.new_groups) and follows
+    configure's (process_group.set_timeout), so the collective that rank 1 never joins ends
+    on rank 0 after about 2 s in minizero's named CollectiveError, with the check off (gloo
+    raises, the wrapper names it) and on (the fingerprint is all-gathered among the node
+    group's ranks, where rank 0 waits alone). Before: the node group kept torch's own 30
+    minutes under gloo (10 under NCCL), past this test's 60 s limit; with the check on it
+    was not checked at all."""
+    out = run_ranks(_node_group_left_alone, 4, args=(check, str(tmp_path / f"done-{check}")), timeout=60)
+    assert out[1:] == [None, None, None], out
+    e = out[0]["error"]
+    assert e.startswith("CollectiveError: rank 0: all_gather 'node.g0' (8 x float32), 64 bytes, in "), e
+    assert ("Another rank issued no collective" if check else "MINIZERO_DEBUG_COLLECTIVES=1") in e, e
+    assert 2 <= out[0]["seconds"] < 20, out

@@ -24,10 +24,11 @@ gc = load_script(SCRIPT, register=True)   # dataclasses look their module up whi
 RESUME_1 = [f"resume-1gpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16")]
 RESUME_N = [f"resume-allgpu-z{s}-{d}" for s in range(4) for d in ("fp16", "bf16", "fp32")]
 MULTI = ["offload-step5-allgpu", *RESUME_N, *(f"overlap-z{s}-{d}" for s in range(4) for d in ("bf16", "fp32")),
-         *(f"memory-z{s}" for s in range(4)), "memory-falls", "2node-straight", "2node-resume",
+         *(f"memory-z{s}" for s in range(4)), "memory-falls", "2node-preflight", "2node-straight", "2node-resume",
          "offload-opt-z1", "offload-opt-z2", "offload-param-z3", "consolidate-offload-z1", "consolidate-offload-z2",
          "observe-allgpu", "cpu-checkpointing-allgpu"]
 NODES4 = ["2node-hpz", "2node-hsdp"]   # hpZ and HSDP need nodes of 2 GPUs at least
+TWO_NODES = ["2node-preflight", "2node-straight", "2node-resume", *NODES4]
 SYNC_DEBUG = [f"sync-debug-z{s}-{d}" for s in range(4) for d in ("bf16", "fp16")] + ["sync-debug-z3-bf16-default"]
 SINGLE = ["cpu-suite", "cuda-checkpointing", "cuda-offload", "nccl-ws1", "offload-step5-1gpu", *RESUME_1,
           "memory-overlap-z2", "memory-overlap-z3", *SYNC_DEBUG, "user-command", "compare"]
@@ -72,13 +73,66 @@ def test_plan_with_8_gpus_uses_them_all_and_splits_them_for_two_nodes():
     assert flag(procs(c["memory-z3"])[0].argv, "--nproc-per-node") == "8"
     assert procs(c["sync-debug-z1-bf16"])[0].argv[3:5] == ["sync-debug", "8"]   # --driver NAME WORLD
     assert flag(procs(c["compare"])[0].argv, "--nproc") == "8"
-    for name in ("2node-straight", "2node-resume", "2node-hpz", "2node-hsdp"):
+    for name in TWO_NODES:
         node0, node1 = procs(c[name])
-        assert [flag(p.argv, "--node-rank") for p in (node0, node1)] == ["0", "1"]
-        assert {flag(p.argv, "--nnodes") for p in (node0, node1)} == {"2"}
-        assert {flag(p.argv, "--nproc-per-node") for p in (node0, node1)} == {"4"}
-        assert flag(node0.argv, "--master-port") == flag(node1.argv, "--master-port") == "{port}"
+        assert node0.argv == node1.argv   # the same line on both nodes, as on a cluster
+        assert [flag(node0.argv, f) for f in ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint")] \
+            == ["2", "4", "c10d", "127.0.0.1:{port}"]
         assert (node0.env["CUDA_VISIBLE_DEVICES"], node1.env["CUDA_VISIBLE_DEVICES"]) == ("0,1,2,3", "4,5,6,7")
+        assert (node0.env["MINIZERO_HOST"], node1.env["MINIZERO_HOST"]) == ("node0", "node1")
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_two_node_checks_come_first_at_full_size_every_flatparam_partitioned_without_detail(quick):
+    """What the two-node checks claim is what a cluster job does: the tutorial GPT at 32x32
+    (--quick or not), stage3_param_persistence_threshold 0 in every config they read (at the
+    default threshold the small GPTs keep every parameter persistent, and hpZ would pass without
+    a secondary shard), hpZ's k and HSDP's S = the GPUs of one node, no
+    TORCH_DISTRIBUTED_DEBUG=DETAIL (it syncs the host before each collective), and a hang
+    reported in well under two minutes."""
+    from minizero.config import load_config
+    checks = gc.plan(8, quick)
+    assert [c.name for c in checks[:len(TWO_NODES)]] == TWO_NODES
+    for c in checks[:len(TWO_NODES)]:
+        for p in procs(c):
+            assert (flag(p.argv, "--model"), flag(p.argv, "--image-size")) == ("tutorial", "32"), c.name
+            assert "TORCH_DISTRIBUTED_DEBUG" not in p.env and p.env["MINIZERO_DETERMINISTIC"] == "1"
+            assert p.stall and p.stall < 120
+            zero = load_config(json.loads((ROOT / flag(p.argv, "--config")).read_text()), 8).zero
+            assert zero.stage3_param_persistence_threshold == 0, (c.name, flag(p.argv, "--config"))
+            if c.name in NODES4:
+                assert max(zero.zero_hpz_partition_size, zero.hsdp_shard_size) == int(flag(p.argv, "--nproc-per-node"))
+    assert [c.name for c in gc.select(checks, only=["2node-*"])] == TWO_NODES   # alone: no CPU suite before them
+    assert all(gc.plan(4)[i].name == TWO_NODES[i] for i in range(len(TWO_NODES)))
+    hpz2 = procs(by_name(4)["2node-hpz"])[0]
+    assert flag(hpz2.argv, "--config").endswith("two_nodes_hpz2.json") and flag(hpz2.argv, "--nproc-per-node") == "2"
+    assert by_name(12)["2node-hpz"].skip == "nodes of 6 GPUs: the configs carry k = S = 2, 4, 8"
+
+
+def test_a_silent_step_is_hung_and_stopped_after_its_stall(tmp_path):
+    """Two "nodes" that print once and then wait for good (a collective that never completes):
+    after `stall` seconds with no output from either, both are stopped and the check FAILs
+    as hung, long before the commands' own time limit."""
+    py = sys.executable
+    quiet = lambda n: gc.Proc([py, "-c", "import time; print('started', flush=True); time.sleep(300)"],
+                              f"node{n}.log", timeout=300, stall=2)
+    t0 = time.monotonic()
+    (tmp_path / "logs").mkdir()
+    r = gc.run_check(gc.Check("hang", "", steps=[[quiet(0), quiet(1)]]), tmp_path, tmp_path / "logs")
+    assert r.status == "FAIL" and r.reason.startswith("hung: no output from any of the step's commands for 2 s"), r
+    assert time.monotonic() - t0 < 30
+
+
+def test_preflight_verdict_reads_both_nodes_logs():
+    ok = ("preflight: ok   bandwidth: all_reduce of 64 MiB, bus bandwidth inside a node 180.2 GB/s (4 ranks); "
+          "between nodes 90.1 GB/s (4 ranks) on nccl\npreflight: 8 ok, 0 warn, 0 FAIL in 21.0 s: start the job\n")
+    other = "preflight: ok   this node (node1, ranks 4-7) took part; rank 0 prints the report on node0: 0 FAIL\n"
+    r = gc.preflight_verdict(ok, other)
+    assert r.status == "PASS" and r.numbers.startswith("inside a node 180.2 GB/s"), r
+    bad = gc.preflight_verdict("preflight: FAIL save folder: host node1 does not see ...\npreflight: 7 ok, 0 warn, "
+                               "1 FAIL in 20.0 s: fix\n", other)
+    assert bad.status == "FAIL" and bad.reason.startswith("save folder: host node1"), bad
+    assert gc.preflight_verdict("", "").reason == "no report line"
 
 
 def test_plan_with_3_gpus_splits_what_divides():
@@ -91,7 +145,7 @@ def test_plan_with_3_gpus_splits_what_divides():
 def test_resume_checks_resume_the_straight_runs_first_checkpoint_with_deterministic_kernels(quick):
     size = gc.QUICK if quick else gc.FULL
     for name, check in by_name(8, quick).items():
-        if "resume" not in name:
+        if "resume" not in name or name in TWO_NODES:   # the two-node checks are full size, --quick or not
             continue
         for p in procs(check):
             assert p.env["MINIZERO_DETERMINISTIC"] == "1" and p.env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -344,7 +398,7 @@ def test_failure_names_the_command_that_failed_not_the_partner_we_stopped():
 def test_a_failed_command_stops_its_partner_after_the_grace(tmp_path, monkeypatch):
     """Two "nodes" of one step: when one dies, the other (which would wait for its peer until
     NCCL's timeout) is stopped after GRACE_S, not after its own timeout."""
-    monkeypatch.setattr(gc, "GRACE_S", 1)
+    monkeypatch.setattr(gc.runner, "GRACE_S", 1)
     py = sys.executable
     dead = gc.Proc([py, "-c", "raise SystemExit(3)"], "node0.log", timeout=300)
     waiting = gc.Proc([py, "-c", "import time; time.sleep(300)"], "node1.log", timeout=300)

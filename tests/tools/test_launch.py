@@ -101,7 +101,7 @@ def fake_bin(tmp_path: Path) -> Path:
     bindir.mkdir()
     scripts = {
         "scontrol": f'[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" {" ".join(NODES)}\n',
-        "srun": 'printf "%s\\n" "$@" > "$FAKE_LOG"\n',
+        "srun": 'printf "%s\\n" "$@" > "$FAKE_LOG"; printf "%s\\n" "$@" --- >> "$FAKE_LOG.all"\n',
         "deepspeed": 'printf "%s\\n" "$@" > "$FAKE_LOG"\n',
     }
     for name, body in scripts.items():
@@ -144,6 +144,24 @@ def test_slurm_minizero_command(tmp_path, ds_parse):
     ours, ds = load_config(ROOT / cfg, world_size=8), ds_parse(str(ROOT / cfg), 8)
     assert ours.train_batch_size == ds.train_batch_size == 64
     assert ours.gradient_accumulation_steps == ds.gradient_accumulation_steps == 1
+
+
+def test_slurm_minizero_runs_the_preflight_first_on_the_jobs_own_line(tmp_path):
+    """The first srun is the job's line under `python3 -m minizero.preflight` (its own
+    rendezvous id), the second the job; PREFLIGHT=0 leaves only the job."""
+    job = run_sbatch("slurm_minizero.sbatch", tmp_path)
+    calls = (tmp_path / "argv.all").read_text().split("---\n")[:-1]
+    pre, last = (c.splitlines() for c in calls)
+    assert last == job and len(calls) == 2
+    at = pre.index("torchrun")
+    assert pre[at - 4:at] == ["python3", "-m", "minizero.preflight", "--timeout"] or \
+        pre[at - 5:at - 2] == ["python3", "-m", "minizero.preflight"], pre
+    strip = lambda argv: [a for a in argv if a not in ("--rdzv-id",) and not a.endswith("4242")]
+    assert strip(pre[at:]) == strip(job[job.index("torchrun"):])   # the same torchrun line, the same program
+    assert flag(pre, "--rdzv-id") == "preflight-4242" and flag(job, "--rdzv-id") == "4242"
+    (tmp_path / "off").mkdir()
+    run_sbatch("slurm_minizero.sbatch", tmp_path / "off", {"PREFLIGHT": "0"})
+    assert (tmp_path / "off" / "argv.all").read_text().count("---") == 1
 
 
 def test_slurm_torch_command(tmp_path):
@@ -205,13 +223,35 @@ def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(tmp_path):
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env", "bogus"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
                                                     "GPU_LEASE_WHEELS": str(tmp_path / "no-wheels")})
-    assert r.returncode == 0, r.stderr
     log = (out / "parts.log").read_text().splitlines()
-    assert len(log) == 3 and " wheels: exit 0 " in log[0] and " env: exit " in log[1] \
-        and "unknown part bogus" in log[2], log
+    env_rc = int(re.search(r" env: exit (\d+) ", log[1]).group(1))
+    assert r.returncode == max(2, env_rc), r.stderr   # a part asked for and not run: a usage error (2)
+    assert len(log) == 4 and " wheels: exit 0 " in log[0] and "unknown part bogus" in log[2] \
+        and log[3].endswith(f"worst exit status: {max(2, env_rc)}"), log
     assert "budget 25 s" in log[1]
     assert "torch.distributed.set_timeout: " in (out / "env.txt").read_text()
     assert r.stderr == ""
+
+
+def test_gpu_lease_exits_with_its_worst_parts_status(tmp_path):
+    """A part whose command fails makes the whole lease fail with that status (before, the
+    script ended in `exit 0` whatever its parts did): here the env part's Python is `false`."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHON": "false", "GPU_LEASE_WHEELS": str(tmp_path / "none")})
+    log = (out / "parts.log").read_text().splitlines()
+    assert r.returncode == 1, (r.returncode, log)
+    assert " wheels: exit 0 " in log[0] and " env: exit 1 in " in log[1] and log[-1].endswith("worst exit status: 1")
+
+
+def test_gpu_lease_plan_shows_the_nccl_checks_offload_case_offloading():
+    """`--dry-run nccl` builds each nccl_ws1 case's engine on the CPU and says where its
+    parameters live: the offload case keeps every parameter shard in host memory."""
+    r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), "--dry-run", "nccl"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "z3-bf16-offload: 28,224 of 28,224 parameter bytes in host memory; 3 of 3 FlatParams partitioned " \
+           "(offloads)" in r.stdout, r.stdout
 
 
 def test_gpu_lease_plan_fits_eight_minutes_and_starts_python_as_python3():
@@ -223,7 +263,7 @@ def test_gpu_lease_plan_fits_eight_minutes_and_starts_python_as_python3():
                            env={k: v for k, v in os.environ.items() if k != "PYTHON"})
         assert r.returncode == 0 and r.stderr == "", r.stderr
         parts = re.findall(r"^  (\w+)\s+(\d+) s$", r.stdout, re.M)
-        assert [p for p, _ in parts] == ["wheels", "env", "nccl", "readme", "regress", "memory", "fp16", "ds", "full"]
+        assert [p for p, _ in parts] == ["wheels", "env", "nccl", "preflight", "readme", "regress", "full", "ds"]
         assert sum(int(b) for _, b in parts) <= 480
         assert f"{sum(int(b) for _, b in parts)} s of a 480 s limit" in r.stdout
         commands = re.findall(r"^\s+\$ (.*)$", r.stdout, re.M)
@@ -233,7 +273,10 @@ def test_gpu_lease_plan_fits_eight_minutes_and_starts_python_as_python3():
         assert any("-m minizero.train --stage 3" in c and "--save-every 100" in c for c in commands)
         assert any("--resume" in c and "--max-steps 200" in c for c in commands)
     documented = re.findall(r"^\| `(\w+)` \| (\d+) \|", (ROOT / "docs" / "gpu.md").read_text(), re.M)
-    assert documented == parts, "docs/gpu.md's lease table and the script's budgets differ"
+    extra = re.findall(r"^  (\w+)\s+(\d+) s$", subprocess.run(
+        ["bash", str(LAUNCH / "gpu_lease.sh"), "--plan", "memory", "fp16"], capture_output=True, text=True,
+        timeout=60).stdout, re.M)[1:]   # the wheels part comes first always
+    assert documented == parts + extra, "docs/gpu.md's lease table and the script's budgets differ"
     bare = re.compile(r"(^|[\s;&|(=-])python([\s;&|)}]|$)")   # `python x`, PY=python, ${PYTHON:-python}
     for path in sorted(LAUNCH.glob("*.sh")) + sorted(LAUNCH.glob("*.sbatch")):
         code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith(("#", "echo "))]
@@ -272,8 +315,8 @@ def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env"], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_LEASE_WHEELS": str(wheels),
                                          "TMPDIR": str(scratch)})
-    assert r.returncode == 0, r.stderr
     log = (out / "parts.log").read_text().splitlines()
+    assert log[-1].endswith(f"worst exit status: {r.returncode}"), (log, r.stderr)
     assert "wheels: installed 1 from " in log[0] and " wheels: exit 0 " in log[1] and " env: exit " in log[2], log
     assert "the carried stand-in for deepspeed was imported" in (out / "env.txt").read_text()
     with tarfile.open(out / "logs.tgz") as tgz:   # the logs, not the installed packages' own .txt files

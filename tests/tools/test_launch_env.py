@@ -185,3 +185,81 @@ def test_launcher_rank_is_one_torch_free_rule(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, SLURM_PROCID="2"),
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", str(__import__("logging").WARNING)]  # torch-free; rank 2 stays quiet
+
+
+# ----------------------------------------------------------------------------- which ranks share a node
+
+@pytest.mark.parametrize("env, world, want", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, 8, 4),                        # srun -N2 -n8: no SLURM_NTASKS_PER_NODE
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NTASKS_PER_NODE": "8"}, 8, 4),   # the step's placement first
+    ({"LOCAL_WORLD_SIZE": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, 4, 2),  # torchrun under srun: torchrun's
+    ({"SLURM_NTASKS_PER_NODE": "4"}, 1, 1),        # a plain python in a batch script: one rank, one node
+    ({}, 8, 8),
+])
+def test_ranks_per_node_reads_each_launchers_count(monkeypatch, env, world, want):
+    from minizero import process_group
+    _clear_env(monkeypatch, *process_group.PER_NODE_VARS)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(process_group, "get_world_size", lambda group=None: world)
+    assert process_group.ranks_per_node() == want
+
+
+def test_ranks_per_node_refuses_nodes_of_different_sizes_in_one_line(monkeypatch):
+    from minizero import process_group
+    _clear_env(monkeypatch, *process_group.PER_NODE_VARS)
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4,3")
+    monkeypatch.setattr(process_group, "get_world_size", lambda group=None: 7)
+    with pytest.raises(comm.LaunchError, match=r"SLURM_STEP_TASKS_PER_NODE=4,3: the nodes hold different numbers "
+                                               r"of ranks \(\[4, 3\]\).*--ntasks-per-node"):
+        process_group.ranks_per_node()
+
+
+def test_node_groups_against_the_hosts():
+    """process_group.node_groups_problem, the line check_node_groups says: None when blocks of
+    k consecutive ranks are the hosts; one line naming the key, the hosts and the fix when a
+    group spans hosts (k larger than a node; srun's cyclic placement) or k differs from the
+    ranks per host."""
+    from minizero.process_group import node_groups_problem as problem
+    blocks = ["a#1"] * 4 + ["b#2"] * 4
+    assert problem(blocks, 4, "zero_hpz_partition_size", 4) is None
+    line = problem(["a#1"] * 2 + ["b#2"] * 2, 4, "zero_hpz_partition_size", 2)
+    assert line.startswith("zero_hpz_partition_size 4: ranks 0-3, one node group, run on 2 hosts (a, b), on 2 "
+                           "host(s) of 2 ranks: its backward's all-gathers cross nodes"), line
+    assert "set zero_hpz_partition_size to the ranks of one node (2)" in line and "distribution" not in line
+    cyclic = problem(["a#1", "b#2"] * 4, 4, "hsdp_shard_size", 4)
+    assert "ranks 0-3, one node group, run on 2 hosts (a, b) (and 1 more group(s))" in cyclic, cyclic
+    assert "all-gathers and reduce-scatters cross nodes" in cyclic and "srun --distribution=block" in cyclic
+    small = problem(blocks, 2, "hsdp_shard_size", 4)
+    assert small == ("hsdp_shard_size 2 on 2 host(s) of 4 ranks: 2 groups share each node; set hsdp_shard_size "
+                     "to the ranks of one node (4) to shard over the whole node"), small
+    one_box = problem(["a#1"] * 8, 4, "hsdp_shard_size", 4)   # two torchruns on one machine
+    assert one_box.startswith("hsdp_shard_size 4 on 1 host(s) of 8 ranks (4 per node, the launcher says)"), one_box
+
+
+def _node_groups_of_an_engine(hosts: list):
+    """An HSDP engine (S = 2) on 4 ranks that say they run on `hosts` (MINIZERO_HOST): what the
+    "minizero" logger said while sharding.py made the groups."""
+    import logging
+
+    import minizero
+    from minizero import process_group
+    os.environ[process_group.HOST_ENV] = hosts[process_group.get_rank()]
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("minizero").addHandler(handler)
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "hsdp_shard_size": 2}}
+    minizero.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+    return [s for s in said if "hsdp_shard_size" in s]
+
+
+def test_an_engine_warns_once_when_its_node_groups_span_hosts():
+    """sharding.for_config calls process_group.check_node_groups where it makes HSDP's groups:
+    ranks placed round-robin over two hosts (srun --distribution=cyclic) make every group of
+    2 consecutive ranks span both, and rank 0 says so in one line; placed node by node, nothing."""
+    cyclic = run_ranks(_node_groups_of_an_engine, 4, args=(["a", "b", "a", "b"],), timeout=120)
+    assert len(cyclic[0]) == 1 and cyclic[1:] == [[], [], []], cyclic
+    assert cyclic[0][0].startswith("hsdp_shard_size 2: ranks 0-1, one node group, run on 2 hosts (a, b)"), cyclic
+    assert run_ranks(_node_groups_of_an_engine, 4, args=(["a", "a", "b", "b"],), timeout=120) == [[]] * 4

@@ -31,7 +31,25 @@ def test_every_case_through_gloo_late_is_bit_identical_to_no_process_group():
         assert ops >= ({"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor"}), (case, ops)
         if check_mod.CASES[case][1] == "fp16":
             assert "all_reduce" in ops        # the overflow vote
+        if case in check_mod.OFFLOAD_CASES:   # a shard copied in from host memory meets the late gather
+            placed = r["placed"]
+            assert placed["host_param_bytes"] == placed["param_bytes"] > 0 and placed["partitioned"] > 0, placed
     assert res["passed"]
+
+
+def test_the_dry_run_says_the_offload_case_offloads_and_would_catch_one_that_does_not(monkeypatch):
+    """The offload case's engine keeps its parameter shards in host memory: every FlatParam
+    of the micro GPT partitioned (stage3_param_persistence_threshold 0). At the default
+    threshold every one is persistent, kept gathered on the device, and offload_param moves
+    nothing (as the case was before): the dry run says so, and check() FAILs such a case."""
+    line, = check_mod.dry_run(["z3-bf16-offload"])
+    assert line == ("z3-bf16-offload: 28,224 of 28,224 parameter bytes in host memory; 3 of 3 FlatParams partitioned "
+                    "(offloads)"), line
+    stage, dtype, zero = check_mod.CASES["z3-bf16-offload"]
+    default = {k: v for k, v in zero.items() if k != "stage3_param_persistence_threshold"}
+    monkeypatch.setitem(check_mod.CASES, "z3-bf16-offload", (stage, dtype, default))
+    line, = check_mod.dry_run(["z3-bf16-offload"])
+    assert line.endswith("0 of 3 FlatParams partitioned (OFFLOADS NOTHING)"), line
 
 
 def test_a_late_collective_read_before_its_wait_is_caught():

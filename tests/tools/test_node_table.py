@@ -18,7 +18,7 @@ import io
 
 import pytest
 
-from minizero.hierarchy import paper_costs
+from minizero.observe.node_costs import paper_costs
 from minizero.observe import memory_table, node_table
 from tests.support.launcher import run_ranks
 

@@ -192,8 +192,8 @@ def test_docs_name_tests_that_exist():
 # ----------------------------------------------------------------------------- import cycles
 
 def module_name(path: Path) -> str:
-    """minizero/engine.py -> "engine", minizero/config.py -> "config",
-    minizero/checkpointing.py -> "checkpointing"; the package itself is "__init__"."""
+    """minizero/engine.py -> "engine", minizero/config/__init__.py -> "config",
+    minizero/checkpointing/__init__.py -> "checkpointing"; the package itself is "__init__"."""
     parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
@@ -327,20 +327,28 @@ def test_no_import_cycle_inside_minizero():
 
 # ----------------------------------------------------------------------------- the core and its rooms
 
+CORE_PACKAGES = ("config", "checkpointing", "offload")   # the core's own rooms: what it needs, a student opens later
+
+
 def core_modules(graph: dict[str, dict[str, int]]) -> list[str]:
-    """minizero/*.py but __init__.py, the front door that wires the tools to the engine."""
-    return sorted(m for m in graph if "." not in m and m != "__init__" and not PACKAGE.joinpath(m).is_dir())
+    """minizero/*.py but __init__.py (the front door that wires the tools to the engine), and
+    every module of the core's own subpackages (CORE_PACKAGES)."""
+    top = [m for m in graph if "." not in m and m != "__init__" and not PACKAGE.joinpath(m).is_dir()]
+    own = [m for m in graph if m.split(".")[0] in CORE_PACKAGES]
+    return sorted(top + own)
 
 
 def test_the_core_imports_only_itself():
-    """Every import in a core module (minizero/*.py), at any depth, names another core module:
+    """Every import in a core module (minizero/*.py and the core's own subpackages, config/,
+    checkpointing/, offload/), at any depth, names another core module:
     no room (observe/, train/, compare/, checkpoint_files/, runtime/, gpt/, the command
     packages), no exemption. The rooms reach the core through its public API; the front door
     (minizero/__init__.py) hands the engine its checkpoint format and puts the config's tools
     on comm's observer seam."""
     graph = import_graph()
     core = core_modules(graph)
-    assert {"engine", "comm", "zero3", "flat_param", "config", "checkpointing"} <= set(core), core
+    assert {"engine", "comm", "zero3", "flat_param", "config", "config.zero", "checkpointing",
+            "checkpointing.options", "offload", "offload.nvme"} <= set(core), core
     bad = [f"minizero/{m.replace('.', '/')}.py:{line} imports {t}" for m in core
            for t, line in sorted(graph[m].items(), key=lambda kv: kv[1]) if t not in core]
     assert not bad, "the core imports a room (use the engine's public API or comm's observer seam):\n" + \
@@ -355,11 +363,12 @@ def test_the_core_imports_only_torch_and_the_standard_library():
     import sys
     allowed = set(sys.stdlib_module_names) | {"torch", "minizero", "__future__"}
     bad = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    files = sorted(PACKAGE.glob("*.py")) + [p for d in CORE_PACKAGES for p in sorted(PACKAGE.joinpath(d).rglob("*.py"))]
+    for path in files:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
-            bad += [f"minizero/{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] not in allowed]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] not in allowed]
     assert not bad, "\n".join(bad)
 
 

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from minizero.observe import trace
+from minizero.observe import trace, unit_marks
 from tests.support.harness import NO_DROPOUT, PatternBatches, make_config, make_model, micro_engine, train_step
 from tests.support.launcher import run_ranks
 
@@ -233,8 +233,7 @@ def test_calc_bw_is_deepspeeds():
 
 
 def test_comms_logger_config_errors():
-    from minizero.config import load_config
-    from minizero.errors import ConfigError
+    from minizero.config import ConfigError, load_config
     base = {"train_micro_batch_size_per_gpu": 1}
     with pytest.raises(ConfigError, match="minizero issues only"):
         load_config(dict(base, comms_logger={"prof_ops": ["all_to_all"]}), 1)
@@ -280,17 +279,17 @@ def test_the_trace_only_listens_it_patches_nothing(tmp_path):
         _, loss = engine(x, x)
         engine.backward(loss)
         engine.step()
-    owned = {id(o): dict(vars(o)) for o in (engine.stage, engine.sharded_optimizer)}
+    owned = {id(o): dict(vars(o)) for o in (engine.zero, engine.sharded_optimizer)}
     with trace.start(engine, str(tmp_path)):
         step()
-        assert engine.unit_marks.handles                         # on while the trace listens
-        for o in (engine.stage, engine.sharded_optimizer):
+        assert unit_marks.watched(engine)                        # on while the trace listens
+        for o in (engine.zero, engine.sharded_optimizer):
             assert set(vars(o)) == set(owned[id(o)]), "an attribute appeared on a core object"
             assert not any(callable(v) and k in type(o).__dict__ for k, v in vars(o).items())
         assert not hasattr(engine, "tracer")
     step()
     from minizero import comm
-    assert engine.unit_marks.handles == [], comm.observers
+    assert not unit_marks.watched(engine), comm.observers
     events = json.load(open(tmp_path / "rank0.json"))["traceEvents"]
     names = {e["name"] for e in events if e.get("cat") == "step"}
     assert {"forward", "backward", "reduce_gradients", "grad_norm", "optimizer", "after_step"} <= names

@@ -81,7 +81,7 @@ def _train_two_steps(config_path):
             "micro": engine.train_micro_batch_size_per_gpu(), "gas": engine.gradient_accumulation_steps(),
             "batch": engine.train_batch_size(), "dtype": str(engine.dtype),
             "offload": (cfg.zero.offload_optimizer_enabled, cfg.zero.offload_param_enabled),
-            "checkpointing": model.checkpoint_fn is checkpointing.checkpoint, "rank": comm.get_rank()}
+            "checkpointing": checkpointing.is_configured(), "rank": comm.get_rank()}
 
 
 # (stage, dtype, micro, gas, activation checkpointing, offload optimizer / parameters)

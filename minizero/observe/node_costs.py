@@ -1,6 +1,6 @@
 """What ZeRO-3, hpZ and HSDP cost on several nodes: bytes per rank and per link, from the layout.
 
-The mechanisms themselves are sharding.py's (which ranks each collective runs among); this
+The mechanisms themselves are minizero/sharding.py's (which ranks each collective runs among); this
 file only counts: `step_traffic`, one rank's wire and inter-node bytes in one step, byte for
 byte what a real run's ledger records; `paper_costs`, the papers' accounting without padding.
 Nodes are blocks of consecutive ranks, as torchrun and srun number them.

@@ -1,4 +1,4 @@
-"""Learning-rate schedules: DeepSpeed's three warmup schedules, and minGPT's token schedule.
+"""Learning-rate schedules: DeepSpeed's three warmup schedules (`scheduler` in the config).
 
 The DeepSpeed ones are re-derived from `deepspeed/runtime/lr_schedules.py` (0.19.8) and
 give bit-identical learning rates (same float operations in the same order). Behaviours
@@ -23,13 +23,13 @@ import math
 
 import torch
 
-from .errors import ConfigError
+from .schema import ConfigError
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 
 
-def _update_lr(param_groups, lrs):
+def update_lr(param_groups, lrs):
     """As DS `update_lr`: writes each group's lr (tensor lrs are filled in place)."""
     for group, lr in zip(param_groups, lrs):
         if torch.is_tensor(group["lr"]):
@@ -39,7 +39,7 @@ def _update_lr(param_groups, lrs):
     return [group["lr"] for group in param_groups]
 
 
-def _torch_optimizer(optimizer):
+def torch_optimizer(optimizer):
     """As DS `get_torch_optimizer`: accept a wrapper that holds the torch optimizer as `.optimizer`."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -73,7 +73,7 @@ class _Schedule:
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
+        self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())
 
     def get_last_lr(self):
         assert getattr(self, "_last_lr", None) is not None, "need to call step() first"
@@ -98,7 +98,7 @@ class WarmupLR(_Schedule):
     def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
                  warmup_type=WARMUP_LOG_RATE, last_batch_iteration=-1):
         _check_warmup(warmup_num_steps, warmup_type)
-        self.optimizer = optimizer = _torch_optimizer(optimizer)
+        self.optimizer = optimizer = torch_optimizer(optimizer)
         if warmup_max_lr is None:
             warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
@@ -109,7 +109,7 @@ class WarmupLR(_Schedule):
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self.last_batch_iteration = last_batch_iteration
         if last_batch_iteration == -1:   # DS sets the lr at construction
-            self._last_lr = _update_lr(optimizer.param_groups, self.get_lr())
+            self._last_lr = update_lr(optimizer.param_groups, self.get_lr())
 
     def get_lr(self):
         if self.last_batch_iteration < 0:
@@ -145,7 +145,7 @@ class WarmupCosineLR(_Schedule):
     def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
                  cos_min_ratio=0.0001, warmup_type=WARMUP_LOG_RATE, last_batch_iteration=-1):
         _check_warmup(warmup_num_steps, warmup_type)
-        self.optimizer = optimizer = _torch_optimizer(optimizer)
+        self.optimizer = optimizer = torch_optimizer(optimizer)
         self.total_num_steps = total_num_steps
         self.last_batch_iteration = last_batch_iteration
         self.cos_min_ratio = cos_min_ratio
@@ -155,7 +155,7 @@ class WarmupCosineLR(_Schedule):
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self.org_lrs = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"] for g in optimizer.param_groups]
         if last_batch_iteration == -1:
-            self._last_lr = _update_lr(optimizer.param_groups, self.get_lr())
+            self._last_lr = update_lr(optimizer.param_groups, self.get_lr())
 
     def get_lr_ratio(self):
         if self.last_batch_iteration < 0:
@@ -174,58 +174,6 @@ class WarmupCosineLR(_Schedule):
             return [0.0 for _ in self.org_lrs]
         lr_ratio = self.get_lr_ratio()
         return [org_lr * lr_ratio for org_lr in self.org_lrs]
-
-
-class MinGPTSchedule:
-    """minGPT's trainer schedule (karpathy/minGPT `trainer.py`, `lr_decay=True`), driven by tokens.
-
-    Linear warmup over `warmup_tokens`, then cosine decay that floors at 10% of the peak:
-    lr_mult = tokens / warmup_tokens during warmup, else
-    max(0.1, 0.5 * (1 + cos(pi * progress))), progress = (tokens - warmup) / (final - warmup).
-    Counting tokens instead of steps makes the schedule independent of the batch size.
-    Like minGPT, the lr applies to the *next* step: call `step(tokens=n)` after each
-    optimizer step with the number of tokens that step consumed. At construction
-    (0 tokens) the lr is 0.
-    """
-
-    def __init__(self, optimizer, learning_rate, warmup_tokens, final_tokens):
-        if not final_tokens > warmup_tokens >= 0:
-            raise ValueError(f"need final_tokens > warmup_tokens >= 0, got {final_tokens} and {warmup_tokens}")
-        self.optimizer = optimizer = _torch_optimizer(optimizer)
-        self.learning_rate = learning_rate
-        self.warmup_tokens = warmup_tokens
-        self.final_tokens = final_tokens
-        self.tokens = 0
-        self._last_lr = _update_lr(optimizer.param_groups, self.get_lr())
-
-    def lr_mult(self):
-        if self.tokens < self.warmup_tokens:
-            return float(self.tokens) / float(max(1, self.warmup_tokens))
-        progress = float(self.tokens - self.warmup_tokens) / float(max(1, self.final_tokens - self.warmup_tokens))
-        return max(0.1, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-    def get_lr(self):
-        return [self.learning_rate * self.lr_mult()] * len(self.optimizer.param_groups)
-
-    def step(self, tokens=0):
-        self.tokens += int(tokens)
-        self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
-
-    def get_last_lr(self):
-        return self._last_lr
-
-    def state_dict(self):
-        # The shape of the schedule too, not only the position: a run resumed with another
-        # --max-steps keeps the schedule it started with (an uninterrupted run would have).
-        return {"tokens": self.tokens, "learning_rate": self.learning_rate,
-                "warmup_tokens": self.warmup_tokens, "final_tokens": self.final_tokens}
-
-    def load_state_dict(self, sd):
-        self.tokens = sd["tokens"]
-        for k in ("learning_rate", "warmup_tokens", "final_tokens"):   # absent in older checkpoints
-            if k in sd:
-                setattr(self, k, sd[k])
-        self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
 
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}

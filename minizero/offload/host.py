@@ -57,9 +57,10 @@ from contextlib import nullcontext
 
 import torch
 
-from . import comm, nvme
-from .flat_param import DeviceShard, FlatParam
-from .memory import CATEGORIES
+from .. import comm
+from ..flat_param import DeviceShard, FlatParam
+from ..memory import CATEGORIES
+from . import nvme
 
 HOST = torch.device("cpu")
 
@@ -130,9 +131,9 @@ class Offload:
                                                           f.shard, read_ahead))
         if self.nvme_optimizer is not None:
             optimizer.states.keep_in_files(nvme.StateFiles(self.tier.swappers[self.nvme_optimizer]))
-        self.tier.start(list(self.swapped(flat_params, optimizer)))
+        self.tier.start(list(self.swappable(flat_params, optimizer)))
 
-    def swapped(self, flat_params: list[FlatParam], optimizer):
+    def swappable(self, flat_params: list[FlatParam], optimizer):
         """(key, tensor, swapper) of everything that lives in files between uses."""
         if self.tier is None:
             return
@@ -150,7 +151,7 @@ class Offload:
         "device": "cpu"), written back after it; a plain block without NVMe."""
         if self.tier is None:
             return nullcontext()
-        return self.tier.resident(lambda: list(self.swapped(flat_params, optimizer)), optimizer.own_swapped_states)
+        return self.tier.resident(lambda: list(self.swappable(flat_params, optimizer)), optimizer.own_swapped_states)
 
     def close(self) -> None:
         """Writes in flight finished, swap files and folders removed (a clean exit)."""
@@ -173,7 +174,7 @@ class Offload:
         category = {"master": "master_params", "shard": "params"}     # the rest: Adam's moments
         self.tier.wait_all()
         out = dict.fromkeys(CATEGORIES, 0)
-        for key, t, _ in self.swapped(flat_params, optimizer):
+        for key, t, _ in self.swappable(flat_params, optimizer):
             if t.untyped_storage().nbytes() == 0:
                 out[category.get(key.rsplit(".", 1)[1], "optimizer_states")] += nvme.nbytes(t)
         return out

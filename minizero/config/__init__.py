@@ -1,8 +1,8 @@
 """The DeepSpeed JSON config, parsed into typed dataclasses with DeepSpeed 0.19.8's defaults.
 
 Each section is one table: a dataclass whose every field is one key, declared once with
-`key(default, check, alias=..., acts=...)` (config_schema.py: how a table parses; the
-`zero_optimization` section and its offload sub-sections are in zero_config.py). The
+`key(default, check, alias=..., acts=...)` (schema.py: how a table parses; the
+`zero_optimization` section and its offload sub-sections are in zero.py). The
 parser, the defaults, the list of accepted keys in error messages and the typed result all
 come from that one declaration.
 
@@ -31,10 +31,9 @@ from typing import Optional
 import torch
 
 from . import lr_schedules
-from .config_schema import (Section, anything, boolean, integer, key, list_of, number, only, optional, real,
+from .schema import (ConfigError, Section, anything, boolean, integer, key, list_of, number, only, optional, real,
                             string)
-from .errors import ConfigError
-from .zero_config import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,  # noqa: F401
+from .zero import (AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig,  # noqa: F401
                           _zero, check_world_size, ignored_knobs, ignored_knobs_note, renamed_keys_note)
 
 __all__ = ["ConfigError", "Config", "AioConfig", "FP16Config", "BF16Config", "ZeroConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
@@ -147,7 +146,7 @@ class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`, as DeepSpeedActivationCheckpointingConfig
     (runtime/activation_checkpointing/config.py). DeepSpeed only parses it; minizero applies
     it (docs/deepspeed.md, "activation_checkpointing is parsed, not applied"). What each key
-    does under pure data parallelism: checkpointing_config.py."""
+    does under pure data parallelism: checkpointing/options.py."""
     partition_activations: bool = key(False, boolean)   # one model-parallel rank: nothing to split, see there
     contiguous_memory_optimization: bool = key(False, boolean)
     cpu_checkpointing: bool = key(False, boolean)
@@ -218,14 +217,14 @@ class Config(Section):
     fp16: FP16Config = key(FP16Config, FP16Config.parse)
     bf16: BF16Config = key(BF16Config, BF16Config.parse, alias="bfloat16")   # DS's old name (BFLOAT16_OLD)
     zero: ZeroConfig = key(ZeroConfig, _zero, name="zero_optimization")
-    # None when the config has none: then the engine does not checkpoint the model's blocks.
+    # None when the config has none: then the engine leaves minizero.checkpointing unconfigured.
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = key(
         None, optional(ActivationCheckpointingConfig.parse))
     steps_per_print: Optional[int] = key(None, optional(integer(lo=1)))   # DS 0.19.8 default: None (never print)
     collectives: CollectivesConfig = key(CollectivesConfig, CollectivesConfig.parse, name="minizero_collectives")
     comms_logger: CommsLoggerConfig = key(CommsLoggerConfig, CommsLoggerConfig.parse)
     trace: TraceConfig = key(TraceConfig, TraceConfig.parse, name="minizero_trace")
-    aio: AioConfig = key(AioConfig, AioConfig.parse)       # the NVMe swapper's I/O (nvme.py)
+    aio: AioConfig = key(AioConfig, AioConfig.parse)       # the NVMe swapper's I/O (offload/nvme.py)
     wall_clock_breakdown: bool = key(False, boolean, acts=False)
     zero_allow_untested_optimizer: bool = key(False, boolean, acts=False)
     zero_force_ds_cpu_optimizer: bool = key(True, boolean, acts=False)

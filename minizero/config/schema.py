@@ -3,8 +3,8 @@
 A section is a dataclass; each field is one key, declared once with `key(default, check,
 alias=..., acts=...)`. `Section.parse` builds the typed section from a JSON object with
 those rows: unknown keys are an error that names the path and the accepted keys, each
-value goes through its check, absent keys take their default. config.py declares
-DeepSpeed's sections with it. The checks below take (value, path) and return the cleaned
+value goes through its check, absent keys take their default. config/__init__.py and
+zero.py declare DeepSpeed's sections with it. The checks below take (value, path) and return the cleaned
 value or raise ConfigError with a message that says what to write instead.
 """
 from __future__ import annotations
@@ -14,7 +14,10 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 
-from .errors import ConfigError
+
+class ConfigError(ValueError):
+    """A config key or value minizero does not accept. The message says what to do."""
+
 
 def unknown_key(key: str, full: str, path: str, accepted) -> str:
     """The error for a key a section does not have, in one line. Most are typos of one it

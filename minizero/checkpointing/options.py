@@ -1,7 +1,7 @@
 """The `activation_checkpointing` options: what each key means, and DeepSpeed's precedence.
 
 The keys and their defaults are declared once, as `ActivationCheckpointingConfig` in
-config.py (load_config parses the section there; `configure` below reads the same table).
+config/__init__.py (load_config parses the section there; `configure` below reads the same table).
 Precedence as DeepSpeed's `configure` (checkpointing.py): start from the defaults, apply
 the config's `activation_checkpointing` section (a dict or a JSON path), then any explicit
 keyword. Under pure data parallelism (minizero's only mode) the keys mean:
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .config import ActivationCheckpointingConfig, read_json
+from ..config import ActivationCheckpointingConfig, read_json
 
 __all__ = ["resolve", "check", "describe"]
 

@@ -1,6 +1,6 @@
 """ZeRO-Infinity's NVMe tier: model states that live in files, and come to host memory to be used.
 
-offload.py puts the optimizer's shard (fp32 master + Adam's moments) and ZeRO-3's
+host.py puts the optimizer's shard (fp32 master + Adam's moments) and ZeRO-3's
 parameter shards in host memory. ZeRO-Infinity (Rajbhandari et al., SC'21) goes one tier
 further: between uses they live on an NVMe drive, so a model larger than the hosts' memory
 still trains. With `"device": "nvme"` minizero keeps every such tensor object (the optimizer
@@ -54,8 +54,8 @@ from contextlib import contextmanager
 
 import torch
 
-from . import comm
-from .errors import ConfigError
+from .. import comm
+from ..config import ConfigError
 
 logger = logging.getLogger("minizero")
 
@@ -272,13 +272,13 @@ class NvmeTier:
         tier.names = paths
         return tier
 
-    def start(self, swapped: list) -> None:
-        """`swapped`: (key, tensor, swapper) of every state that lives in files. One line at
+    def start(self, swappable: list) -> None:
+        """`swappable`: (key, tensor, swapper) of every state that lives in files. One line at
         start on every rank when the files would not fit; then each is written once and its
         host memory let go. A collective."""
         try:
             for p, swapper in self.swappers.items():
-                need = sum(nbytes(t) for _, t, s in swapped if s is swapper)
+                need = sum(nbytes(t) for _, t, s in swappable if s is swapper)
                 check_free_space(self.folders[p], need, self.names[p])
         except ConfigError:                          # leave no folder behind, on any rank
             self.close()
@@ -288,24 +288,24 @@ class NvmeTier:
                 logger.warning(f"rank {comm.get_rank()}: removed {folder.removed_stale} swap file(s) in "
                                f"{folder.path} left by a run that did not exit cleanly (swap files are not a "
                                f"checkpoint: a run resumes from its checkpoint)")
-        for key, t, swapper in swapped:
+        for key, t, swapper in swappable:
             swapper.resident.add(key)                 # all in host memory now: write each once
-        for key, t, swapper in swapped:
+        for key, t, swapper in swappable:
             swapper.swap_out(key, t)
         self.wait_all()                               # a disk error surfaces here, at start
 
     @contextmanager
-    def resident(self, swapped, after_load):
-        """Everything swapped in for the block, written back after it. `swapped()` is asked
+    def resident(self, swappable, after_load):
+        """Everything swapped in for the block, written back after it. `swappable()` is asked
         again at the end, and `after_load()` first: a checkpoint load may have replaced the
         tensors."""
-        for key, t, swapper in swapped():
+        for key, t, swapper in swappable():
             swapper.swap_in(key, t)
         try:
             yield
         finally:
             after_load()
-            now = swapped()
+            now = swappable()
             for key, t, swapper in now:
                 swapper.resident.add(key)
             for key, t, swapper in now:

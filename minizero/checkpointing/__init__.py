@@ -39,9 +39,9 @@ that generator is all that is needed.
 
 Layout: this file is the mechanism and the one owner of module state (config, contiguous
 buffers, timings). The keys are declared once, as `ActivationCheckpointingConfig` in
-config.py; their precedence, checks and meaning under pure data parallelism are in
-checkpointing_config.py; where the kept inputs wait for backward (as they are, pinned CPU
-copies, contiguous buffer slots) in checkpointing_buffers.py. The tool that measures the
+config/__init__.py; their precedence, checks and meaning under pure data parallelism are in
+options.py; where the kept inputs wait for backward (as they are, pinned CPU
+copies, contiguous buffer slots) in buffers.py. The tool that measures the
 bytes held for backward, with and without checkpointing, watches from outside the core:
 minizero/observe/saved_bytes.py.
 """
@@ -55,9 +55,10 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from . import checkpointing_buffers as buffers, comm
-from .checkpointing_config import check, describe, resolve
-from .config import ActivationCheckpointingConfig
+from .. import comm
+from ..config import ActivationCheckpointingConfig
+from . import buffers
+from .options import check, describe, resolve
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ActivationCheckpointingConfig
+from ..config import ActivationCheckpointingConfig
 
 __all__ = ["stash", "offload_events", "restore_to_device", "offload_to_cpu", "into_contiguous_slot"]
 

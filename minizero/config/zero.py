@@ -2,7 +2,7 @@
 sub-sections, parsed as DeepSpeed 0.19.8's DeepSpeedZeroConfig (runtime/zero/config.py,
 runtime/zero/offload_config.py), with its aliases and deprecated spellings.
 
-One table per section, as in config.py (which builds the whole config and re-exports these
+One table per section, as in __init__.py (which builds the whole config and re-exports these
 names). `acts=False` marks the knobs minizero accepts and does nothing with: they tune
 DeepSpeed's own buffers, copies and CPU Adam; `ignored_knobs` lists those a config sets.
 """
@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config_schema import Section, boolean, integer, key, number, only, optional
-from .errors import ConfigError
+from .schema import ConfigError, Section, boolean, integer, key, number, only, optional
 
 
 def _offload_device(v, path):
@@ -45,12 +44,12 @@ def _fraction(v, path):
 
 @dataclass
 class OffloadOptimizerConfig(Section):
-    """`zero_optimization.offload_optimizer` (ZeRO-Offload; minizero/offload.py), with
+    """`zero_optimization.offload_optimizer` (ZeRO-Offload; minizero/offload/host.py), with
     DeepSpeed 0.19.8's defaults (DeepSpeedZeroOffloadOptimizerConfig, runtime/zero/offload_config.py).
-    acts=False: DeepSpeed's tuning of its own CPU Adam and NVMe swapper (minizero/nvme.py
+    acts=False: DeepSpeed's tuning of its own CPU Adam and NVMe swapper (minizero/offload/nvme.py
     swaps the whole optimizer shard in for the step, reads issued when the step starts, and
     always lets the writes finish during the next forward and backward)."""
-    device: str = key("none", _offload_device)            # "nvme": minizero/nvme.py
+    device: str = key("none", _offload_device)            # "nvme": minizero/offload/nvme.py
     pin_memory: bool = key(True, boolean)                 # pinned host buffers when the device is a GPU
     nvme_path: Optional[str] = key(None, _nvme_path)      # the swap files' folder (device "nvme")
     buffer_count: int = key(4, integer(lo=0), acts=False)
@@ -74,10 +73,10 @@ class OffloadOptimizerConfig(Section):
 class OffloadParamConfig(Section):
     """`zero_optimization.offload_param` (ZeRO-Infinity, stage 3 only), with DeepSpeed
     0.19.8's defaults (DeepSpeedZeroOffloadParamConfig). With "nvme", buffer_count is how
-    many parameter shards minizero reads ahead of their gather (nvme.py). acts=False: the
+    many parameter shards minizero reads ahead of their gather (offload/nvme.py). acts=False: the
     size of DeepSpeed's swap buffers and of its CPU parameter cache (minizero keeps no cache:
     a shard is in host memory from its read to its gather)."""
-    device: str = key("none", _offload_device)            # "nvme": minizero/nvme.py
+    device: str = key("none", _offload_device)            # "nvme": minizero/offload/nvme.py
     pin_memory: bool = key(True, boolean)
     nvme_path: Optional[str] = key(None, _nvme_path)
     buffer_count: int = key(5, integer(lo=0))             # nvme: shards read ahead of use
@@ -121,7 +120,7 @@ class ZeroConfig(Section):
     stage3_prefetch_bucket_size: int = key(50_000_000, integer(lo=0), alias="prefetch_bucket_size")
     stage3_max_live_parameters: int = key(1_000_000_000, integer(lo=0), alias="max_live_parameters")
     stage3_max_reuse_distance: int = key(1_000_000_000, integer(lo=0), alias="max_reuse_distance")
-    # ZeRO-3 that knows where the nodes are (hierarchy.py). hpZ, ZeRO++'s hierarchical
+    # ZeRO-3 that knows where the nodes are (sharding.py). hpZ, ZeRO++'s hierarchical
     # partitioning (DeepSpeed's key): a second shard of the parameters over k consecutive ranks,
     # which backward gathers from. HSDP (minizero's own key; PyTorch's HSDP, MiCS in DeepSpeed
     # before 0.19.8): shard over S consecutive ranks, replicate across the N/S such groups.
@@ -209,7 +208,7 @@ def _zero(v, path) -> ZeroConfig:
 @dataclass
 class AioConfig(Section):
     """`aio`, the top-level section of DeepSpeed's NVMe swapper (runtime/swap_tensor/aio_config.py,
-    DeepSpeed 0.19.8's defaults). minizero's swapper (nvme.py) reads and writes with plain
+    DeepSpeed 0.19.8's defaults). minizero's swapper (offload/nvme.py) reads and writes with plain
     file I/O in threads: `intra_op_parallelism` is how many (DeepSpeed's earlier name,
     `thread_count`, is its alias) and `block_size` the bytes of one read or write call.
     acts=False: libaio's queue and submission knobs, which plain file I/O does not have."""
