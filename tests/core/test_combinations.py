@@ -61,7 +61,7 @@ def _switches():
     """Every key of the sections below that changes what runs: acts=True, not an alias, and
     accepting more than one value (a key only accepted at minizero's value is no switch)."""
     from minizero.config import ActivationCheckpointingConfig, BF16Config, FP16Config
-    from minizero.zero_config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+    from minizero.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
     tables = [(C.Z, ZeroConfig), (f"{C.Z}.offload_optimizer", OffloadOptimizerConfig),
               (f"{C.Z}.offload_param", OffloadParamConfig), (C.AC, ActivationCheckpointingConfig),
               ("fp16", FP16Config), ("bf16", BF16Config)]
