@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     report = Report(rank == 0)
     dog = Watchdog(first_of_node)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    if world == 1:   # no launcher: one rank, its own group, the same checks
+    if world == 1 and "MASTER_ADDR" not in os.environ:   # no launcher: one rank, its own group, the same checks
+        # (under torchrun --nproc-per-node 1 its store is the one to meet at, as for any world size)
         os.environ.update(process_group.single_host_env(0, 1, process_group.free_port()))
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if world > 1 and (rank != 0 or agent):

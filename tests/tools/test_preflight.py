@@ -184,6 +184,19 @@ def test_a_wrong_rendezvous_endpoint_ends_in_one_line_within_the_timeout(tmp_pat
 
 # ----------------------------------------------------------------------------- without processes
 
+def test_one_rank_under_torchrun_meets_at_torchruns_store(tmp_path):
+    """`torchrun --standalone --nproc-per-node 1 -m minizero.preflight` (the GPU lease's form):
+    one rank meets at torchrun's own store, not a store of its own it then waits on (before,
+    it made up a MASTER_PORT nobody served, and ended in a traceback)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+            "minizero.preflight", "--dataset", "synthetic", "--save-dir", str(tmp_path / "s"), "--timeout", "20"]
+    p = subprocess.run(argv, cwd=ROOT, env=env_for("node0"), capture_output=True, text=True, timeout=120)
+    lines = said(p.stdout)
+    assert p.returncode == 0 and "ranks: 1 of 1 joined" in lines[0] and "torchrun's rendezvous" in lines[0], \
+        p.stdout[-2000:] + p.stderr[-2000:]
+    assert " 0 FAIL " in lines[-1], lines
+
+
 def test_the_endpoint_checks_name_the_fix():
     line = rendezvous.check_endpoint("no-such-host.invalid", 29500, 1, "--rdzv-endpoint", "give the first node's name")
     assert line.startswith("rendezvous: --rdzv-endpoint no-such-host.invalid does not resolve on this node"), line
