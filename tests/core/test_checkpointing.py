@@ -465,7 +465,7 @@ def test_in_recompute_flag_is_set_only_during_the_recompute():
     assert seen == [False, True] and not ck.in_recompute()  # the forward hook fired again, in backward
 
 
-def test_a_checkpointed_step_on_cpu_never_asks_whether_cuda_is_available(monkeypatch):
+def test_a_checkpointed_step_on_cpu_never_asks_whether_a_gpu_is_available(monkeypatch):
     """The forward, the recompute and the backward run once per block per micro-batch, so they
     ask torch.cuda.is_initialized() (a flag), not torch.cuda.is_available(): on a CUDA build
     without a GPU each is_available() call dlopens NVML and queries the driver again (it
