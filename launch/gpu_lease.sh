@@ -11,7 +11,7 @@
 #                  (its parameter-offload case with every FlatParam partitioned: --plan shows what it offloads)
 #   preflight  40  python -m minizero.preflight under torchrun --nproc-per-node 1: its NCCL path, one line per check
 #   readme     70  the README's command under torchrun --nproc-per-node 1: ZeRO-3 bf16, save at 100, resume to 200
-#   regress   100  gpu_check's one-GPU regression checks (CUDA-only tests, host syncs, a resume)
+#   regress   110  gpu_check's one-GPU regression checks (CUDA-only tests, host syncs, a resume)
 #   full       60  gpu_check's resume-1gpu-z3-bf16 at full size: the tutorial GPT at 32x32, deterministic kernels
 #   ds         90  python -m minizero.compare in fp16, minizero against DeepSpeed (where its wheels are carried)
 # Not in the default run (name them: bash launch/gpu_lease.sh OUT memory fp16):
@@ -42,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ORDER=(wheels env nccl preflight readme regress full ds)
 EXTRA=(memory fp16)
-declare -A BUDGET=([wheels]=15 [env]=25 [nccl]=60 [preflight]=40 [readme]=70 [regress]=100 [full]=60 [ds]=90
+declare -A BUDGET=([wheels]=15 [env]=25 [nccl]=60 [preflight]=40 [readme]=70 [regress]=110 [full]=60 [ds]=90
                    [memory]=90 [fp16]=150)
 LIMIT=480   # the whole run: 8 minutes
 PY=${PYTHON:-python3}
