@@ -342,6 +342,7 @@ class DcpSource(CheckpointSource):
     are adopted when the saved values agree with them (`adopt_groups`), as
     set_optimizer_state_dict does."""
     library = "dcp"
+    KEEP_NUMEL = 1 << 26   # fp32 elements read and held for later slices: 256 MB
 
     def __init__(self, folder: str):
         self.folder = os.path.normpath(folder)
@@ -402,7 +403,8 @@ class DcpSource(CheckpointSource):
                        if kind == "step"}
         self._read_groups(run.get("param_groups"))
         self.counters = self._counters()
-        self._have: dict = {}
+        self._have: dict = {}   # (kind, name) -> (lo, hi, elements [lo, hi)), oldest first
+        self._held = 0
 
     # ------------------------------------------------------------------ small values
     def _read(self, keys) -> dict:
@@ -411,7 +413,7 @@ class DcpSource(CheckpointSource):
         flat = {k: (torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) if k in self._tensor else None)
                 for k in keys}
         if flat:
-            load_items(self.folder, flat)
+            load_items(self.folder, flat, metadata=self.metadata)
         out: dict = {}
         for k, v in flat.items():
             _set(out, self._paths[k], v)
@@ -520,9 +522,20 @@ class DcpSource(CheckpointSource):
             t.loading = True
             sd[key], where[key] = t, (kind, name, lo, hi)
         if sd:
-            load_items(self.folder, sd)
+            load_items(self.folder, sd, metadata=self.metadata)
         for key, (kind, name, lo, hi) in where.items():
-            self._have[(kind, name)] = (lo, hi, sd[key].flat())
+            self._keep((kind, name), (lo, hi, sd[key].flat()))
+
+    def _keep(self, key, held) -> None:
+        """Hold what was read, the oldest dropped beyond KEEP_NUMEL elements (a reader that
+        comes back to each parameter once per rank, as a DeepSpeed export does, reads its
+        whole tensor once)."""
+        old = self._have.pop(key, None)
+        self._held += held[1] - held[0] - (old[1] - old[0] if old else 0)
+        self._have[key] = held
+        while len(self._have) > 1 and self._held > self.KEEP_NUMEL:
+            lo, hi, _ = self._have.pop(next(iter(self._have)))
+            self._held -= hi - lo
 
     def read(self, kind: str, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if kind not in KINDS:
@@ -535,7 +548,7 @@ class DcpSource(CheckpointSource):
             raise ValueError(f"read {name}[{start}:{stop}): the parameter has {n} elements")
         have = self._have.get((kind, name))
         if have is None or not (have[0] <= start and stop <= have[1]):
-            self.prefetch([(kind, name, start, stop)])
+            self.prefetch([(kind, name, 0, n)])   # a slice not announced: the whole tensor, kept
             have = self._have[(kind, name)]
         return have[2][start - have[0]:stop - have[0]].clone()
 

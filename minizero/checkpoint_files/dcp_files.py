@@ -109,10 +109,12 @@ def _reader_class():
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
-        """DCP's FileSystemReader, its `.metadata` read through the allow-list (read_metadata)."""
+        """DCP's FileSystemReader, its `.metadata` read through the allow-list (read_metadata),
+        or handed over already read (`known`: a reader that loads many times reads it once)."""
+        known = None
 
         def read_metadata(self, *args, **kwargs):
-            md = read_metadata(str(self.path))
+            md = self.known if self.known is not None else read_metadata(str(self.path))
             from torch.distributed.checkpoint.metadata import StorageMeta
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
@@ -146,8 +148,10 @@ def _planner_class():
     return SafeLoadPlanner
 
 
-def SafeReader(folder: str):   # noqa: N802  (a class, built when DCP is first needed)
-    return _reader_class()(folder)
+def SafeReader(folder: str, metadata=None):   # noqa: N802  (a class, built when DCP is first needed)
+    r = _reader_class()(folder)
+    r.known = metadata
+    return r
 
 
 def SafeLoadPlanner(folder: str = "", **kw):   # noqa: N802
@@ -156,7 +160,7 @@ def SafeLoadPlanner(folder: str = "", **kw):   # noqa: N802
     return p
 
 
-def load_items(folder: str, state_dict: dict, process_group=None, no_dist: bool = True) -> None:
+def load_items(folder: str, state_dict: dict, process_group=None, no_dist: bool = True, metadata=None) -> None:
     """torch.distributed.checkpoint.load of these flat keys (tensors filled in place, other
     values replaced) through SafeReader and SafeLoadPlanner. no_dist: this process alone
     (minizero's ranks read their own pieces; nothing to agree on). A damaged chunk file is one
@@ -164,7 +168,7 @@ def load_items(folder: str, state_dict: dict, process_group=None, no_dist: bool 
     import torch.distributed.checkpoint as dcp
     planner = SafeLoadPlanner(folder, flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        dcp.load(state_dict, storage_reader=SafeReader(folder), planner=planner, process_group=process_group,
+        dcp.load(state_dict, storage_reader=SafeReader(folder, metadata), planner=planner, process_group=process_group,
                  no_dist=no_dist)
     except BaseException as e:   # DCP raises its CheckpointException, a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
