@@ -91,10 +91,14 @@ def _loop(engine, start: int, steps: int) -> list[float]:
     return out
 
 
-def _minizero(stage: int, world: int):
+def _minizero(stage: int, world: int, fp16_schedule: bool = False):
     import minizero
     from reference.ds_run import build_model, prepare_ds_config
-    cfg = prepare_ds_config(_cfg(stage, world))
+    cfg = _cfg(stage, world)
+    if fp16_schedule:
+        cfg = dict(harness.make_config(stage, "fp16", micro_batch=4 // world, lr=1e-3, clip=0.0),
+                   scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-3}})
+    cfg = prepare_ds_config(cfg)
     model, params = build_model(MODEL_FN, cfg, 0)
     return minizero.initialize(model=model, model_parameters=params, config=cfg)[0]
 
@@ -123,6 +127,12 @@ def _save_both(root: str) -> dict:
     out["pt"] = _loop(e, 0, K)
     e.save_checkpoint(f"{root}/pt", client_state={"note": "fsdp2"})
     out["pt_cont"] = _loop(e, K, K)
+    # fp16 with a schedule: the loss scale, the schedule and each rank's RNG ride along
+    e = _minizero(2, 2, fp16_schedule=True)
+    torch.manual_seed(100 + torch.distributed.get_rank())   # the ranks' RNG states differ
+    _loop(e, 0, K)
+    out["fp16_saved"] = (e.loss_scaler.state_dict(), e.lr_scheduler.state_dict(), torch.get_rng_state())
+    dcp_checkpoint.save(e, f"{root}/fp16dcp")
     return out
 
 
@@ -172,6 +182,9 @@ def _resume_everywhere(root: str) -> dict:
         out[f"{name}_final"] = _state(e)
     if world == 1:
         out["refusals"] = _refusals(root)
+        e = _minizero(2, 1, fp16_schedule=True)
+        e.load_checkpoint(f"{root}/fp16dcp")
+        out["fp16_loaded"] = (e.loss_scaler.state_dict(), e.lr_scheduler.state_dict(), torch.get_rng_state())
     return out
 
 
@@ -259,6 +272,16 @@ def test_minizero_writes_the_numbers_fsdp2_writes_cut_into_rectangles(runs):
     assert mid_row, "every chunk starts a row: the test no longer covers a cut inside a row"
     fsdp_rows = read_metadata(pt.folder).state_dict_metadata[mid_row[0]].chunks
     assert all(c.offsets[1] == 0 for c in fsdp_rows)
+
+
+def test_the_loss_scale_schedule_and_rng_ride_along(runs):
+    """fp16 ZeRO-2 with WarmupLR on 2 ranks saved as DCP (loss_scaler.*, lr_scheduler.*,
+    rng.rank_<r>), resumed on 1 rank: the scaler and the schedule as saved, rank 0's RNG."""
+    _, first, one, _ = runs
+    scaler, sched, rng = first["fp16_saved"]
+    assert scaler["cur_iter"] == K and sched["last_batch_iteration"] == K - 1
+    got_scaler, got_sched, got_rng = one["fp16_loaded"]
+    assert got_scaler == scaler and got_sched == sched and torch.equal(got_rng, rng)
 
 
 def test_one_rank_continues_bitwise_either_way(runs):
