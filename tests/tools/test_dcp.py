@@ -475,3 +475,22 @@ def test_the_dcp_tutorial_layout_reads_too(tmp_path):
     for n, p in model.named_parameters():
         assert torch.equal(src.read("master", n), p.detach().reshape(-1))
         assert torch.equal(src.read("exp_avg_sq", n, 3, 7), opt.state[p]["exp_avg_sq"].reshape(-1)[3:7])
+
+
+def test_dcp_rewritten_offline_as_minizero_and_deepspeed_holds_the_same_numbers(runs, tmp_path):
+    """python -m minizero.reshard and export_deepspeed take FSDP2's DCP folder as SRC: every
+    master and moment, Adam's step and the counters come out as saved."""
+    from minizero.checkpoint_files.checkpoint_io import open_checkpoint
+    from minizero.checkpoint_files.deepspeed_checkpoint import open_source as deepspeed_source
+    from minizero.checkpoint_files.export_deepspeed import export, open_checkpoint as export_source
+    from minizero.checkpoint_files.reshard import reshard
+    root = runs[0]
+    saved = DcpSource(_tag_folder(root, "pt"))
+    _, mz_out = reshard(f"{root}/pt", str(tmp_path / "mz"), world_size=3, stage=2)
+    ds_out = export(export_source(f"{root}/pt"), str(tmp_path / "ds"), world_size=3)
+    for got in (open_checkpoint(mz_out), deepspeed_source(ds_out)):
+        assert got.names == saved.names and got.counters == saved.counters
+        assert [g["step"] for g in got.groups] == [g["step"] for g in saved.groups] == [K, K]
+        for name in saved.names:
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got.read(kind, name), saved.read(kind, name)), (got.library, kind, name)
