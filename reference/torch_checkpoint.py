@@ -32,7 +32,8 @@ from minizero import comm
 from minizero.checkpoint_files import durable
 from minizero.checkpoint_files.checkpoint_folder import CheckpointError, describe_tags, publish, resolve_tag
 from minizero.checkpoint_files.checkpoint_state import model_difference
-from minizero.checkpoint_files.dcp_checkpoint import DcpSource, _common, _run_record
+from minizero.checkpoint_files.dcp_checkpoint import _common, _run_record
+from minizero.checkpoint_files.dcp_source import DcpSource
 from minizero.checkpoint_files.dcp_files import SafeLoadPlanner, SafeReader, damaged_chunks, is_dcp_folder
 
 OPTIONS = dict(flatten_optimizer_state_dict=True)

@@ -130,7 +130,7 @@ def _complete_step(folder: str) -> int | None:
     if folder.endswith(".tmp") or not os.path.isdir(folder):
         return None
     names = set(os.listdir(folder))
-    if ".metadata" in names:   # a DCP folder (FSDP2's, torchtitan's, export_dcp's): dcp_checkpoint.py
+    if ".metadata" in names:   # a DCP folder (FSDP2's, torchtitan's, export_dcp's): dcp_source.py
         return _complete_dcp_step(folder)
     model = next((m for m in (MODEL_FILE, DS_ZERO3_MODEL_FILE) if m in names), None)
     if model is None:

@@ -274,11 +274,11 @@ def tag_library(load_dir: str, tag: str) -> str:
 
 
 def open_checkpoint(folder: str, meta: dict | None = None):
-    """The CheckpointSource of a tag folder: minizero's, a DCP folder's (dcp_checkpoint.py),
+    """The CheckpointSource of a tag folder: minizero's, a DCP folder's (dcp_source.py),
     or DeepSpeed's when the folder looks like one (deepspeed_checkpoint.py). `meta`: its
     model-states file, when already read."""
     if is_dcp_folder(folder):
-        from .dcp_checkpoint import open_source
+        from .dcp_source import open_source
         return open_source(folder)
     load_dir, tag = os.path.split(os.path.normpath(folder))
     meta = meta if meta is not None else _minizero_meta(load_dir, tag)
@@ -314,7 +314,7 @@ def saved_batch(folder: str) -> tuple[int, int | None]:
     if meta is not None:
         world, cfg = meta["world_size"], meta.get("config") or {}
     elif is_dcp_folder(folder):
-        from .dcp_checkpoint import open_source
+        from .dcp_source import open_source
         src = open_source(folder)
         world, cfg = src.world_size, src.config or {}
     else:

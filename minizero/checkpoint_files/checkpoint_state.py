@@ -6,7 +6,7 @@ that: per parameter, its fp32 master and Adam's two moments; per param group, Ad
 hyper-parameters and step; and the run's counters, lr schedule, loss scale and
 client_state. `CheckpointSource` is that state, read slice by slice from whatever
 layout holds it (`MinizeroSource` here; DeepSpeed's folders in deepspeed_checkpoint.py, PyTorch
-DCP folders in dcp_checkpoint.py).
+DCP folders in dcp_source.py).
 
 Resharding is then slicing (partition.py has the arithmetic): for each FlatParam of the
 new layout, rank r's shard is [r * S, (r + 1) * S) of the padded buffer; the parameter

@@ -21,7 +21,7 @@ whatever its pickles name. Here neither does (safe_load.py says why it matters):
   non-tensor values (DCP's own reader already loads tensors that way).
 
 `SafeReader` and `SafeLoadPlanner` are what every DCP load in this repository passes to
-`torch.distributed.checkpoint.load`, minizero's (dcp_checkpoint.py) and the PyTorch
+`torch.distributed.checkpoint.load`, minizero's (dcp_source.py) and the PyTorch
 reference's (reference/torch_engine.py). A truncated or missing chunk file is one
 CheckpointError line naming it.
 """

@@ -38,7 +38,7 @@ from . import durable
 from .checkpoint_folder import CheckpointError, command_error, load_file, tag_folder
 from .checkpoint_io import read_every_file
 from .checkpoint_state import MinizeroSource, build_shard
-from .dcp_checkpoint import open_source as open_dcp
+from .dcp_source import open_source as open_dcp
 from .dcp_files import is_dcp_folder
 from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object, open_source,
                                    torch_save, zero3_partition_numel, zero12_partition_numel, zero12_tail_padding)
@@ -295,7 +295,7 @@ def export(source, dst_dir: str, tag: str | None = None, stage: int | None = Non
 
 def open_checkpoint(checkpoint_dir: str, tag: str | None = None):
     """The CheckpointSource of a checkpoint folder (its `latest`, or `tag`): minizero's, a DCP
-    folder (FSDP2's, torchtitan's: dcp_checkpoint.py), or DeepSpeed's (so a DeepSpeed
+    folder (FSDP2's, torchtitan's: dcp_source.py), or DeepSpeed's (so a DeepSpeed
     checkpoint can be rewritten for another world size or stage)."""
     tag, path = tag_folder(checkpoint_dir, tag)
     if is_dcp_folder(path):

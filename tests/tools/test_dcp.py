@@ -35,7 +35,8 @@ import pytest
 import torch
 
 from minizero.checkpoint_files.checkpoint_folder import CheckpointError, UnsafeCheckpointError
-from minizero.checkpoint_files.dcp_checkpoint import DcpSource, boxes
+from minizero.checkpoint_files.dcp_checkpoint import boxes
+from minizero.checkpoint_files.dcp_source import DcpSource
 from minizero.checkpoint_files.dcp_files import METADATA_GLOBALS, read_metadata
 from tests.support import harness
 from tests.support.launcher import run_ranks
