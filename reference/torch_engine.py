@@ -252,13 +252,20 @@ class TorchEngine:
     def train_batch_size(self) -> int:
         return self.cfg.train_batch_size
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, **_):
-        """Not written: the PyTorch reference is for comparison runs, not for keeping
-        (torch.distributed.checkpoint would be the way; resume is refused up front)."""
-        return None
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """DeepSpeed's method, as torchtitan saves: every rank writes its shards into one DCP
+        folder, `<save_dir>/<tag>`, and `latest` names it (reference/torch_checkpoint.py).
+        Call at a gradient-accumulation boundary. Returns the tag's folder."""
+        from reference.torch_checkpoint import save
+        return save(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, *a, **k):
-        raise TorchEngineError("the PyTorch reference does not resume: run it from the start")
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True, **_):
+        """DeepSpeed's method: (tag folder, client_state), or (None, None) without `latest`.
+        Any DCP folder of this model: FSDP2's or DDP's at any world size, minizero's
+        (`python -m minizero.export_dcp` converts minizero's and DeepSpeed's own folders)."""
+        from reference.torch_checkpoint import load
+        return load(self, load_dir, tag, load_optimizer_states)
 
     # ------------------------------------------------------------------ what it holds and sends
     def full_fp32_state_dict(self) -> dict:

@@ -9,8 +9,10 @@ Same flags, loop, model, data, seed, LR schedule and clipping (imported from min
 copied), same files (metrics.csv, summary.json with "library": "torch", samples.png, the
 memory at the last step's two moments, the comm table), default save dir
 runs/torch-<stage>-<dtype>. Only the engine differs: reference/torch_engine.py, where each
-choice is explained (stage 1 and fp16 are refused: FSDP2 has neither). What it does not do:
-write a checkpoint or resume (a comparison run, not one to keep; --resume is refused).
+choice is explained (stage 1 and fp16 are refused: FSDP2 has neither). Checkpoints are
+PyTorch's Distributed Checkpoint folders (DCP, as torchtitan saves: reference/torch_checkpoint.py):
+`--save-every` writes one, `--resume DIR` continues one at any world size, FSDP2's, DDP's or
+minizero's (`python -m minizero.export_dcp` converts a minizero or DeepSpeed folder).
 """
 from __future__ import annotations
 
@@ -31,8 +33,6 @@ from reference.torch_engine import TorchEngine, TorchEngineError, held_bytes, hi
 
 
 def _initialize(model, param_groups, cfg, args):
-    if args.resume:
-        raise TorchEngineError("the PyTorch reference does not resume (it writes no checkpoint): drop --resume")
     model.to(comm.get_device())
     engine = TorchEngine(model, param_groups, cfg)
     kind = {0: "DistributedDataParallel", 2: "FSDP2 fully_shard(reshard_after_forward=False)",
@@ -43,8 +43,8 @@ def _initialize(model, param_groups, cfg, args):
     if engine.hpz_partition_size:
         kind = kind.replace("=True", f"={engine.hpz_partition_size}") + " (hpZ: backward gathers within " \
             f"{engine.hpz_partition_size} ranks)"
-    runlog.log0(f"torch: {kind} on every block, then the root; no checkpoint is written" if engine.stage
-                else f"torch: {kind}; no checkpoint is written")
+    runlog.log0(f"torch: {kind} on every block, then the root; checkpoints in DCP" if engine.stage
+                else f"torch: {kind}; checkpoints in DCP")
     return engine
 
 

@@ -30,7 +30,8 @@ at any instant (even mid-write) leaves it on one:
    `latest` on `<tag>.prev`, a complete checkpoint that resumes like any other.
 
 A folder is complete when it has no `.tmp` suffix and holds the model-states file and every
-rank's optimizer and RNG files (`complete_tags`). Leftover `.tmp` folders are only garbage.
+rank's optimizer and RNG files (`complete_tags`); a DCP folder, when its `.metadata` reads and
+every chunk file it names is whole. Leftover `.tmp` folders are only garbage.
 
 Durable. Every file is fsynced as it is written, the `<tag>.tmp` folder before the barrier,
 the save folder after each rename, and `latest` is replaced by a fsynced temp file
@@ -57,18 +58,11 @@ import sys
 import zipfile
 
 from . import durable
+from .checkpoint_errors import CheckpointError, UnsafeCheckpointError  # noqa: F401  (imported from here too)
 from .safe_load import refusal, torch_load
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 DS_ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # DeepSpeed's ZeRO-3 writes one per rank
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A file the allow-list refused: unpickling it would have called code (safe_load.py)."""
 
 
 def unreadable(path: str, e: Exception) -> str:
@@ -136,6 +130,8 @@ def _complete_step(folder: str) -> int | None:
     if folder.endswith(".tmp") or not os.path.isdir(folder):
         return None
     names = set(os.listdir(folder))
+    if ".metadata" in names:   # a DCP folder (FSDP2's, torchtitan's, export_dcp's): dcp_source.py
+        return _complete_dcp_step(folder)
     model = next((m for m in (MODEL_FILE, DS_ZERO3_MODEL_FILE) if m in names), None)
     if model is None:
         return None
@@ -149,6 +145,19 @@ def _complete_step(folder: str) -> int | None:
     if not all(any(name in names for name in options) for options in need):
         return None
     return int(meta.get("global_steps", -1))
+
+
+def _complete_dcp_step(folder: str) -> int | None:
+    """A DCP folder is complete when its `.metadata` reads (through the allow-list) and every
+    chunk file it names is there, whole; its step is train_state.step (-1 without one)."""
+    from .dcp_files import check_files, read_metadata, saved_step
+    try:
+        check_files(folder, read_metadata(folder))
+        return saved_step(folder)
+    except UnsafeCheckpointError:
+        raise
+    except Exception:
+        return None
 
 
 def complete_tags(save_dir: str) -> list[str]:

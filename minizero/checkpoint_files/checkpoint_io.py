@@ -75,35 +75,23 @@ import os
 import shutil
 import socket
 
-import torch
+import torch  # noqa: F401  (checkpoint_io.torch: the tests replace torch.save through it)
 
 from .. import comm
 from . import durable, shared_folder
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
-                                optim_file, publish, read_latest, resolve_tag, rng_file)
+                                optim_file, publish, resolve_tag, rng_file)
 from .safe_load import numbers_as_python, refuse_unsafe_values
+from .dcp_files import is_dcp_folder
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
                                fill_missing_hparams, rank_state)
+from .save_guards import refuse_non_finite as _refuse_non_finite, refuse_unshared as _refuse_unshared
+from .save_guards import rng_state as _rng_state, set_rng_state as _set_rng_state
 from .load_notes import _dtype_change, _dtype_name, _moved_note, rank_span  # noqa: F401  (rank_span: reshard.py)
 from ..version import __version__
 
 logger = logging.getLogger("minizero")
 COUNTERS = ("global_steps", "skipped_steps", "micro_steps", "global_samples")   # the engine's, in the model file
-
-def _rng_state() -> dict:
-    st = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    if "cpu" not in st:   # a rank the saving run did not have (python -m minizero.reshard writes {})
-        return
-    torch.set_rng_state(st["cpu"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
-
 
 # ----------------------------------------------------------------------------- save
 
@@ -161,39 +149,6 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         publish(save_dir, tag, save_latest)
     comm.barrier()
     return final
-
-
-def _refuse_non_finite(engine, state: dict, save_dir: str, tag: str) -> None:
-    """Collective: every rank checks its own shards; one MAX all-reduce tells all which
-    ranks hold an inf/NaN, and then all of them refuse, before anything is written."""
-    bad = any(not bool(torch.isfinite(t).all()) for t in [*state["masters"], *state["shards"]])
-    flags = torch.zeros(engine.world_size, device=engine.device)
-    flags[engine.global_rank] = float(bad)
-    comm.all_reduce(flags, op="max", label="checkpoint_finite")
-    ranks = [r for r, v in enumerate(flags.tolist()) if v > 0]
-    if ranks:
-        prev = read_latest(save_dir)
-        kept = f"'latest' still names {prev}" if prev is not None else "there is no 'latest' yet"
-        raise CheckpointError(f"refusing to save checkpoint {tag}: the weights are non-finite (inf/NaN) on rank "
-                              f"{', '.join(map(str, ranks))}; nothing was written, {kept}")
-
-
-def _refuse_unshared(engine, save_dir: str, tmp: str) -> None:
-    """Collective: does every rank see the `<tag>.tmp` folder rank 0 just made (after a while
-    of re-reading, for a shared file system's cache: shared_folder.py)? If not, the save
-    folder is node-local: every rank raises, and rank 0 removes its folder."""
-    blind = shared_folder.ranks_blind_to(
-        tmp, os.path.isdir, lambda f: comm.all_reduce(f, op="max", label="checkpoint_shared"), engine.device)
-    if not blind:
-        return
-    hosts = comm.all_gather_object(socket.gethostname())
-    if engine.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    where = ", ".join(f"rank {r} on {hosts[r]}" for r in blind[:4]) + (" ..." if len(blind) > 4 else "")
-    raise CheckpointError(f"save folder {save_dir} is not shared by all ranks: {where} cannot see the folder rank 0 "
-                          f"(on {hosts[0]}) created in it, after {shared_folder.VISIBLE_WAIT_S:g} s of looking. Every "
-                          f"rank writes its shard into one folder: put --save-dir on a filesystem all nodes mount "
-                          f"(NFS, Lustre, ...)")
 
 
 # ----------------------------------------------------------------------------- load
@@ -292,9 +247,11 @@ def _refuse_unseen(engine, load_dir: str, path: str) -> None:
 
 def _minizero_meta(load_dir: str, tag: str) -> dict | None:
     """The model-states file of a minizero tag folder; None for a DeepSpeed one (its
-    model-states file has no layout; at ZeRO-3 it writes one per rank instead). mmap: a
-    DeepSpeed model-states file holds the whole model, only a few small entries are read."""
+    model-states file has no layout; at ZeRO-3 it writes one per rank instead) or a DCP one.
+    mmap: a DeepSpeed model-states file holds the whole model, only a few small entries are read."""
     folder = os.path.join(load_dir, tag)
+    if is_dcp_folder(folder):
+        return None
     if not os.path.exists(os.path.join(folder, MODEL_FILE)) and os.path.exists(os.path.join(folder, DS_ZERO3_MODEL_FILE)):
         return None
     meta = load_file(load_dir, tag, MODEL_FILE, mmap=True)
@@ -308,14 +265,21 @@ def saved_partition_count(meta: dict) -> int:
 
 
 def tag_library(load_dir: str, tag: str) -> str:
-    """Which library wrote a tag: "minizero" or "deepspeed" (a folder both have written
-    holds tags of each; a trainer resuming it must know which one it loads)."""
+    """Which format a tag is in: "minizero", "deepspeed" or "dcp" (PyTorch's Distributed
+    Checkpoint: FSDP2's, torchtitan's, `python -m minizero.export_dcp`'s). A folder several
+    have written holds tags of each; a trainer resuming it must know which one it loads."""
+    if is_dcp_folder(os.path.join(load_dir, tag)):
+        return "dcp"
     return "minizero" if _minizero_meta(load_dir, tag) is not None else "deepspeed"
 
 
 def open_checkpoint(folder: str, meta: dict | None = None):
-    """The CheckpointSource of a tag folder: minizero's, or DeepSpeed's when the folder looks
-    like one (deepspeed_checkpoint.py). `meta`: its model-states file, when already read."""
+    """The CheckpointSource of a tag folder: minizero's, a DCP folder's (dcp_source.py),
+    or DeepSpeed's when the folder looks like one (deepspeed_checkpoint.py). `meta`: its
+    model-states file, when already read."""
+    if is_dcp_folder(folder):
+        from .dcp_source import open_source
+        return open_source(folder)
     load_dir, tag = os.path.split(os.path.normpath(folder))
     meta = meta if meta is not None else _minizero_meta(load_dir, tag)
     return MinizeroSource(folder, meta) if meta is not None else _deepspeed_source(folder)
@@ -324,7 +288,11 @@ def open_checkpoint(folder: str, meta: dict | None = None):
 def read_every_file(source) -> None:
     """Open every file of the source's tag folder through its library's allow-list, mmap'd
     (the pickles are read, the tensors' bytes are not): a file that would run code, or a
-    damaged one, is one CheckpointError before anything is written."""
+    damaged one, is one CheckpointError before anything is written. (A DCP source has read
+    its `.metadata` and every non-tensor value through the allow-list, and checked every chunk
+    file's length, when it opened: dcp_files.py.)"""
+    if is_dcp_folder(source.folder):
+        return
     if source.library == "deepspeed":
         from .deepspeed_pickle import torch_load
         for name in sorted(os.listdir(source.folder)):
@@ -345,6 +313,10 @@ def saved_batch(folder: str) -> tuple[int, int | None]:
     meta = _minizero_meta(load_dir, tag)
     if meta is not None:
         world, cfg = meta["world_size"], meta.get("config") or {}
+    elif is_dcp_folder(folder):
+        from .dcp_source import open_source
+        src = open_source(folder)
+        world, cfg = src.world_size, src.config or {}
     else:
         src = _deepspeed_source(folder)
         world, cfg = src.world_size, src.config or {}
@@ -382,6 +354,10 @@ def _reshard_state(engine, source, path: str, load_optimizer_states: bool) -> di
     groups = [set() for _ in engine.optimizer.param_groups]
     for f in layout:
         groups[f["group"]].update(f["names"])
+    if hasattr(source, "adopt_groups"):   # a DCP folder FSDP2 wrote keeps no param groups: take ours
+        source.adopt_groups(groups, path)
+        if load_optimizer_states:
+            source.require_optimizer_state(path)
     check_same_groups(source, groups, path)
     state = rank_state(source, layout, *engine.partition, optimizer=load_optimizer_states)
     if state["optimizer"] is not None:

@@ -5,7 +5,8 @@ of grouping parameters into flat buffers. The state itself does not depend on an
 that: per parameter, its fp32 master and Adam's two moments; per param group, Adam's
 hyper-parameters and step; and the run's counters, lr schedule, loss scale and
 client_state. `CheckpointSource` is that state, read slice by slice from whatever
-layout holds it (`MinizeroSource` here; DeepSpeed's folders in deepspeed_checkpoint.py).
+layout holds it (`MinizeroSource` here; DeepSpeed's folders in deepspeed_checkpoint.py, PyTorch
+DCP folders in dcp_source.py).
 
 Resharding is then slicing (partition.py has the arithmetic): for each FlatParam of the
 new layout, rank r's shard is [r * S, (r + 1) * S) of the padded buffer; the parameter
@@ -34,7 +35,7 @@ COUNTERS = ("global_steps", "skipped_steps", "micro_steps", "global_samples")
 class CheckpointSource:
     """A saved training state, described independently of its layout.
 
-    library             "minizero" | "deepspeed"
+    library             "minizero" | "deepspeed" | "dcp"
     folder              the tag folder
     world_size          ranks that wrote it
     zero_stage          0..3
@@ -204,14 +205,29 @@ def _group_from_label(label: str) -> int:
 
 # ----------------------------------------------------------------------------- a layout from a source
 
+def model_difference(saved: dict, ours: dict) -> str:
+    """Which names differ between two {name: shape} tables, in a few words: the names only
+    in the checkpoint, only in the model, and the shapes that differ (three of each at most)."""
+    saved = {n: tuple(s) for n, s in saved.items()}
+    ours = {n: tuple(s) for n, s in ours.items()}
+    def few(names):
+        names = sorted(names)
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    only_saved, only_ours = set(saved) - set(ours), set(ours) - set(saved)
+    shaped = sorted(n for n in set(saved) & set(ours) if saved[n] != ours[n])
+    return "; ".join(x for x in (
+        f"only in the checkpoint: {few(only_saved)}" if only_saved else "",
+        f"only in this model: {few(only_ours)}" if only_ours else "",
+        "other shapes: " + ", ".join(f"{n} {saved[n]} saved, {ours[n]} here" for n in shaped[:2]) if shaped else "")
+        if x)
+
+
 def check_same_model(source: CheckpointSource, ours: dict, path: str) -> None:
     """ours: name -> shape of the model being loaded into."""
-    saved = {(n, tuple(s)) for n, s in source.shapes.items()}
-    mine = {(n, tuple(s)) for n, s in ours.items()}
-    if saved != mine:
-        diff = sorted(saved ^ mine)[:3]
-        raise CheckpointError(f"checkpoint {path} is from a different model (parameters differ, e.g. {diff}); "
-                              f"load it into the model it was saved from, or start a new run")
+    what = model_difference(source.shapes, ours)
+    if what:
+        raise CheckpointError(f"checkpoint {path} is from a different model ({what}); load it into the model it "
+                              f"was saved from, or start a new run")
 
 
 def check_same_groups(source: CheckpointSource, ours: list[set], path: str) -> None:
@@ -248,6 +264,12 @@ def rank_state(source: CheckpointSource, layout: list[dict], num_shards: int, sh
     the form of a minizero optimizer file. layout: per FlatParam, in buffer order,
     {"names", "shapes", "group"}; num_shards: the world size (1 at stage 0)."""
     masters, moments = [], []
+    if hasattr(source, "prefetch"):   # a DCP folder reads every slice this rank needs in one load
+        kinds = KINDS if optimizer and source.has_optimizer_state else KINDS[:1]
+        source.prefetch([(k, f["names"][i], lo, hi) for f in layout for k in kinds
+                         for i, lo, hi, _ in params_in_range([math.prod(s) for s in f["shapes"]],
+                                                             *shard_range(sum(math.prod(s) for s in f["shapes"]),
+                                                                          num_shards, shard_index))])
     for f in layout:
         numel = sum(math.prod(s) for s in f["shapes"])
         start, stop = shard_range(numel, num_shards, shard_index)

@@ -6,7 +6,9 @@ the same fp32 tensors `minizero.consolidate` gives), at the saved ZeRO stage and
 or at the ones given. SRC may be a DeepSpeed folder too: then this rewrites a DeepSpeed
 checkpoint for another world size or stage, what DeepSpeed itself cannot load ("Automatic
 adjustment of ZeRO's optimizer state partitioning with a new world size is not currently
-supported") and answers with its offline universal-checkpoint conversion.
+supported") and answers with its offline universal-checkpoint conversion. Or a PyTorch
+Distributed Checkpoint (FSDP2's, torchtitan's, `python -m minizero.export_dcp`'s): then this is
+FSDP2 -> DeepSpeed, optimizer state included (a DCP folder without it is refused in one line).
 
 The training state is read parameter slice by parameter slice from the minizero checkpoint
 (a CheckpointSource, checkpoint_state.py) and laid out DeepSpeed's way: the arithmetic is
@@ -36,6 +38,8 @@ from . import durable
 from .checkpoint_folder import CheckpointError, command_error, load_file, tag_folder
 from .checkpoint_io import read_every_file
 from .checkpoint_state import MinizeroSource, build_shard
+from .dcp_source import open_source as open_dcp
+from .dcp_files import is_dcp_folder
 from .deepspeed_checkpoint import (DTYPES, MODEL_FILE, OPTIM_FILE, ZERO3_MODEL_FILE, foreign_object, open_source,
                                    torch_save, zero3_partition_numel, zero12_partition_numel, zero12_tail_padding)
 
@@ -290,9 +294,14 @@ def export(source, dst_dir: str, tag: str | None = None, stage: int | None = Non
 
 
 def open_checkpoint(checkpoint_dir: str, tag: str | None = None):
-    """The CheckpointSource of a checkpoint folder (its `latest`, or `tag`): minizero's, or
-    DeepSpeed's (so a DeepSpeed checkpoint can be rewritten for another world size or stage)."""
+    """The CheckpointSource of a checkpoint folder (its `latest`, or `tag`): minizero's, a DCP
+    folder (FSDP2's, torchtitan's: dcp_source.py), or DeepSpeed's (so a DeepSpeed
+    checkpoint can be rewritten for another world size or stage)."""
     tag, path = tag_folder(checkpoint_dir, tag)
+    if is_dcp_folder(path):
+        source = open_dcp(path)
+        source.require_optimizer_state()   # DeepSpeed's folder cannot be without Adam's state
+        return source
     if os.path.isfile(os.path.join(path, MODEL_FILE)):
         meta = load_file(checkpoint_dir, tag, MODEL_FILE, mmap=True)
         if isinstance(meta, dict) and "layout" in meta:
@@ -302,8 +311,9 @@ def open_checkpoint(checkpoint_dir: str, tag: str | None = None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
-    ap.add_argument("src", help="checkpoint folder (with a 'latest' file and <tag>/ sub-folders): minizero's, or "
-                                "DeepSpeed's, to rewrite it for another --stage or --world-size")
+    ap.add_argument("src", help="checkpoint folder (with a 'latest' file and <tag>/ sub-folders): minizero's, a "
+                                "DCP one (FSDP2's, torchtitan's), or DeepSpeed's, to rewrite it for another --stage or "
+                                "--world-size")
     ap.add_argument("dst", help="folder to write DeepSpeed's checkpoint into (its 'latest' and <tag>/)")
     ap.add_argument("--tag", default=None, help="the minizero tag to export (default: the one 'latest' names); "
                                                 "the DeepSpeed folder gets the same name")

@@ -18,7 +18,7 @@ def _moved_note(path: str, library: str, n: int, stage: int, dtype: str, saved_s
     did not carry over."""
     m = engine.world_size
     ranks = lambda k: f"{k} rank{'s' if k != 1 else ''}"
-    lib = "DeepSpeed checkpoint" if library == "deepspeed" else "checkpoint"
+    lib = {"deepspeed": "DeepSpeed checkpoint", "dcp": "DCP checkpoint"}.get(library, "checkpoint")
     carried = "fp32 master weights" + (", Adam's moments and step" if optimizer else "") + \
         ", lr schedule, loss scale and step counters carried over exactly"
     lost = []

@@ -83,6 +83,8 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = Non
         raise CheckpointError(f"{os.path.join(dst_dir, tag)} already exists: pick another DST, or remove it")
     source = open_checkpoint(folder)
     read_every_file(source)   # a refused or damaged file is said before DST exists
+    if hasattr(source, "require_optimizer_state"):   # a model-only DCP folder cannot continue training
+        source.require_optimizer_state()
     stage = source.zero_stage if stage is None else stage
     layout = target_layout(source, stage)
     shards = world_size if stage > 0 else 1          # stage 0: one optimizer file, the whole buffers

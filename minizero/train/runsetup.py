@@ -174,34 +174,46 @@ def resume_plan(args, library: str, save_dir: str) -> tuple[str, str]:
     return tag, foreign_resume(args, library, tag, save_dir)
 
 
+# The format each library's trainer writes, the formats it reads, and the command that
+# converts any checkpoint into a format (minizero/checkpoint_files/: every command reads all three).
+WRITES = {"minizero": "minizero", "deepspeed": "deepspeed", "torch": "dcp"}
+READS = {"minizero": ("minizero", "deepspeed", "dcp"), "deepspeed": ("deepspeed",), "torch": ("dcp",)}
+CONVERT = {"deepspeed": ("python -m minizero.export_deepspeed", "-deepspeed"),
+           "dcp": ("python -m minizero.export_dcp", "-dcp")}
+SAID = {"minizero": "minizero", "deepspeed": "DeepSpeed", "dcp": "DCP", "torch": "PyTorch"}
+
+
 def foreign_resume(args, library: str, tag: str, save_dir: str) -> str:
-    """Where a run resuming the other library's checkpoint saves, or one line that says what
+    """Where a run resuming another library's checkpoint saves, or one line that says what
     to run instead.
 
-    Each library writes its own format, so a folder must hold one library's checkpoints
-    only: once minizero had written its tag into a DeepSpeed folder and moved `latest`,
-    DeepSpeed could no longer resume that folder. So:
-    - minizero reads DeepSpeed's checkpoints, but saves its own into `<folder>-minizero`
-      (said at start), never into the DeepSpeed folder; --save-dir picks another folder,
-      and naming the DeepSpeed folder itself is refused;
-    - DeepSpeed cannot read minizero's format: the line names the command that converts it
-      (python -m minizero.export_deepspeed)."""
+    Each library writes its own format (minizero's, DeepSpeed's, PyTorch's DCP), and a
+    folder must hold one format only: once minizero had written its tag into a DeepSpeed
+    folder and moved `latest`, DeepSpeed could no longer resume that folder. So:
+    - a library that reads the tag's format but writes another (minizero reads all three)
+      saves into `<folder>-<library>` (said at start), never into the folder it resumes;
+      --save-dir picks another folder, and naming the resumed folder itself is refused;
+    - a library that cannot read it (DeepSpeed reads only its own, the PyTorch reference only
+      DCP): the line names the command that converts it."""
     from minizero.checkpoint_files.checkpoint_io import tag_library
     written_by = tag_library(args.resume, tag)
-    if written_by == library:
+    own = WRITES.get(library, library)
+    if written_by == own:
         return save_dir
-    if library != "minizero":
-        converted = args.resume.rstrip("/") + "-deepspeed"
-        raise UserError(f"--resume {args.resume}: {tag} is a minizero checkpoint, which DeepSpeed cannot read; "
-                        f"convert it first: python -m minizero.export_deepspeed {args.resume} {converted} --tag {tag}, "
-                        f"then --resume {converted}")
+    if written_by not in READS.get(library, (own,)):
+        command, suffix = CONVERT[own]
+        converted = args.resume.rstrip("/") + suffix
+        raise UserError(f"--resume {args.resume}: {tag} is a {SAID[written_by]} checkpoint, which {SAID[library]} "
+                        f"cannot read; convert it first: {command} {args.resume} {converted} --tag {tag}, then "
+                        f"--resume {converted}")
+    kept = SAID[written_by] + ("'s" if written_by != "dcp" else "")
     if args.save_dir is None:
-        save_dir = args.resume.rstrip("/") + "-minizero"
-        runlog.log0(f"minizero: {args.resume} holds DeepSpeed's checkpoints; minizero's go into {save_dir} "
-                    f"(--save-dir picks another folder), so DeepSpeed can still resume {args.resume}")
+        save_dir = args.resume.rstrip("/") + f"-{library}"
+        runlog.log0(f"{library}: {args.resume} holds {kept} checkpoints; {library}'s go into {save_dir} "
+                    f"(--save-dir picks another folder), so {args.resume} can still be resumed as it is")
     elif os.path.realpath(save_dir) == os.path.realpath(args.resume):
-        raise UserError(f"--save-dir {save_dir}: it holds DeepSpeed's checkpoints, and minizero's there would stop "
-                        f"DeepSpeed resuming it; pass another --save-dir (minizero reads DeepSpeed's, writes its own)")
+        raise UserError(f"--save-dir {save_dir}: it holds {kept} checkpoints, and {library}'s there would stop "
+                        f"resuming it as it is; pass another --save-dir ({library} reads {kept}, writes its own)")
     return save_dir
 
 
