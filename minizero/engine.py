@@ -333,12 +333,13 @@ class Engine(torch.nn.Module):
         self.micro_steps, self.global_samples = c["micro_steps"], c["global_samples"]
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, format: str = "minizero") -> str:
         """DeepSpeed's method: every rank writes its state_dict() into one tag folder, and a
         `latest` file names the tag. The folder and its files are the checkpoint room's
         (checkpoint_files/checkpoint_io.py, handed to the engine by minizero.initialize).
+        format "dcp": the folder is PyTorch's Distributed Checkpoint (FSDP2's, torchtitan's).
         Call at a gradient-accumulation boundary. Returns the tag's folder."""
-        return self._checkpoints().save(self, save_dir, tag, client_state, save_latest)
+        return self._checkpoints().save(self, save_dir, tag, client_state, save_latest, format=format)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):

@@ -96,9 +96,18 @@ COUNTERS = ("global_steps", "skipped_steps", "micro_steps", "global_samples")   
 # ----------------------------------------------------------------------------- save
 
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-         save_latest: bool = True) -> str:
+         save_latest: bool = True, format: str = "minizero") -> str:
     """Collective: every rank writes its engine.state_dict() into `<tag>.tmp`, which becomes
-    `<tag>` once all have written (checkpoint_folder.publish). Returns the tag's folder."""
+    `<tag>` once all have written (checkpoint_folder.publish). Returns the tag's folder.
+    format "dcp": PyTorch's Distributed Checkpoint instead (dcp_checkpoint.save), what FSDP2 and
+    torchtitan load."""
+    if format == "dcp":
+        from .dcp_checkpoint import save as save_dcp
+        return save_dcp(engine, save_dir, tag, client_state, save_latest)
+    if format != "minizero":
+        raise CheckpointError(f"save_checkpoint(format={format!r}): use \"minizero\" (the default, any world "
+                              f"size and stage, and DeepSpeed through export_deepspeed) or \"dcp\" (PyTorch's "
+                              f"Distributed Checkpoint, what FSDP2 and torchtitan load)")
     if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
         raise CheckpointError(f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient-"
                               f"accumulation window of {engine.gradient_accumulation_steps()}: the partial "
