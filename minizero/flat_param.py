@@ -279,7 +279,9 @@ def all_gather_coalesced(flats: list[FlatParam], label: str) -> None:
     end to end, one all-gather, then each FlatParam's slice of every rank copied into its full
     buffer. ZeRO-3's persistent FlatParams after the step: one small collective per unit would
     cost each its call's latency and host time (DeepSpeed gathers them in one call too).
-    The same bytes per rank as separate gathers."""
+    The same bytes per rank as separate gathers; none, no collective."""
+    if not flats:
+        return
     if len(flats) == 1:
         flats[0].all_gather()
         return

@@ -103,8 +103,7 @@ class Zero3(Zero2):
     def gather_whole(self, flats: list[FlatParam]) -> None:
         """The persistent parameters, small, all in one collective (DeepSpeed gathers them in
         one call too): one per unit would cost each its call's latency and host time."""
-        if flats:
-            all_gather_coalesced(flats, label="all.persist.params")
+        all_gather_coalesced(flats, label="all.persist.params")
 
 
 def module_units(model: nn.Module, param_groups: list[dict], persistence_threshold: int,
