@@ -175,13 +175,37 @@ def snapshot(only: str | None = None) -> dict:
     return out
 
 
-def compare(a: dict, b: dict) -> list[str]:
+def added_keys(old, new, path: str = "") -> list[str]:
+    """Where `new` holds a key `old` lacks (a measurement added since), as dotted paths."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return []
+    out = [f"{path}{k}" for k in new if k not in old]
+    for k in old:
+        if k in new:
+            out += added_keys(old[k], new[k], f"{path}{k}.")
+    return out
+
+
+def without(new, old):
+    """`new` with the keys `old` lacks left out: what the two snapshots have in common."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    return {k: without(v, old[k]) for k, v in new.items() if k in old}
+
+
+def compare(a: dict, b: dict) -> tuple[list[str], dict]:
+    """The fields that differ (a run-rank only in one snapshot counts), and what the second adds:
+    {dotted key: run-ranks}, a new measurement beside the old numbers, which is no difference."""
     diffs = [f"only in {'first' if k in a else 'second'}: {k}" for k in sorted(set(a) ^ set(b))]
+    added: dict = {}
     for k in sorted(set(a) & set(b)):
-        for field in sorted(set(a[k]) | set(b[k])):
-            if a[k].get(field) != b[k].get(field):
+        for key in added_keys(a[k], b[k]):
+            added[key] = added.get(key, 0) + 1
+        common = without(b[k], a[k])
+        for field in sorted(set(a[k]) | set(common)):
+            if a[k].get(field) != common.get(field):
                 diffs.append(f"{k}: {field} differs")
-    return diffs
+    return diffs, added
 
 
 def main(argv=None) -> int:
@@ -196,8 +220,9 @@ def main(argv=None) -> int:
             if not os.path.isfile(p):
                 ap.error(f"{p}: no such file (make it with: python -m tests.number_snapshot {p})")
         a, b = (json.load(open(p)) for p in args.compare)
-        diffs = compare(a, b)
-        print("\n".join(diffs[:50]) or f"identical: {len(a)} run-ranks")
+        diffs, added = compare(a, b)
+        adds = "; the second adds " + ", ".join(f"{k} ({n} run-ranks)" for k, n in sorted(added.items())) if added else ""
+        print("\n".join(diffs[:50]) or f"identical: {len(a)} run-ranks{adds}")
         return 1 if diffs else 0
     if not args.out:
         ap.error("give OUT.json, or --compare A B")
