@@ -3,6 +3,7 @@
     python docs/lesson/stage_diff.py zero0 zero1     # class Zero1(Zero0): what it adds and overrides
     python docs/lesson/stage_diff.py zero2 zero3
     python docs/lesson/stage_diff.py --whole a.py b.py   # any two Python files, line by line
+    python docs/lesson/stage_diff.py --show unit.Unit pre_forward post_forward   # some members of one class
 
 Why: each stage is a subclass of the one before (zero1.py's `Zero1(Zero0)`, ...), so a plain
 diff of two stage files is wrong twice over: every method the later stage inherits shows as
@@ -17,6 +18,8 @@ side with the context lines, and the `+` side with them, are each valid Python. 
 whatever the files hold: nothing here knows what a stage does.
 
 Two files with no such class (or --whole): the unified diff of their code, line by line.
+--show prints chosen members of one class the same way (ZeRO-3's `Unit` and its four hooks:
+a few lines, where the file is two hundred).
 """
 from __future__ import annotations
 
@@ -214,6 +217,26 @@ def stage_diff(old: str, new: str, context: int = 3, whole: bool = False) -> lis
     return class_diff(*found, context=context)
 
 
+def show(path: str, cls_name: str, members: list[str]) -> list[str]:
+    """The class's header and the named members' code (code_only), in the class's order,
+    then a comment naming its other members. KeyError names a member it does not have."""
+    classes = read_classes(path)[0]
+    if cls_name not in classes:
+        raise KeyError(f"{name_of(path)} has no class {cls_name} (it has: {', '.join(classes) or 'none'})")
+    cls = classes[cls_name]
+    missing = [m for m in members if cls.member(m) is None]
+    if missing:
+        raise KeyError(f"class {cls_name} has no member {missing[0]} (it has: {', '.join(m.name for m in cls.members)})")
+    out = [f"# {name_of(path)}", cls.header]
+    for m in cls.members:
+        if m.name in members:
+            out += ([""] if len(out) > 2 else []) + m.lines
+    others = [m.name for m in cls.members if m.name not in members]
+    if others:
+        out += ["", f"    # {cls_name} also has: {', '.join(others)}"]
+    return out
+
+
 def sides(lines: list[str]) -> tuple[str, str]:
     """The two programs a projection holds: ("-" and context lines, "+" and context lines)."""
     body = [ln for ln in lines if not ln.startswith(("---", "+++", "@@"))]
@@ -238,11 +261,33 @@ def resolve(name: str) -> str:
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python docs/lesson/stage_diff.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("old", help="a stage (zero0 ... zero3, a file of minizero/) or the path of a Python file")
-    ap.add_argument("new", help="the stage or file to compare it with")
+    ap.add_argument("old", nargs="?", help="a stage (zero0 ... zero3, a file of minizero/) or the path of a Python file")
+    ap.add_argument("new", nargs="?", help="the stage or file to compare it with")
     ap.add_argument("-U", "--context", type=int, default=3, help="lines of context around each change (--whole)")
     ap.add_argument("--whole", action="store_true", help="the two files' code line by line, not the subclass")
+    ap.add_argument("--show", nargs="+", metavar=("MODULE.CLASS", "MEMBER"),
+                    help="print these members of one class of minizero/ (e.g. unit.Unit pre_forward post_forward)")
     args = ap.parse_args(argv)
+    if args.show:
+        where, members = args.show[0], args.show[1:]
+        module, _, cls = where.rpartition(".")
+        path = resolve(module) if module else ""
+        if not module or not members or not os.path.isfile(path):
+            print(f"{ap.prog}: error: --show {' '.join(args.show)}: give MODULE.CLASS (a file of minizero/) and one "
+                  f"member or more, e.g. --show unit.Unit pre_forward post_forward", file=sys.stderr)
+            return 2
+        try:
+            lines = show(path, cls, members)
+        except KeyError as e:
+            print(f"{ap.prog}: error: {e.args[0]}", file=sys.stderr)
+            return 2
+        print("\n".join(lines))
+        print(f"({sum(1 for ln in lines if ln.strip() and not ln.strip().startswith('#'))} lines; docstrings and "
+              f"comments left out)")
+        return 0
+    if not args.old or not args.new:
+        print(f"{ap.prog}: error: name two stages (e.g. zero0 zero1), or --show MODULE.CLASS MEMBER...", file=sys.stderr)
+        return 2
     paths = [resolve(args.old), resolve(args.new)]
     for given, path in zip((args.old, args.new), paths):
         if not os.path.isfile(path):

@@ -127,3 +127,19 @@ def test_the_command_and_a_name_that_is_no_file():
     bad = subprocess.run([sys.executable, SCRIPT, "zero9", "zero1"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert "zero9: no such file" in bad.stderr
+
+
+def test_show_prints_chosen_members_of_one_class():
+    """Part 2's fourth command: Unit's four hooks, code only and valid Python, the rest named;
+    a member the class lacks is one line and exit status 2."""
+    m = _module()
+    lines = m.show(m.resolve("unit"), "Unit", ["pre_forward", "post_forward", "pre_backward", "post_backward"])
+    ast.parse("\n".join(lines[1:]) + "\n")
+    assert [re.match(r"    def (\w+)", ln).group(1) for ln in lines if re.match(r"    def \w+", ln)] == \
+        ["pre_forward", "post_forward", "pre_backward", "post_backward"]
+    assert "on_backward(output, self.pre_backward)" in "\n".join(lines)
+    assert lines[-1].startswith("    # Unit also has: ") and "unshard" in lines[-1] and '"""' not in "\n".join(lines)
+    bad = subprocess.run([sys.executable, SCRIPT, "--show", "unit.Unit", "nope"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and bad.stdout == "" and "has no member nope" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
