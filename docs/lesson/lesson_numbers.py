@@ -290,14 +290,13 @@ def recorded_numbers(v: "Numbers") -> None:
     """Part 8's numbers, from the recorded comparison (record_comparison)."""
     with open(RECORDED + ".json") as f:
         rec = json.load(f)
-    v.put("rec.machine", rec["machine"])
     v.put("rec.date", rec["date"][:10])
     v.put("rec.deepspeed", rec["versions"]["deepspeed"])
     for row in rec["rows"]:
         s = row["stage"]
         for lib, short in (("minizero", "mz"), ("deepspeed", "ds")):
             v.put(f"rec.s{s}.{short}.state", row[lib]["state_bytes_rank0"])
-            v.put(f"rec.s{s}.{short}.wire", int(row[lib]["wire_bytes_per_step"]))
+            v.put(f"rec.s{s}.{short}.wire", round(row[lib]["wire_bytes_per_step"]))   # the report's rounding
             v.put(f"rec.s{s}.{short}.loss", row[lib]["final_loss"], ".6f")
         v.put(f"rec.s{s}.dloss", row["max_abs_dloss"], ".1e")
         v.put(f"rec.s{s}.steps", row["steps"])
