@@ -323,7 +323,7 @@ def fp16_messages(case: str, kwargs: dict, pattern: list, got: list, want: list)
     step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     g = got[step] if step < len(got) else "nothing"
     w = want[step] if step < len(want) else "nothing"
-    head = (f"{case}: after update {step + 1} (an {'overflow' if pattern[step] else 'clean step'}) the scaler holds "
+    head = (f"{case}: after update {step + 1} ({'an overflow' if pattern[step] else 'a clean step'}) the scaler holds "
             f"{g} (scale, hysteresis budget) where DeepSpeed's rules give {w}")
     if isinstance(w, str) and w.startswith("raised"):
         return [f"{head}: an overflow at min_scale must raise MinLossScaleError (DeepSpeed's "
