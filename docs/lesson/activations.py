@@ -8,14 +8,22 @@ installs for an `activation_checkpointing` section). For each it measures
 
 - the bytes saved for backward: the distinct tensors autograd keeps between forward and
   backward, parameters left out (minizero/observe/saved_bytes.py, saved_tensors_hooks);
-- the floating-point operations of forward and backward (torch.utils.flop_counter).
+- the floating-point operations of forward and backward (torch.utils.flop_counter). The
+  counter has no formula for the fused attention kernel a CPU runs
+  (`_scaled_dot_product_flash_attention_for_cpu` and its backward), so it would leave out
+  QKᵀ and AV; they are counted here with torch's own formulas for the fused kernels
+  (`sdpa_flop_count`, `sdpa_backward_flop_count`: every (query, key) pair, the causal mask
+  not discounted, as torch counts its GPU kernels).
 
 Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost") predict both: a
 checkpointed block keeps only its input (batch x tokens x n_embd elements) and runs its
 forward once more in backward, so memory falls by about the number of tensors a block
 keeps and compute grows by the blocks' share of one forward (about a third of a step,
-since backward costs about two forwards). ZeRO leaves these bytes alone: it partitions
-the model states (parameters, gradients, optimizer states), not the activations.
+since backward costs about two forwards). ZeRO's data parallelism (stages 1-3) leaves these
+bytes alone: it partitions the model states (parameters, gradients, optimizer states). The
+paper's ZeRO-R (section 6.1, DeepSpeed's `partition_activations`) cuts each checkpointed
+input across the *model-parallel* ranks, which under tensor parallelism hold copies of it;
+with data parallelism alone that group is one rank, and there is nothing to cut.
 Numbers are the same on every machine: bytes are tensor sizes, FLOPs are formulas.
 """
 from __future__ import annotations
@@ -28,11 +36,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 
+def attention_flops() -> dict:
+    """torch's formulas for the fused attention kernels (flop_counter's sdpa_flop_count and
+    sdpa_backward_flop_count), for the CPU's kernel, which the counter does not know."""
+    import torch
+    from torch.utils import flop_counter
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
 def measure(model_name: str, micro_batch: int, **sizes) -> dict:
     """{"kept"|"checkpointed": (bytes saved for backward, forward FLOPs, forward+backward FLOPs)},
     the model's config and the bytes of one block input."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils import flop_counter
 
     from minizero import checkpointing
     from minizero.gpt.model import GPT
@@ -46,7 +70,7 @@ def measure(model_name: str, micro_batch: int, **sizes) -> dict:
     out = {}
     for name, fn in (("kept", None), ("checkpointed", checkpointing.checkpoint)):
         model.checkpoint_fn = fn
-        flops = FlopCounterMode(display=False)
+        flops = flop_counter.FlopCounterMode(display=False, custom_mapping=attention_flops())
         with flops:
             with count_saved_bytes(exclude=model.parameters()) as saved:
                 _, loss = model(x, x)

@@ -3,7 +3,9 @@
     python docs/lesson/lesson_numbers.py                # runs the lesson's commands, prints every number, checks the pages
     python docs/lesson/lesson_numbers.py --runs runs/   # the same, in runs/ (what a run already left there is read, not run again)
     python docs/lesson/lesson_numbers.py --write        # and writes the pages from their sources (docs/lesson/src/)
-    python docs/lesson/lesson_numbers.py --img          # and redraws the slides (docs/lesson/slides/) and docs/img/'s two
+    python docs/lesson/lesson_numbers.py --img          # and redraws the pictures (docs/lesson/slides/, docs/img/'s two), then --write
+    python docs/lesson/lesson_numbers.py --timings      # and times the two sessions' commands (docs/results/lesson-timings.md)
+    python docs/lesson/lesson_numbers.py --record       # and records part 8's comparison (docs/results/lesson-compare.*)
 
 Why: a number typed into a page drifts the day the code changes. Each page of the class
 (docs/lesson.md, the worksheet, the answer key, the question bank, the slides' notes,
@@ -16,6 +18,14 @@ its source filled in, character for character: one changed digit anywhere on a p
 count, a "2 passed", a stage number) fails it. To change a page, edit its source, then
 `--write`. Times (ms) are printed for you to compare with yours, and quoted nowhere: they
 change from run to run, bytes and counts do not.
+
+Two kinds of numbers depend on the machine and are measured apart, each into a file of
+docs/results/ with its date and machine, which the pages then read like any other number:
+the wall time of every command of the two 50-minute sessions (`--timings`: each run once more
+as printed, a fresh process, timed; the timing table's minutes are the lesson's talking
+minutes, docs/lesson/sessions.json, plus those seconds rounded up to whole minutes, and this
+script refuses a session over 50), and part 8's comparison with DeepSpeed (`--record`: its
+command as printed; the lesson shows the recording where DeepSpeed does not install).
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,8 +60,15 @@ HEADER = "<!-- Made by `python docs/lesson/lesson_numbers.py --write` from docs/
 PLACEHOLDER = re.compile(r"\{\{([\w.\-]+)\}\}")
 
 # The commands on the lesson's page this script does not run: no number on the pages comes
-# from them (the tests run them twice, as the class does: tests/tools/test_lesson_numbers.py).
-NOT_RUN = ("docs/lesson/stage_diff.py", "minizero.compare", "minizero.observe.ledger_table")
+# from them (the tests run them twice, as the class does: tests/tools/test_lesson_numbers.py;
+# part 8's comparison runs with --record, its recording gives part 8's numbers).
+NOT_RUN = ("docs/lesson/stage_diff.py", "minizero.compare", "minizero.observe.ledger_table", "minizero.replay",
+           "docs/lesson/recorded.py", "minizero.lab")
+SESSIONS = os.path.join(HERE, "sessions.json")
+TIMINGS = os.path.join(ROOT, "docs", "results", "lesson-timings.md")
+RECORDED = os.path.join(ROOT, "docs", "results", "lesson-compare")   # .md (the report) and .json (its rows)
+OFFLOAD_PAGE = os.path.join(ROOT, "docs", "offload.md")
+AFTER_CLASS = "### After class"   # a part's commands below this heading are homework: not timed
 
 
 # ----------------------------------------------------------------------------- the commands
@@ -95,6 +113,212 @@ def page_commands(text: str) -> list[str]:
 def lesson_commands() -> list[str]:
     with open(os.path.join(HERE, "src", "lesson.md.in")) as f:
         return page_commands(f.read())
+
+
+def lesson_source() -> str:
+    with open(os.path.join(HERE, "src", "lesson.md.in")) as f:
+        return f.read()
+
+
+def part_text(text: str, heading: str, in_class: bool = True) -> str:
+    """The lesson's text from the line `heading` to the next "## " heading; in_class: up to
+    its "### After class" (what a part leaves to homework)."""
+    start = text.index("\n" + heading) + 1
+    end = text.find("\n## ", start + len(heading))
+    part = text[start:end if end >= 0 else len(text)]
+    return part.split("\n" + AFTER_CLASS, 1)[0] if in_class else part
+
+
+def session_commands() -> list[tuple[str, list[str]]]:
+    """(slot heading, its in-class commands) for every slot of docs/lesson/sessions.json."""
+    with open(SESSIONS) as f:
+        sessions = json.load(f)["sessions"]
+    text = lesson_source()
+    return [(slot["heading"], page_commands(part_text(text, slot["heading"]))) for s in sessions for slot in s["slots"]]
+
+
+def subprocess_of(command: str, runs: str) -> tuple[list[str], dict]:
+    """The process a shell would start for one command of the page, and its environment:
+    `torchrun` is `python -m torch.distributed.run`; `NAME=value` words set the environment."""
+    words = words_of(command, runs)
+    env = {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run"] + words[1:], env
+    if words[0] == "python":
+        return [sys.executable] + words[1:], env
+    return words, env
+
+
+def measure_timings(runs: str) -> list[tuple[str, float]]:
+    """Every in-class command of the two sessions, run once more exactly as printed (a fresh
+    process each, in the order of the page), and its wall time in seconds."""
+    times = []
+    for _, commands in session_commands():
+        for command in commands:
+            cmd, env = subprocess_of(command, runs)
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
+            wall = time.perf_counter() - t0
+            if done.returncode != 0:
+                raise RuntimeError(f"{command}: exit status {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            times.append((command, wall))
+            print(f"{wall:7.1f} s  {command}")
+    return times
+
+
+def write_timings(times: list[tuple[str, float]], load: tuple) -> None:
+    from minizero.runtime.about import machine, versions
+    v = versions()
+    lines = ["# The lesson's commands, timed", "",
+             "Every command the two 50-minute sessions of [docs/lesson.md](../lesson.md) run in class, run once "
+             "more exactly as printed (a fresh process each, in the page's order, after the lesson's runs had "
+             "filled the folder) and timed by the wall clock. The lesson's timing table adds these seconds, "
+             "rounded up to whole minutes per part, to each part's talking minutes "
+             "(docs/lesson/sessions.json).", "",
+             "- command: `python docs/lesson/lesson_numbers.py --timings --runs DIR`",
+             f"- machine: {machine()}",
+             f"- date: {time.strftime('%Y-%m-%d')}",
+             f"- versions: python {v['python']}, torch {v['torch']}",
+             f"- load average (1 min) before and after: {load[0]:.1f}, {load[1]:.1f} (on 2 cores, a load above 2 "
+             f"means other work shared them: the seconds below are then longer than on an idle laptop)", "",
+             "| seconds | command |", "|---|---|"]
+    lines += [f"| {wall:.1f} | `{command}` |" for command, wall in times]
+    with open(TIMINGS, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def read_timings() -> dict[str, float]:
+    """command -> seconds, from docs/results/lesson-timings.md (empty when there is none)."""
+    if not os.path.exists(TIMINGS):
+        return {}
+    with open(TIMINGS) as f:
+        return {m.group(2): float(m.group(1)) for m in re.finditer(r"^\| ([\d.]+) \| `(.*)` \|$", f.read(), flags=re.M)}
+
+
+def timing_numbers(v: "Numbers") -> None:
+    """The two sessions' timing tables: per slot its talking minutes (sessions.json) plus its
+    in-class commands' measured seconds (docs/results/lesson-timings.md), rounded up to whole
+    minutes; a session must fit its minutes."""
+    with open(SESSIONS) as f:
+        spec = json.load(f)
+    times, text = read_timings(), lesson_source()
+    for si, session in enumerate(spec["sessions"], start=1):
+        rows = ["| minutes | part | talk and predictions | its commands, measured | what happens |",
+                "|---|---|---|---|---|"]
+        at, run_total = 0, 0.0
+        for slot in session["slots"]:
+            commands = page_commands(part_text(text, slot["heading"]))
+            missing = [c for c in commands if c not in times]
+            if missing:
+                raise KeyError(f"{slot['heading']}: no time measured for {missing[0]!r}: run "
+                               f"`python {os.path.relpath(__file__, ROOT)} --timings`")
+            seconds = sum(times[c] for c in commands)
+            run_total += seconds
+            minutes = slot["talk"] + math.ceil(seconds / 60)
+            measured = f"{len(commands)}: {seconds:.0f} s" if commands else "none"
+            rows.append(f"| {at}-{at + minutes} | {slot['heading'][3:]} | {slot['talk']} min | {measured} | "
+                        f"{slot['what']} |")
+            at += minutes
+        if at > spec["minutes"]:
+            raise ValueError(f"{session['title']} takes {at} minutes, more than {spec['minutes']}: cut its talk "
+                             f"(docs/lesson/sessions.json) or move a command under {AFTER_CLASS!r}")
+        rows.append(f"| {at}-{spec['minutes']} | slack | | | questions, or a command slow to start |")
+        v.put(f"timing.session{si}", "\n".join(rows))
+        v.put(f"timing.session{si}.title", session["title"])
+        v.put(f"timing.session{si}.used", at)
+        v.put(f"timing.session{si}.run_s", run_total, ".0f")
+
+
+def diff_numbers(v: "Numbers") -> None:
+    """The line counts of part 2's three projections (stage_diff.py, as the commands print them)."""
+    spec = importlib.util.spec_from_file_location("stage_diff", os.path.join(HERE, "stage_diff.py"))
+    stage_diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage_diff)
+    for a, b in ((0, 1), (1, 2), (2, 3)):
+        lines = stage_diff.stage_diff(stage_diff.resolve(f"zero{a}"), stage_diff.resolve(f"zero{b}"))
+        added, removed = stage_diff.counts(lines)
+        v.put(f"diff.z{a}{b}.added", added)
+        v.put(f"diff.z{a}{b}.removed", removed)
+        v.put(f"diff.z{a}{b}.lines", len(lines))
+        v.put(f"diff.z{a}{b}.text", "\n".join(lines))
+        # the deck shows a long projection on two slides, cut between two members near its middle
+        cuts = [i for i, ln in enumerate(lines) if ln == " "]
+        cut = min(cuts, key=lambda i: abs(i - len(lines) / 2)) if cuts else len(lines)
+        v.put(f"diff.z{a}{b}.first", "\n".join(lines[:cut]))
+        v.put(f"diff.z{a}{b}.second", "\n".join(lines[:2] + lines[cut + 1:]))
+    (command,) = [c for c in lesson_commands() if "stage_diff.py --show" in c]
+    words = shlex.split(command)[3:]
+    module, _, cls = words[0].rpartition(".")
+    v.put("diff.unit.text", "\n".join(stage_diff.show(stage_diff.resolve(module), cls, words[1:])))
+    # the deck's objectives slide: the lesson's own list, as its source words it
+    text = lesson_source()
+    objectives = text.split("**After these two classes a student can**\n", 1)[1].split("\n\n", 1)[0]
+    v.put("lesson.objectives", objectives)
+
+
+def record_comparison(runs: str) -> None:
+    """Part 8's comparison, run as printed (it needs DeepSpeed); its report kept as
+    docs/results/lesson-compare.md (links made relative), the rows of its results.json as
+    lesson-compare.json, so the lesson can show it where DeepSpeed will not install."""
+    (command,) = [c for c in lesson_commands() if "minizero.compare" in c and "--libs" not in c]
+    out = run_command(command, runs)
+    folder = re.search(r"report: (\S+)/report\.md", out).group(1)
+    with open(os.path.join(folder, "results.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(folder, "report.md")) as f:
+        report = f.read()
+    report = report.replace(os.path.join(ROOT, "docs") + "/", "../").replace(folder + "/", "")
+    report = report.replace(os.path.abspath(runs), "runs")   # the command as printed, not this machine's folder
+    report = re.sub(r"!\[[^]]*\]\([^)]*\.png\)\n\n", "", report)   # its pictures stay in the run's folder
+    report = re.sub(r"\[([^\]]+)\]\((?!\.\./|https?:)[^)]+\)", r"\1", report)   # and its other files
+    printed = command.replace("runs/compare-$(date +%s)", "runs/compare-<time>")
+    header = (f"<!-- Recorded by `python docs/lesson/lesson_numbers.py --record`: the lesson's part 8 command, "
+              f"`{printed}`, on the machine below; `python docs/lesson/recorded.py` shows it. -->\n")
+    with open(RECORDED + ".md", "w") as f:
+        f.write(header + report)
+    keep = {k: results[k] for k in ("command", "machine", "date", "versions", "nproc", "dtype", "rows")}
+    keep["command"] = printed
+    with open(RECORDED + ".json", "w") as f:
+        json.dump(keep, f, indent=1)
+        f.write("\n")
+
+
+def recorded_numbers(v: "Numbers") -> None:
+    """Part 8's numbers, from the recorded comparison (record_comparison)."""
+    with open(RECORDED + ".json") as f:
+        rec = json.load(f)
+    v.put("rec.date", rec["date"][:10])
+    v.put("rec.deepspeed", rec["versions"]["deepspeed"])
+    for row in rec["rows"]:
+        s = row["stage"]
+        for lib, short in (("minizero", "mz"), ("deepspeed", "ds")):
+            v.put(f"rec.s{s}.{short}.state", row[lib]["state_bytes_rank0"])
+            v.put(f"rec.s{s}.{short}.wire", round(row[lib]["wire_bytes_per_step"]))   # the report's rounding
+            v.put(f"rec.s{s}.{short}.loss", row[lib]["final_loss"], ".6f")
+        v.put(f"rec.s{s}.dloss", row["max_abs_dloss"], ".1e")
+        v.put(f"rec.s{s}.steps", row["steps"])
+    v.put("rec.s1.wire.ratio", v_int(v, "rec.s1.ds.wire") / v_int(v, "rec.s1.mz.wire"), ".2f")
+
+
+def offload_table_numbers(v: "Numbers") -> None:
+    """docs/offload.md's "What crosses, both libraries" (the tiny GPT, N = 2, rank 0, bytes per
+    optimizer step, measured by its command, tests/agreement/test_offload_traffic.py):
+    `offload.z<stage>[op].A<A>.<mz|ds>.<d2h|h2d>`."""
+    with open(OFFLOAD_PAGE) as f:
+        page = f.read()
+    rows = re.findall(r"^\| (\d) \| (oo(?: \+ op)?) \| (\d) \| (minizero|DeepSpeed) \|.*\| ([\d,]+) \| ([\d,]+) \|$",
+                      page, flags=re.M)
+    assert len(rows) == 16, f"docs/offload.md's table of both libraries' copies: {len(rows)} rows, not 16"
+    for stage, offload, a, lib, d2h, h2d in rows:
+        key = f"offload.z{stage}{'op' if 'op' in offload else ''}.A{a}.{'mz' if lib == 'minizero' else 'ds'}"
+        v.put(f"{key}.d2h", int(d2h.replace(",", "")))
+        v.put(f"{key}.h2d", int(h2d.replace(",", "")))
+    for a in (1, 4):   # DeepSpeed's ZeRO-3 over minizero's, bytes down per step
+        v.put(f"offload.z3.A{a}.down_ratio", v_int(v, f"offload.z3.A{a}.ds.d2h") / v_int(v, f"offload.z3.A{a}.mz.d2h"),
+              ".1f")
 
 
 def words_of(command: str, runs: str) -> list[str]:
@@ -339,15 +563,31 @@ def stage_numbers(v: Numbers, runs: Runs) -> None:
 def overlap_numbers(v: Numbers, runs: Runs) -> dict:
     """Part 3: the overlap knobs; the times are returned for printing, not quoted."""
     times = {}
-    for k in ("off", "on"):
+    for k in ("off", "on", "prefetch", "reuse"):
         ledger, events, _ = runs.trace(f"overlap-{k}")
         put_ledger(v, f"overlap-{k}", ledger)
         step = [e for e in events if e["name"].startswith("step ")][0]
         coll = [e for e in events if e.get("cat") == "collectives"]
-        times[k] = (step["dur"] / 1e3, sum(e["args"].get("wait_us", 0) for e in coll) / 1e3)
-    with open(os.path.join(HERE, "overlap_on.json")) as f:
-        zero = json.load(f)["zero_optimization"]
-    v.put("overlap.reuse", f"{zero['stage3_max_reuse_distance']:.0e}".replace("e+0", "e"))
+        if k in ("off", "on"):
+            times[k] = (step["dur"] / 1e3, sum(e["args"].get("wait_us", 0) for e in coll) / 1e3)
+        labels = [e["args"]["label"] for e in coll if e["args"]["op"] == "all_gather"]
+        v.put(f"overlap-{k}.ag.prefetched", sum(label.endswith(".prefetch") for label in labels))
+    for k in ("on", "prefetch", "reuse"):
+        with open(os.path.join(HERE, f"overlap_{k}.json")) as f:
+            zero = json.load(f)["zero_optimization"]
+        for knob, short in (("stage3_max_reuse_distance", "reuse"), ("stage3_prefetch_bucket_size", "prefetch")):
+            v.put(f"overlap-{k}.{short}", f"{zero[knob]:.0e}".replace("e+0", "e") if zero[knob] else "0")
+    v.put("overlap.reuse", v["overlap-on.reuse"])
+    # what the page says (part 3 and the answers to 3.1, 3.3 and Q14): "off" gathers every unit
+    # twice; each knob alone, and both, gather it once (prefetch alone too: a unit whose next use
+    # a prefetch walk has passed stays gathered, prefetch.py's _used_again_soon); the losses do
+    # not move. Bytes and counts are the same on every machine: a change of the code that moves
+    # them must rewrite the prose.
+    calls = {k: v_int(v, f"overlap-{k}.ag.calls") for k in ("off", "on", "prefetch", "reuse")}
+    assert calls["on"] == calls["prefetch"] == calls["reuse"] == calls["off"] // 2, calls
+    assert v_int(v, "overlap-reuse.ag.prefetched") == 0 < v_int(v, "overlap-prefetch.ag.prefetched"), v
+    losses = {k: tuple(runs.summary(f"overlap-{k}")["losses"]) for k in calls}
+    assert len(set(losses.values())) == 1, losses
     return times
 
 
@@ -429,28 +669,126 @@ def fp16_numbers(v: Numbers, runs: Runs) -> None:
     v.put("fp16.skipped", skipped)
     v.put("fp16.updates", len(pattern) - skipped)
     v.put("fp16.final_scale", int(after[-1]))
-    halved = [i for i, (o, b, n, _) in enumerate(pattern, 1) if o and n < b]
-    kept = [i for i, (o, b, n, _) in enumerate(pattern, 1) if o and n == b]
-    doubled = [i for i, (o, b, n, _) in enumerate(pattern, 1) if n > b]
-    v.put("fp16.halvings", len(halved))
-    v.put("fp16.hysteresis_step", kept[0])
-    v.put("fp16.first_clean", next(i for i, (o, *_) in enumerate(pattern, 1) if not o))
-    v.put("fp16.first_clean.scale", int(pattern[v_int(v, "fp16.first_clean") - 1][1]))
-    v.put("fp16.doubled_step", doubled[0])
-    late = [i for i in halved if i > v_int(v, "fp16.first_clean")]
-    # what the page's prose says of this run (rewrite it if a change of the code changes these)
-    first_clean, window = v_int(v, "fp16.first_clean"), fp16["loss_scale_window"]
-    assert kept == [1] and halved[:first_clean - 2] == list(range(2, first_clean)), pattern
-    assert late and not [i for i in doubled if i < late[0]], pattern
-    assert doubled[0] == late[0] + window + 1 and not any(o for o, *_ in pattern[late[0]:doubled[0]]), pattern
-    v.put("fp16.late_overflow", late[0])
-    v.put("fp16.before_late", late[0] - 1)
-    v.put("fp16.after_late", late[0] + 1)
-    v.put("fp16.before_doubled", doubled[0] - 1)
-    v.put("fp16.last_descent", first_clean - 1)
-    v.put("fp16.late_overflow.scale", int(pattern[late[0] - 1][1]))
+    for key, text in fp16_story(pattern, fp16["initial_scale_power"], fp16["loss_scale_window"],
+                                fp16["hysteresis"]).items():
+        v.put(f"fp16.{key}", text)
     v.put("fp16.line.hysteresis", logged[0])
-    v.put("fp16.line.halve", logged[1])
+    v.put("fp16.line.halve", logged[1] if len(logged) > 1 else logged[0])
+
+
+def fp16_story(pattern: list, power: int, window: int, hysteresis: int) -> dict:
+    """The fp16 run told with DeepSpeed's rules, whatever its overflows were: the lesson's
+    reading of the table (`reading`), worksheet 6.1 and 6.2 (`q61`, `q62`) and their answers
+    (`a61`, `a62`), and the question bank's Q17 (`q17`, `a17`). Which step overflows depends
+    on the gradients, so on the CPU's kernels: these sentences follow the run's pattern
+    (pattern: (overflowed, scale before, scale after, logged lines) per step) instead of
+    stopping the regeneration when another machine shifts an overflow by a step."""
+    steps = list(enumerate(pattern, start=1))
+    over = [i for i, (o, *_) in steps if o]
+    kept = [i for i, (o, b, n, _) in steps if o and n == b]
+    halved = [i for i, (o, b, n, _) in steps if o and n < b]
+    doubled = [i for i, (o, b, n, _) in steps if n > b]
+    first_clean = next((i for i, (o, *_) in steps if not o), None)
+    scale = lambda i: f"{int(pattern[i - 1][1]):,}"                   # the scale step i ran at
+    span = lambda a, b: f"step {a}" if a == b else f"steps {a} to {b}"
+    out, reading = {}, []
+    if first_clean is None:
+        reading.append(f"Every step overflows: step 1 at 2^{power}, and each halving still overflows.")
+    elif first_clean == 1:
+        reading.append(f"Step 1 is clean at 2^{power}: the gradients fit.")
+    else:
+        opening = first_clean - 1
+        first = ("only uses the hysteresis" if 1 in kept else "halves it")
+        text = f"step 1 overflows at 2^{power} and {first}"
+        rest = [i for i in range(2, first_clean)]
+        if rest:
+            text += f"; {span(2, opening)} " + ("overflows and halves" if len(rest) == 1 else "each overflow and halve")
+        reading.append(f"Read it with the rules: {text}; step {first_clean} is the first clean step, at "
+                       f"{scale(first_clean)}.")
+    late = [i for i in halved if first_clean is not None and i > first_clean]
+    if late:
+        refilled = any(d < late[0] for d in doubled)
+        reading.append(f"The overflow at step {late[0]} halves at once: " +
+                       ("a doubling had refilled the budget, and the budget was used up again."
+                        if refilled else "the budget is refilled only when the scale doubles, and it has not "
+                                         "doubled yet."))
+    if doubled:
+        d = doubled[0]
+        last = max([i for i in over if i < d], default=0)
+        since = f"the overflow at step {last}" if last else "the start"
+        reading.append(f"The doubling comes at step {d}: the clean step after {window} clean steps since {since}.")
+    reading.append("Which step overflows depends on the gradients (another CPU may shift one by a step); the "
+                   "rules do not.")
+    out["reading"] = wrap(" ".join(reading), 0)
+    updates = lambda upto: sum(1 for i, (o, *_) in steps if i < upto and not o)
+    if first_clean and first_clean > 1:
+        out["q61"] = (f"`initial_scale_power` {power}, `hysteresis` {hysteresis}. {span(1, first_clean - 1).capitalize()} "
+                      f"all overflow. At what scale does step {first_clean} run, and how many optimizer updates have "
+                      f"happened by then?")
+        budget = ("uses the hysteresis (the budget goes from 2 to 1, the scale stays)" if 1 in kept
+                  else "halves the scale")
+        halvings = len([i for i in halved if i < first_clean])
+        out["a61"] = (f"Step 1 overflows at 2^{power} = {scale(1)} and {budget}; " +
+                      (f"{span(2, first_clean - 1)} each halve it" if first_clean > 2 else "no step halves it") +
+                      f" ({halvings} halving{'s' if halvings != 1 else ''}), so step {first_clean} runs at "
+                      f"{scale(first_clean)}. No update yet: every overflowed step is skipped "
+                      f"({first_clean - 1} skipped steps).")
+    else:
+        out["q61"] = (f"`initial_scale_power` {power}, `hysteresis` {hysteresis}. What decides whether step 1 "
+                      f"overflows, and what does the scale do if it does?")
+        out["a61"] = (f"Whether any gradient times 2^{power} exceeds fp16's largest number, 65,504; an overflow "
+                      f"at step 1 would only use the hysteresis (the budget goes from 2 to 1).")
+    skipped = len(over)
+    if late:
+        L = late[0]
+        d = next((x for x in doubled if x > L), None)
+        out["q62"] = (f"Steps {first_clean} to {L - 1} are clean; step {L} overflows. Does step {L} halve the scale "
+                      f"or use the hysteresis? With `loss_scale_window` {window}"
+                      + (f" and no overflow after step {L}, at which step does the scale double?" if d else
+                         ", when could the scale double next?"))
+        out["a62"] = (f"It halves ({scale(L)} -> half): the hysteresis budget was used at step "
+                      f"{kept[0] if kept else 1} and is refilled only when the scale doubles, which has not "
+                      f"happened. " +
+                      (f"After it, steps {L + 1} to {d - 1} are {window} clean steps; the next clean one, step "
+                       f"{d}, doubles the scale (DeepSpeed doubles when the clean steps since the last overflow, "
+                       f"not counting this one, are a positive multiple of the window). "
+                       if d else f"It doubles at the clean step after {window} clean steps since step {L}. ") +
+                      f"The run skips {skipped} of {len(pattern)} steps.")
+        out["q17"] = (f"In the lesson's fp16 run (`initial_scale_power` {power}, window {window}, hysteresis "
+                      f"{hysteresis}), step {L} overflows after clean steps. Why does it halve the scale at once "
+                      f"instead of using the hysteresis?")
+        out["a17"] = (f"The budget of hysteresis - 1 overflows is refilled only when the scale doubles (or, with "
+                      f"`consecutive_hysteresis`, after any clean step); step {kept[0] if kept else 1} used it and "
+                      f"no doubling came before step {L}. So {scale(L)} is halved.")
+    else:
+        d = doubled[0] if doubled else None
+        last = max(over, default=0)
+        out["q62"] = (f"With `loss_scale_window` {window}, and no overflow after step {last}, at which step does "
+                      f"the scale double?")
+        out["a62"] = ((f"Step {d}: the clean step after {window} clean steps since the overflow at step {last} "
+                       f"(DeepSpeed doubles when the clean steps since the last overflow, not counting this one, "
+                       f"are a positive multiple of the window). " if d else
+                       f"At step {last + window + 1}, the clean step after {window} clean steps since step {last}. ")
+                      + f"The run skips {skipped} of {len(pattern)} steps.")
+        out["q17"] = (f"A run with `hysteresis` {hysteresis} overflows at step 1, runs clean for a while (no "
+                      f"doubling yet), then overflows again. Does the second overflow halve the scale?")
+        out["a17"] = ("Yes, at once: the budget of hysteresis - 1 overflows is refilled only when the scale doubles "
+                      "(or, with `consecutive_hysteresis`, after any clean step); step 1 used it.")
+    for key, prefix in (("q61", 8), ("a61", 8), ("q62", 8), ("a62", 8), ("q17", 9), ("a17", 10)):
+        out[key] = wrap(out[key], prefix)
+    return out
+
+
+def wrap(text: str, prefix: int) -> str:
+    """A generated paragraph in the pages' lines of 92, its first line after a `prefix`-wide start
+    ("**6.1** " is 8)."""
+    return textwrap.fill(text, width=92, initial_indent=" " * prefix, break_on_hyphens=False,
+                         break_long_words=False)[prefix:]
+
+
+def exact(x: float) -> str:
+    """A decimal with every digit it has (up to 6 places), no trailing zeros: 24, 7.125, 4.3125."""
+    return f"{x:.6f}".rstrip("0").rstrip(".")
 
 
 def v_int(v: Numbers, name: str) -> int:
@@ -560,6 +898,10 @@ def nodes_numbers(v: Numbers, runs: Runs) -> None:
         v.put(f"nodes.{scheme}.r0.wire", sum(c["wire_bytes"] for c in ledger.values()))
         v.put(f"nodes.{scheme}.r0.inter", sum(c["inter_node_bytes"] for c in ledger.values()))
         v.put(f"nodes.{scheme}.states", costs[scheme]["states"])
+    # the answer key's arithmetic (11.1), held to the runs: ZeRO-3's link carries three collectives
+    # of z4 (3/4 each) and the norm; HSDP's, ranks 0 and 1 each sending their shard once
+    assert v_int(v, "nodes.zero3.link") == 3 * v_int(v, "nodes.z4.wire") + v_int(v, "nodes.norm"), v
+    assert v_int(v, "nodes.hsdp.link") == 2 * v_int(v, "nodes.z2.half") == v_int(v, "nodes.z2"), v
     v.put("nodes.hpz.ratio", v_int(v, "nodes.hpz.link") / v_int(v, "nodes.zero3.link"), ".2f")
     v.put("nodes.hsdp.ratio", v_int(v, "nodes.hsdp.link") / v_int(v, "nodes.zero3.link"), ".2f")
 
@@ -604,7 +946,7 @@ def bank_numbers(v: Numbers) -> None:
     v.put("q.mem.n", n)
     for s, b in enumerate([(2 + 2 + k) * psi, 2 * psi + 2 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n,
                            (2 + 2 + k) * psi / n]):
-        v.put(f"q.mem.s{s}", gb(b), ".3f")
+        v.put(f"q.mem.s{s}", exact(gb(b)))   # 4.3125 GB, not 4.312: every digit the arithmetic gives
     # Q2: the fewest ranks for 7.5B at ZeRO-3 within 16 GB of model states
     psi, mem = 7.5e9, 16e9
     v.put("q.fit.psi", f"{psi / 1e9:g}B")
@@ -674,6 +1016,9 @@ def bank_numbers(v: Numbers) -> None:
     v.put("q.pcie.param.reuse0", gb(2 * a * 2 * psi / n), ".2f")
     v.put("q.pcie.param.reuse", gb(a * 2 * psi / n), ".2f")
     v.put("q.pcie.host", gb(12 * psi / n), ".1f")
+    # DeepSpeed's ZeRO-3 (docs/offload.md's formula, S_r ~ Ψ/N): (A b + 4) S_r down per step, b = 2
+    v.put("q.pcie.ds.down", gb((2 * a + 4) * psi / n), ".2f")
+    v.put("q.pcie.ds.ratio", (2 * a + 4) / 2, ".0f")
     # Q12: all-reduce on 8 ranks: 2(N-1)/N
     v.put("q.ar8", 2 * 7 / 8, ".2f")
     # Q13: ZeRO-3 at N = 1024: 3(N-1)/N
@@ -717,6 +1062,10 @@ def compute(runs: Runs) -> tuple[Numbers, dict]:
     comms_numbers(v, runs)
     nodes_numbers(v, runs)
     test_numbers(v, runs)
+    offload_table_numbers(v)
+    recorded_numbers(v)
+    diff_numbers(v)
+    timing_numbers(v)
     bank_numbers(v)
     return v, times
 
@@ -731,13 +1080,28 @@ def render(source: str, v: Numbers) -> str:
     return HEADER.format(src=source) + PLACEHOLDER.sub(lambda m: v[m.group(1)], text)
 
 
+DECK = "docs/lesson/slides/deck.html"
+
+
+def render_deck(v: Numbers) -> str:
+    """The slide deck (docs/lesson/deck.py) from docs/lesson/src/deck.md.in filled in, with the
+    slides' notes page filled in for the pictures' speaker notes."""
+    sys.path.insert(0, HERE)
+    import deck
+    body = render("deck.md.in", v).split("\n", 1)[1]   # without the page header
+    return deck.build(body, render("slides.md.in", v))
+
+
 def stale_pages(v: Numbers) -> list[str]:
-    """The pages that differ from their source filled in."""
+    """The pages (and the deck) that differ from their source filled in."""
     stale = []
     for source, page in PAGES.items():
         path = os.path.join(ROOT, page)
         if not os.path.exists(path) or open(path).read() != render(source, v):
             stale.append(page)
+    path = os.path.join(ROOT, DECK)
+    if not os.path.exists(path) or open(path).read() != render_deck(v):
+        stale.append(DECK)
     return stale
 
 
@@ -746,23 +1110,35 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", help="folder of the lesson's runs (default: a new temporary one)")
     ap.add_argument("--write", action="store_true", help="write the pages from their sources (docs/lesson/src/)")
     ap.add_argument("--img", action="store_true", help="also redraw the slides (pictures.py; needs matplotlib)")
+    ap.add_argument("--timings", action="store_true",
+                    help=f"first time every command of the two sessions, as printed ({os.path.relpath(TIMINGS, ROOT)})")
+    ap.add_argument("--record", action="store_true",
+                    help=f"first record part 8's comparison with DeepSpeed ({os.path.relpath(RECORDED, ROOT)}.md)")
     args = ap.parse_args(argv)
     runs = Runs(args.runs or tempfile.mkdtemp(prefix="minizero-lesson-"))
+    if args.record:
+        record_comparison(runs.folder)
+    if args.timings:
+        load = os.getloadavg()[0]
+        times = measure_timings(runs.folder)
+        write_timings(times, (load, os.getloadavg()[0]))
     v, times = compute(runs)
     for name, text in v.items():
         print(f"{name}: {text}" if "\n" not in text else f"{name}:\n{text}")
     for k, (step_ms, wait_ms) in times.items():
         print(f"overlap {k}: step {step_ms:.1f} ms, waiting {wait_ms:.1f} ms (times: yours will differ)")
-    if args.write:
-        for source, page in PAGES.items():
-            os.makedirs(os.path.dirname(os.path.join(ROOT, page)), exist_ok=True)
-            with open(os.path.join(ROOT, page), "w") as f:
-                f.write(render(source, v))
     if args.img:
         sys.path.insert(0, HERE)
         from pictures import draw_all
         for path in draw_all(runs.folder, os.path.join(HERE, "slides"), os.path.join(ROOT, "docs", "img")):
             print(f"wrote {os.path.relpath(path, ROOT)}")
+    if args.write or args.img:   # the deck holds the pictures: redrawn, it is written again
+        for source, page in PAGES.items():
+            os.makedirs(os.path.dirname(os.path.join(ROOT, page)), exist_ok=True)
+            with open(os.path.join(ROOT, page), "w") as f:
+                f.write(render(source, v))
+        with open(os.path.join(ROOT, DECK), "w") as f:
+            f.write(render_deck(v))
     stale = stale_pages(v)
     for page in stale:
         print(f"{page} differs from its source filled in: run with --write", file=sys.stderr)

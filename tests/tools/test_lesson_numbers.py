@@ -3,24 +3,33 @@
 `python docs/lesson/lesson_numbers.py` runs the commands of docs/lesson.md (read from its
 source, docs/lesson/src/lesson.md.in, loops expanded), reads their traces, logs and summaries,
 and fills in every `{{name}}` of the sources in docs/lesson/src/: the lesson, the worksheet,
-the answer key, the question bank, the slides' notes and docs/reading.md. Here:
+the answer key, the question bank, the slides' notes, the slide deck and docs/reading.md. Here:
 
-- every page equals its source filled in, character for character, so one changed digit
-  anywhere fails (a count, a "2 passed", a stage number: test_a_changed_digit_anywhere_is_caught
-  mutates every digit of every page);
+- every page (and the deck) equals its source filled in, character for character, so one
+  changed digit anywhere fails (a count, a "2 passed", a stage number:
+  test_a_changed_digit_anywhere_is_caught mutates every digit of every page);
+- no source types a number by hand: outside its `{{name}}`s it holds only question numbers
+  and constants (years, N = 1024, DeepSpeed's default window), so every count an answer
+  states is the run's (and the script asserts the arithmetic the answers spell out);
+- the timing table is docs/results/lesson-timings.md's measurement of exactly the sessions'
+  in-class commands, and each session fits its 50 minutes;
+- every reference to a lesson part from another page links the part's own heading, and every
+  `Class.member` / `module.name` the class's pages name exists in minizero;
 - the README's teaching section and docs/timeline.md, which have no source, quote only
   numbers the script prints (every number of three digits or more, or with a comma or a
   decimal point), and timeline.md's comms-logger table is the run's, row for row;
 - each traced run prints its collectives table with the trace's own totals;
-- the class (parts 1-3) runs a second time as printed, into the folder of the first, with
-  no refusal and no traceback (the homework's second run: MINIZERO_LESSON_HOMEWORK=1,
-  about two more minutes, most of it DeepSpeed's side-by-side comparison);
-- the slides are 1600 px wide, in the order their notes give; the worksheet holds no answer.
+- session 1 runs a second time as printed, into the folder of the first, with no refusal and
+  no traceback (session 2 and the homework: MINIZERO_LESSON_HOMEWORK=1, a few minutes more,
+  most of it DeepSpeed's side-by-side comparison);
+- the slides are 1600 px wide, in the order their notes give; the worksheet holds no answer;
+  part 8's recording says on its first line that it is one;
+- the deck opens in headless Chromium with the network off (test_lesson_deck.py).
 
-Cost: the lesson's 18 training runs (part 11's three on 4 ranks) on ranks forked from the
-tests' preloaded forkserver (tests/support/command_runs.py), its three memory tables and the
-activation measurement in this process, once per session (the `lesson` fixture); then the
-class's 6 runs again.
+Cost: the lesson's 21 training runs (part 11's three and part 4's three on 4 ranks) on ranks
+forked from the tests' preloaded forkserver (tests/support/command_runs.py), its three memory
+tables, the activation measurement and the projections in this process, once per session (the
+`lesson` fixture); then session 1's 14 commands again (7 of them training runs).
 """
 from __future__ import annotations
 
@@ -83,6 +92,13 @@ def test_every_page_is_its_source_filled_in(source, lesson, script):
                                                  page, n=0))[:12])
         pytest.fail(f"{page} differs from docs/lesson/src/{source} filled in: edit the source, then run "
                     f"`python {SCRIPT} --write`\n{diff}")
+
+
+def test_the_deck_is_its_source_filled_in(lesson, script):
+    _, numbers, _, _ = lesson
+    have = open(os.path.join(ROOT, script.DECK)).read()
+    if have != script.render_deck(numbers):
+        pytest.fail(f"{script.DECK} differs from docs/lesson/src/deck.md.in filled in: run `python {SCRIPT} --write`")
 
 
 def test_a_changed_digit_anywhere_is_caught(lesson, script):
@@ -254,13 +270,15 @@ def _run_again(script, commands, runs):
 
 
 def test_the_class_runs_twice_as_printed(lesson, script):
-    """Parts 1-3, the 50 minutes: every command a second time, into the folders the first
-    time (the fixture) wrote, as an instructor repeats the class; the code-only diffs twice."""
+    """Session 1, the first 50 minutes: every in-class command a second time, into the folders
+    the first time (the fixture) wrote, as an instructor repeats the class (the projections,
+    the memory tables and the replay pages included)."""
     runs, _, _, _ = lesson
-    commands = _part_commands(script, "## 1. Where the memory goes", "## Wrap-up")
-    diffs = [c for c in commands if "stage_diff.py" in c]
-    assert len(diffs) == 3 and len(commands) == 3 + 2 + 4 + 2
-    _run_again(script, diffs + commands, runs)
+    with open(script.SESSIONS) as f:
+        first = [slot["heading"] for slot in __import__("json").load(f)["sessions"][0]["slots"]]
+    commands = [c for heading, cs in script.session_commands() if heading in first for c in cs]
+    assert len([c for c in commands if "stage_diff.py" in c]) == 4 and len(commands) == 2 + 9 + 3
+    _run_again(script, commands, runs)
 
 
 @pytest.mark.skipif(os.environ.get("MINIZERO_LESSON_HOMEWORK") != "1",
@@ -268,7 +286,7 @@ def test_the_class_runs_twice_as_printed(lesson, script):
 def test_the_homework_runs_twice_as_printed(lesson, script):
     runs, _, _, _ = lesson
     page = open(os.path.join(ROOT, "docs/lesson.md")).read()
-    commands = script.page_commands(page[page.index("## 4. Homework"):])
+    commands = [c for c in script.page_commands(page[page.index("## Session 2"):]) if "minizero.lab" not in c]
     once = [c for c in commands if "minizero.compare" in c or "pytest" in c]   # the fixture ran neither
     _run_again(script, once + commands, runs)
 
@@ -284,8 +302,13 @@ def test_the_worksheet_asks_and_the_answer_key_answers(lesson, script):
     answered = re.findall(r"^\*\*(\d+\.\d+)\*\*", answers, flags=re.M)
     assert asked == answered and len(asked) >= 20
     assert "Answer" not in worksheet.split("\n", 3)[3] and worksheet.count("> prediction:") == len(asked)
-    for ref in re.findall(r"worksheet (\d+\.\d+)(?:-(\d+\.\d+))?", lesson_page):
+    refs = re.findall(r"(?:worksheet|ask) (\d+\.\d+)(?:(?:-| and )(\d+\.\d+))?", lesson_page, flags=re.I)
+    assert len(refs) >= 15
+    for ref in refs:
         assert all(q in asked for q in ref if q), ref
+    # each part's in-class questions come before its after-class ones, and the part exists
+    for part in sorted({q.split(".")[0] for q in asked}, key=int):
+        assert re.search(rf"^## Part {part}\. ", worksheet, flags=re.M), part
     bank = script.render("question_bank.md.in", numbers)
     questions = re.findall(r"^\*\*Q(\d+)\.\*\*", bank, flags=re.M)
     assert len(questions) >= 20 and questions == [str(i) for i in range(1, len(questions) + 1)]
@@ -344,3 +367,223 @@ def test_timeline_is_legible_on_a_projector(tmp_path, monkeypatch):
     assert small == [], f"text under 11 px: {small}"
     assert [t for t, _ in texts].count("blocks.0") == 2, "the unit bar and its all-gather both name blocks.0"
     assert "grad_norm" not in [t for t, _ in texts], "a label wider than its bar is left off"
+
+
+# ----------------------------------------------------------------------------- no number typed by hand
+
+SOURCES = ["lesson.md.in", "worksheet.md.in", "answers.md.in", "question_bank.md.in", "slides.md.in",
+           "reading.md.in", "deck.md.in"]
+# the constants the class's prose may write out: years of the papers it cites, the world sizes
+# it names, DeepSpeed's default loss-scale window and version, the ratio 1.5 of the paper's
+# section 7, the slides' width
+CONSTANTS = {"2016", "2018", "2020", "1024", "511", "512", "1000", "1.5", "0.19", "1600"}
+NUMBER_IN_PROSE = re.compile(r"(?<![\w.{^-])(\d{1,3}(?:,\d{3})+|\d+\.\d+|\d{3,})(?![\w}])")
+
+
+def hand_typed(source_text: str, questions: set) -> list[str]:
+    """The numbers of a source outside its {{name}}s, code and links that are neither a
+    question's number nor one of the CONSTANTS."""
+    text = re.sub(r"```.*?```", "", source_text, flags=re.S)
+    text = re.sub(r"\{\{[^}]*\}\}", "", text)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return sorted({m.group(1) for m in NUMBER_IN_PROSE.finditer(text)} - CONSTANTS - questions)
+
+
+def test_no_source_types_a_number_by_hand(script, lesson):
+    """Every count, byte and ratio the pages state is a {{name}} the runs or the layout fill in;
+    an answer that typed "2 x 217,608 x 1/2 = 435,216" itself would fail here."""
+    _, numbers, _, _ = lesson
+    questions = set(re.findall(r"^\*\*(\d+\.\d+)\*\*", script.render("worksheet.md.in", numbers), flags=re.M))
+    for source in SOURCES:
+        text = open(os.path.join(ROOT, "docs", "lesson", "src", source)).read()
+        assert hand_typed(text, questions) == [], source
+    assert hand_typed("each rank sends 2 x {{nodes.z2.half}} x 1/2 = 435,216 bytes", questions) == ["435,216"]
+
+
+# ----------------------------------------------------------------------------- the timing
+
+def test_the_timing_table_is_the_measured_sessions(script, lesson):
+    """docs/results/lesson-timings.md times exactly the in-class commands of the two sessions,
+    each session's minutes are talk plus measured seconds rounded up and fit 50, and a command
+    added to a session without a time stops the pages from being made."""
+    _, numbers, _, _ = lesson
+    times = script.read_timings()
+    in_class = [c for _, cs in script.session_commands() for c in cs]
+    assert sorted(times) == sorted(set(in_class)) and len(in_class) >= 20
+    with open(script.SESSIONS) as f:
+        spec = __import__("json").load(f)
+    text = script.lesson_source()
+    for i, session in enumerate(spec["sessions"], start=1):
+        used = sum(slot["talk"] + __import__("math").ceil(sum(times[c] for c in script.page_commands(
+            script.part_text(text, slot["heading"]))) / 60) for slot in session["slots"])
+        assert numbers[f"timing.session{i}.used"] == str(used) and used <= spec["minutes"]
+        assert numbers[f"timing.session{i}"].count("\n") == len(session["slots"]) + 2
+    measured = open(script.TIMINGS).read()
+    assert "- machine: " in measured and "- date: " in measured and "load average" in measured
+
+    real = script.read_timings
+    try:
+        script.read_timings = lambda: {c: t for c, t in times.items() if "--stage 3" not in c}
+        with pytest.raises(KeyError, match="no time measured"):
+            script.timing_numbers(script.Numbers())
+    finally:
+        script.read_timings = real
+
+
+# ----------------------------------------------------------------------------- references
+
+def _part_anchors() -> dict:
+    """part number -> the anchor of its heading in docs/lesson.md."""
+    from tests.tools.test_repo_hygiene import _slug
+    page = open(os.path.join(ROOT, "docs/lesson.md")).read()
+    return {int(m.group(1)): _slug(m.group(0)[3:]) for m in re.finditer(r"^## (\d+)\. .*$", page, flags=re.M)}
+
+
+def stale_part_references(text: str, anchors: dict) -> list[str]:
+    """Mentions of the lesson's part N (outside code) not inside a link to part N's heading."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    covered, bad = [], []
+    for m in re.finditer(r"\[([^\]]*)\]\(([^)]*)\)", text):
+        for n in re.findall(r"part (\d+)", m.group(1)):
+            if "lesson.md#" in m.group(2):
+                if m.group(2).split("#", 1)[1] != anchors.get(int(n)):
+                    bad.append(f"{m.group(0)}: part {n} is #{anchors.get(int(n))}")
+                covered.append((m.start(), m.end()))
+    for m in re.finditer(r"part (\d+)", text):
+        before = text[max(0, m.start() - 40):m.start()]
+        if "lesson" in before and not any(a <= m.start() < b for a, b in covered):
+            bad.append(f"...{before[-30:]}{m.group(0)}: link it to the part's heading (lesson.md#...)")
+    return bad
+
+
+def test_pages_name_the_lessons_parts_by_their_headings():
+    """A page outside the lesson that names one of its parts links that part's heading, so a
+    renumbered part breaks a link the hygiene test sees (offload.md once sent readers to part 5
+    for what part 9 runs); the lesson's own mentions name parts that exist."""
+    anchors = _part_anchors()
+    assert sorted(anchors) == list(range(1, 12))
+    docs = [os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    docs.append(os.path.join(ROOT, "README.md"))
+    bad = {os.path.relpath(d, ROOT): stale_part_references(open(d).read(), anchors)
+           for d in docs if not d.endswith("lesson.md")}
+    assert {k: v for k, v in bad.items() if v} == {}
+    assert stale_part_references("This is the lesson's part 5 and the table", anchors)
+    assert stale_part_references("[the lesson's part 5](lesson.md#9-homework-what-offload-copies)", anchors)
+    lesson_page = open(os.path.join(ROOT, "docs/lesson.md")).read()
+    assert {int(n) for n in re.findall(r"\bparts? (\d+)", lesson_page)} <= set(anchors)
+
+
+def _minizero_names() -> tuple[dict, dict]:
+    """({class: its members and its bases' members}, {module: its top-level names}) of minizero/."""
+    import ast
+    classes, modules = {}, {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "minizero")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(folder, f)).read())
+            names = set()
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                if isinstance(node, ast.ClassDef):
+                    members = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+                    members |= {t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                                if isinstance(t, ast.Name)}
+                    members |= {t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                                if isinstance(t, ast.Attribute)}
+                    classes.setdefault(node.name, [set(), [b.id for b in node.bases if isinstance(b, ast.Name)]])
+                    classes[node.name][0] |= members
+            modules[f[:-3]] = names | modules.get(f[:-3], set())
+    def all_members(c, seen=()):
+        members, bases = classes[c]
+        out = set(members)
+        for b in bases:
+            if b in classes and b not in seen:
+                out |= all_members(b, seen + (c,))
+        return out
+    return {c: all_members(c) for c in classes}, modules
+
+
+def test_the_code_the_class_pages_name_exists(lesson, script):
+    """Every `Class.member` and `module.name` the lesson's pages and the deck name is in minizero
+    today (the lesson once named FlatParam.free_full, renamed release_full)."""
+    _, numbers, _, _ = lesson
+    classes, modules = _minizero_names()
+    pages = [script.render(src, numbers) for src in SOURCES if src != "deck.md.in"]
+    pages.append(script.render("deck.md.in", numbers))
+    missing = set()
+    any_member = set().union(*classes.values())
+    for page in pages:
+        for code in re.findall(r"`([^`\n]+)`", page):
+            if code.startswith(("python", "torchrun")) or "/" in code or "<" in code:
+                continue   # a command or a path, not a name
+            for owner, name in re.findall(r"\b([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b", code):
+                if name in ("py", "md", "json", "png", "html", "csv", "passed"):
+                    continue   # a file's name
+                if owner in classes and name not in classes[owner]:
+                    missing.add(f"{owner}.{name}")
+                elif owner in modules and owner not in classes and owner != "minizero" \
+                        and name not in modules[owner] and name not in any_member:
+                    missing.add(f"{owner}.{name}")   # a module's name (an instance's attribute is some class's)
+    assert missing == set()
+    assert "free_full" not in classes["FlatParam"] and "release_full" in classes["FlatParam"]
+
+
+# ----------------------------------------------------------------------------- part 8 without DeepSpeed
+
+def test_part_8_shows_its_recording_and_says_so():
+    """`python docs/lesson/recorded.py` (no torch, no DeepSpeed) prints part 8's comparison as
+    recorded, its first line saying it is a recording of another machine, with the command the
+    lesson prints; the recording's report links nothing outside the repository."""
+    done = subprocess.run([sys.executable, "docs/lesson/recorded.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("RECORDED, NOT RUN ON THIS MACHINE: `python -m minizero.compare --stages 1 3")
+    assert "| stage | max abs dloss/step |" in done.stdout and done.stdout.rstrip().endswith(
+        "RECORDED, NOT RUN ON THIS MACHINE.")
+    lesson_page = open(os.path.join(ROOT, "docs/lesson.md")).read()
+    printed = first.split("`")[1].replace("runs/compare-<time>", "runs/compare-$(date +%s)")
+    assert printed in " ".join(lesson_page.replace("\\\n", " ").split())
+    report = open(os.path.join(ROOT, "docs/results/lesson-compare.md")).read()
+    assert ROOT not in report and "](/" not in report
+
+
+def test_the_fp16_story_follows_any_run(script):
+    """On another CPU the fp16 run may overflow a step earlier or later, or not again after the
+    first clean step: the pages' reading of it (lesson, worksheet 6.1-6.2, answers, Q17) is told
+    from whatever pattern the run had, never an assertion that stops the pages from being made."""
+    from minizero.fp16 import DynamicLossScaler
+
+    def pattern(overflows):
+        s = DynamicLossScaler(init_scale=2 ** 20, scale_window=4, min_scale=1, delayed_shift=2)
+        out = []
+        for o in overflows:
+            before = s.cur_scale
+            s.update_scale(o)
+            out.append((o, before, s.cur_scale, []))
+        return out
+    T, F = True, False
+    cases = {"the lesson's": [T, T, T, T, F, F, T, F, F, F, F, F],
+             "shifted a step": [T, T, T, F, F, F, T, F, F, F, F, F],
+             "no late overflow": [T, T, T, F, F, F, F, F, F, F, F, F],
+             "no doubling yet": [T, T, F, F, T, F, F],
+             "every step overflows": [T, T, T, T],
+             "no overflow at all": [F] * 6}
+    for name, overflows in cases.items():
+        story = script.fp16_story(pattern(overflows), 20, 4, 2)
+        assert set(story) == {"reading", "q61", "a61", "q62", "a62", "q17", "a17"}, name
+        assert all(text and "None" not in text for text in story.values()), (name, story)
+        assert all(len(line) <= 92 for text in story.values() for line in text.splitlines()), name
+    told = script.fp16_story(pattern(cases["shifted a step"]), 20, 4, 2)
+    assert "step 4 is the first clean step" in told["reading"].replace("\n", " ")
+    assert "The doubling comes at step 12" in told["reading"].replace("\n", " ")
+    told = script.fp16_story(pattern(cases["no late overflow"]), 20, 4, 2)
+    assert "halves at once" not in told["reading"] and "at which step does the scale double" in told["q62"].replace(
+        "\n", " ")

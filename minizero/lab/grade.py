@@ -1,0 +1,532 @@
+"""The autograder: the student's files run in place of minizero's, beside minizero's own.
+
+One launch of 2 ranks runs many variants (the answer key, the student's copy, or every seeded
+mistake of the tests), part after part. Before each variant the rank forgets minizero's core
+modules (`use`) and an import hook (`StudentFiles`) hands out the student's file for each module
+the part covers, so `minizero.engine` and everything it imports is built again on the
+student's code, nothing patched. Each scenario (parts.Scenario) builds an engine, trains the
+micro GPT a few steps and records what the lesson measures: every loss, digests of the final
+fp32 weights, each step's collectives (op, label, bytes, and the phase they ran in, through
+comm's observer seam), `engine.memory_breakdown()` at the end of the last backward and after
+the step, and the parameter bytes gathered at the peak.
+
+A student's mistake may raise, on every rank alike (then they stay in step and the launch
+goes on), or on one rank only; the ranks tell each other how each scenario ended through the
+process group's store (no collective), and a launch where they disagree stops and is started
+again for the variants left, so one rank stuck in a collective its peer never joins costs the
+collective timeout once (GLOO_TIMEOUT_S), never a hang.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+from .parts import CORE, PARTS, Facts, Scenario, partition_unit_checks, scaler_trajectory, SCALER_CASES
+
+WORLD = 2
+GLOO_TIMEOUT_S = 30.0
+KEEP = ("minizero", "minizero.launcher_env", "minizero.version", "minizero.process_group")
+
+
+# ----------------------------------------------------------------------------- the student's files
+
+class StudentFiles(importlib.abc.MetaPathFinder):
+    """Import minizero.<module> from the student's file, for the modules given."""
+
+    def __init__(self, files: dict):
+        self.files = files   # "minizero.zero1" -> path
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.files:
+            return importlib.util.spec_from_file_location(fullname, self.files[fullname])
+        return None
+
+
+def use(files: dict) -> None:
+    """Forget minizero's modules (but this room's, the launcher's and the process group's),
+    and from now on import the student's `files` ({"minizero.zero1": path}) in their place."""
+    for name in list(sys.modules):
+        if name.startswith("minizero.") and name not in KEEP and not name.startswith(("minizero.lab", "minizero.runtime")):
+            del sys.modules[name]
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, StudentFiles)]
+    if files:
+        sys.meta_path.insert(0, StudentFiles(files))
+    importlib.invalidate_caches()
+
+
+def student_files(part: str, folder: str | None) -> dict:
+    """The modules a part takes from the student's folder ({} for minizero's own)."""
+    if folder is None:
+        return {}
+    files = {}
+    for hole in PARTS[part].holes:
+        path = os.path.abspath(os.path.join(folder, hole.file))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such file; `python -m minizero.lab make {folder}` writes the copy")
+        files["minizero." + hole.file[:-3]] = path
+    return files
+
+
+# ----------------------------------------------------------------------------- inside a rank
+
+class Watch:
+    """comm's observer: each collective with the phase it ran in and the micro-step, and the
+    parameter bytes gathered (ZeRO-3's partitioned FlatParams), sampled at every event."""
+
+    def __init__(self):
+        self.engine, self.phases, self.events, self.micro, self.peak = None, [], [], -1, 0
+
+    def engine_ready(self, engine):
+        self.engine = engine
+
+    def phase_begins(self, name, engine):
+        if name == "backward":
+            self.micro += 1
+        self.phases.append(name)
+        self.sample()
+
+    def phase_ends(self, name, engine):
+        if self.phases:
+            self.phases.pop()
+        self.sample()
+
+    def begin(self, op, label, tensor, nbytes, group):
+        import torch
+        # "backward" only while autograd's engine runs (a hook issued it), not in what the
+        # engine's backward does after loss.backward() returns (finish_backward)
+        phase = self.phases[0] if self.phases else ""
+        if phase == "backward" and torch._C._current_graph_task_id() == -1:
+            phase = "after backward"
+        self.events.append((op, label, phase, self.micro))
+        self.sample()
+
+    def sample(self):
+        if self.engine is not None:
+            held = sum(f.full.untyped_storage().nbytes() for f in self.engine.zero.flat_params if not f.persistent)
+            self.peak = max(self.peak, held)
+
+    def start_step(self):
+        self.events, self.micro, self.peak = [], -1, 0
+        self.sample()
+
+
+PROGRESS: dict = {}
+
+
+def ops_since_start() -> dict:
+    """Calls per collective since the running scenario's engine was built (for a run that raised)."""
+    from minizero import comm
+    now, start = comm.ledger.snapshot(), PROGRESS.get("since")
+    if start is None:
+        return {}
+    return {op: now[op]["calls"] - start[op]["calls"] for op in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def run_scenario(sc: Scenario) -> dict:
+    """Build an engine on whatever minizero/ now holds and train `sc`; what the lesson measures."""
+    import torch
+    import torch.distributed as dist
+
+    import minizero
+    from minizero import checkpointing, comm
+    from minizero.runtime import selftest
+    rank, world = comm.get_rank(), comm.get_world_size()
+    cfg = selftest.config(sc.stage)
+    cfg["zero_optimization"].update(sc.zero)
+    cfg["gradient_accumulation_steps"] = sc.gas
+    if sc.fp16:
+        cfg["fp16"] = dict(sc.fp16)
+    watch = Watch()
+    comm.subscribe(watch)
+    try:
+        model, groups = selftest._built()
+        if sc.checkpoint:
+            cfg["activation_checkpointing"] = {}
+            model.checkpoint_fn = checkpointing.checkpoint
+        engine, *_ = minizero.initialize(model=model, model_parameters=groups, config=cfg)
+        PROGRESS["since"] = comm.ledger.snapshot()   # what the training issued, should it raise
+        out = {"losses": [], "mean_losses": [], "steps": [], "loss_scales": []}
+        for step in range(sc.steps):
+            last = step == sc.steps - 1
+            watch.start_step()
+            before = comm.ledger.snapshot()
+            losses = []
+            for micro in range(sc.gas):
+                x, y = selftest.Batches()(step, micro, rank, world)
+                loss = engine(x, y)[1]
+                engine.backward(loss)
+                if last and micro == sc.gas - 1:
+                    out["memory_end_of_backward"] = _memory(engine)
+                engine.step()
+                losses.append(float(loss.detach()))
+            after = comm.ledger.snapshot()
+            t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+            dist.all_reduce(t)   # the mean over ranks, as DeepSpeed's runner reports it (not counted: not minizero's)
+            out["losses"].append(losses)
+            out["mean_losses"].append(float(t.item()) / world)
+            out["loss_scales"].append(float(engine.loss_scale))
+            out["steps"].append({op: [after[op][k] - before[op][k] for k in ("calls", "bytes", "wire_bytes")]
+                                 for op in ("all_gather", "reduce_scatter", "all_reduce")})
+            if last:
+                out["events"] = list(watch.events)
+                out["peak_gathered"] = watch.peak
+                out["memory_after_step"] = _memory(engine)
+        state = engine.full_fp32_state_dict()
+        out["weights"] = {k: hashlib.sha256(v.detach().float().contiguous().numpy().tobytes()).hexdigest()
+                          for k, v in state.items()}
+        return out
+    finally:
+        comm.unsubscribe(watch)
+
+
+def _memory(engine) -> dict:
+    b = engine.memory_breakdown()
+    return {k: int(b[k]) for k in ("params", "grads", "master_params", "optimizer_states")}
+
+
+def _where(tb, files: dict) -> str:
+    """The deepest frame of the traceback in one of the student's files (file:line), else ''."""
+    paths = set(files.values())
+    frames = [f for f in traceback.extract_tb(tb) if f.filename in paths]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {os.path.basename(f.filename)}:{f.lineno}, {f.name})"
+
+
+def _agree(store, key: str, status: str, world: int) -> bool:
+    """Every rank ended this scenario the same way? Through the store: no collective."""
+    rank = _rank()
+    store.set(f"{key}/{rank}", status)
+    try:
+        store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=GLOO_TIMEOUT_S + 10))
+    except Exception:   # a peer is stuck: this launch ends here
+        return False
+    return all(store.get(f"{key}/{r}").decode() == status for r in range(world))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+def rank_main(jobs: list, launch: int) -> dict:
+    """On each rank: every (variant, part, files, scenario names or None for all) job in order.
+    Stops early (the parent starts the rest again) when the ranks disagree on how a scenario ended."""
+    import torch
+    import torch.distributed as dist
+
+    import logging
+
+    from minizero import process_group
+    process_group.init_distributed("gloo", timeout_s=GLOO_TIMEOUT_S)
+    logging.getLogger("minizero").setLevel(logging.WARNING)   # the engines' notes are not the grade
+    store = dist.distributed_c10d._get_default_store()
+    torch.set_num_threads(1)
+    done = []
+    for j, (variant, part, files, names) in enumerate(jobs):
+        result = {}
+        scenarios = [sc for sc in PARTS[part].scenarios if names is None or sc.name in names]
+        use(files)   # minizero's modules built again on this job's files (a scenario that raised: again)
+        for s, sc in enumerate(scenarios):
+            if s and status != "ok":
+                use(files)
+            PROGRESS.clear()
+            try:
+                result[sc.name] = run_scenario(sc)
+                status = "ok"
+            except Exception as e:
+                line = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                result[sc.name] = {"error": line + _where(e.__traceback__, files), "error_ops": ops_since_start()}
+                from minizero import comm
+                status = f"error {comm.ledger.snapshot()['all_gather']['calls']} {type(e).__name__}"
+            if not _agree(store, f"lab/{launch}/{j}/{s}", status, dist.get_world_size()):
+                for rest in scenarios[s + 1:]:
+                    result[rest.name] = {"error": "not run: the ranks disagreed on an earlier scenario"}
+                done.append((variant, part, result))
+                use({})
+                return {"done": done, "complete": False, "cpu_s": time.process_time()}
+        done.append((variant, part, result))
+    use({})
+    return {"done": done, "complete": True, "cpu_s": time.process_time()}
+
+
+# ----------------------------------------------------------------------------- in the grading process
+
+LAUNCHES: list = []   # (jobs asked, jobs done, each rank's CPU seconds) per launch of the last grading
+
+
+def run_variants(jobs: list) -> dict:
+    """{(variant, part): {scenario: result}} for every job, on 2 ranks: one launch, and one
+    more after each launch the ranks had to stop."""
+    from minizero.runtime import spawn
+    results, left, launch = {}, list(jobs), 0
+    LAUNCHES.clear()
+    while left:
+        per_rank = spawn.run_ranks(rank_main, WORLD, (left, launch), backend="gloo", group=False,
+                                   env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+        merged = _merge([r["done"] for r in per_rank])
+        LAUNCHES.append((len(left), len(merged), [r["cpu_s"] for r in per_rank]))
+        for (variant, part), res in merged.items():
+            results[(variant, part)] = res
+        finished = {(v, p) for v, p in merged}
+        left = [j for j in left if (j[0], j[1]) not in finished]
+        launch += 1
+    return results
+
+
+def _merge(per_rank_done: list) -> dict:
+    """The ranks' results, side by side: {(variant, part): {scenario: [rank 0's, rank 1's]}},
+    for the jobs every rank reported."""
+    common = min(len(d) for d in per_rank_done)
+    out = {}
+    for i in range(common):
+        variant, part, _ = per_rank_done[0][i]
+        scenarios = per_rank_done[0][i][2]
+        out[(variant, part)] = {sc: [d[i][2].get(sc, {"error": "not run: the other rank stopped first"})
+                                     for d in per_rank_done] for sc in scenarios}
+    return out
+
+
+def deepspeed_available() -> bool:
+    from minizero.runtime import selftest
+    return selftest.deepspeed_available()
+
+
+def deepspeed_losses(stages: list) -> dict:
+    """{stage: mean loss per step} of DeepSpeed under the selftest's config, or {} when DeepSpeed
+    (or the repository's reference/ runner) is not there."""
+    from minizero.runtime import selftest, spawn
+    if not stages or not selftest.deepspeed_available():
+        return {}
+    spawn.preload("deepspeed")
+    per_rank = spawn.run_ranks(selftest.deepspeed_rank, WORLD, (sorted(stages),), backend="gloo",
+                               env={"DS_ACCELERATOR": "cpu"})
+    return {s: r["losses"] for s, r in per_rank[0].items()}
+
+
+def compare(sc: Scenario, got: list, want: list, ds: list | None) -> Facts:
+    """The student's run (per rank) against minizero's: the facts the part's diagnosis reads."""
+    f = Facts(sc)
+    errors = [g.get("error") for g in got]
+    if any(errors):
+        f.error = next(e for e in errors if e)
+        f.error_ops = next(g.get("error_ops") or {} for g in got if g.get("error"))
+        return f
+    g0, w0 = got[0], want[0]
+    steps = [i + 1 for i in range(len(w0["losses"])) if any(g["losses"][i] != w["losses"][i]
+                                                              for g, w in zip(got, want))]
+    f.losses_equal, f.first_loss_diff = not steps, (steps[0] if steps else None)
+    f.weights_differ = sorted(k for k in w0["weights"] if g0["weights"].get(k) != w0["weights"][k])
+    f.weights_equal = not f.weights_differ
+    f.ops = {op: (tuple(g0["steps"][-1][op]), tuple(w0["steps"][-1][op])) for op in w0["steps"][-1]}
+    f.calls_per_step = {op: (tuple(s[op][0] for s in g0["steps"]), tuple(s[op][0] for s in w0["steps"]))
+                        for op in w0["steps"][-1]}
+    micro = max(e[3] for e in w0["events"]) + 1 if w0["events"] else 1
+    for op in ("reduce_scatter", "all_gather"):
+        count = lambda events: tuple(sum(1 for e in events if e[0] == op and e[2] == "backward" and e[3] == m)
+                                     for m in range(micro))
+        f.in_backward[op] = (count(g0["events"]), count(w0["events"]))
+    gl = [(e[0], e[1]) for e in g0["events"] if e[0] == "all_gather"]
+    wl = [(e[0], e[1]) for e in w0["events"] if e[0] == "all_gather"]
+    f.labels_equal = gl == wl
+    if not f.labels_equal:
+        i = next((i for i, (a, b) in enumerate(zip(gl, wl)) if a != b), min(len(gl), len(wl)))
+        f.label_diff = (f"all-gather {i + 1} of the step is {gl[i][1] if i < len(gl) else 'missing'}, "
+                        f"minizero's {wl[i][1] if i < len(wl) else 'none'}")
+    f.memory = {"end of backward": (g0["memory_end_of_backward"], w0["memory_end_of_backward"]),
+                "after the step": (g0["memory_after_step"], w0["memory_after_step"])}
+    f.peak_gathered = (g0["peak_gathered"], w0["peak_gathered"])
+    f.loss_scales = (tuple(g0["loss_scales"]), tuple(w0["loss_scales"]))
+    if ds is not None:
+        diff = [i + 1 for i, (a, b) in enumerate(zip(g0["mean_losses"], ds)) if a != b]
+        f.deepspeed = "equal" if not diff else f"differ from step {diff[0]}"
+    return f
+
+
+def check_lines(f: Facts) -> list[tuple[str, bool, str]]:
+    """The report's lines for one scenario: (what, passed, detail)."""
+    if f.error:
+        return [("runs", False, f.error)]
+    lines = [("losses and weights", f.losses_equal and f.weights_equal,
+              "bit for bit equal to minizero's" if f.losses_equal and f.weights_equal else
+              (f"losses part from step {f.first_loss_diff}" if not f.losses_equal else
+               f"final weights differ: {', '.join(f.weights_differ[:3])}"))]
+    bad = [op for op in f.ops if f.op_differs(op)]
+    detail = "; ".join(f"{op}: {f.ops[op][0][0]} calls, {f.ops[op][0][1]:,} bytes (minizero: {f.ops[op][1][0]}, "
+                       f"{f.ops[op][1][1]:,})" for op in bad)
+    lines.append(("bytes per collective", not bad, detail or "every op's calls, payload and wire bytes in a step "
+                                                            "equal to minizero's"))
+    when_bad = [op for op, (a, b) in f.in_backward.items() if a != b] + ([] if f.labels_equal else ["labels"])
+    lines.append(("when each runs", not when_bad,
+                  "collectives issued inside autograd's backward, and their labels, as minizero's" if not when_bad else
+                  "; ".join(f"{op} inside backward per micro-step: {f.in_backward[op][0]} (minizero "
+                            f"{f.in_backward[op][1]})" for op in when_bad if op != "labels")
+                  + ("" if f.labels_equal else f.label_diff)))
+    mem_bad = [m for m, (a, b) in f.memory.items() if a != b]
+    lines.append(("memory per rank", not mem_bad and f.peak_gathered[0] == f.peak_gathered[1],
+                  "model states at the end of backward and after the step, and the gathered peak, as minizero's"
+                  if not mem_bad and f.peak_gathered[0] == f.peak_gathered[1] else
+                  "; ".join([f"{m}: {f.memory[m][0]} (minizero {f.memory[m][1]})" for m in mem_bad]
+                            + ([f"gathered at the peak {f.peak_gathered[0]:,} (minizero {f.peak_gathered[1]:,})"]
+                               if f.peak_gathered[0] != f.peak_gathered[1] else []))))
+    if f.loss_scales[1] and any(s != 1.0 for s in f.loss_scales[1]):
+        lines.append(("loss scale", f.loss_scales[0] == f.loss_scales[1],
+                      "after each step as minizero's" if f.loss_scales[0] == f.loss_scales[1] else
+                      f"{list(f.loss_scales[0])} (minizero {list(f.loss_scales[1])})"))
+    if f.deepspeed is not None:
+        lines.append(("DeepSpeed", f.deepspeed == "equal", "losses bit for bit equal to DeepSpeed's"
+                      if f.deepspeed == "equal" else f"losses {f.deepspeed} against DeepSpeed's"))
+    return lines
+
+
+def unit_checks(part: str, files: dict, with_deepspeed: bool) -> tuple[list, list[str]]:
+    """The part's checks that need no ranks (the partition arithmetic, the loss scaler against
+    minizero's and DeepSpeed's), in this process: (lines, messages)."""
+    from . import parts
+    if part == "partition":
+        from minizero import partition as real
+        student = _load(files["minizero.partition"], "lab_partition_student")
+        checks = partition_unit_checks(student, real)
+        return ([(f"partition arithmetic: {n}", ok, d or "equal to minizero's on 36 sizes") for n, ok, d in checks],
+                parts.partition_messages(checks))
+    if part == "fp16":
+        from minizero import fp16 as real
+        student = _load(files["minizero.fp16"], "lab_fp16_student")
+        lines, msgs = [], []
+        ds = None
+        if with_deepspeed:
+            with contextlib.suppress(ImportError):
+                from deepspeed.runtime.fp16 import loss_scaler as ds
+        for case, (kwargs, pattern) in SCALER_CASES.items():
+            want = scaler_trajectory(real.DynamicLossScaler, real.MinLossScaleError, kwargs, pattern)
+            got = scaler_trajectory(student.DynamicLossScaler, student.MinLossScaleError, kwargs, pattern)
+            ok = got == want
+            lines.append((f"scaler: {case}", ok, "every update as minizero's" if ok else
+                          f"after each update {got}, minizero {want}"))
+            if not ok:
+                msgs += parts.fp16_messages(case, kwargs, pattern, got, want)
+            if ds is not None:
+                with deepspeed_scaler_quiet(ds):
+                    theirs = scaler_trajectory(ds.DynamicLossScaler, Exception,
+                                               dict(kwargs, consecutive_hysteresis=False, raise_error_at_min_scale=True),
+                                               pattern)
+                theirs = [t if not isinstance(t, str) else "raised MinLossScaleError" for t in theirs]
+                lines.append((f"scaler against DeepSpeed's: {case}", got == theirs,
+                              "every update as DeepSpeed's DynamicLossScaler" if got == theirs else
+                              f"DeepSpeed's {theirs}"))
+        return lines, msgs
+    return [], []
+
+
+@contextlib.contextmanager
+def deepspeed_scaler_quiet(module):
+    """DeepSpeed's loss_scaler module, for a while, asking no process group for the rank (its
+    update_scale does, and there is none in this process) and logging nothing."""
+    import logging
+    import types
+    saved = module.dist, module.logger
+    module.dist, module.logger = types.SimpleNamespace(get_rank=lambda: 0), logging.getLogger("minizero.lab.quiet")
+    module.logger.disabled = True
+    try:
+        yield
+    finally:
+        module.dist, module.logger = saved
+
+
+def _load(path: str, name: str):
+    """The student's file as a module of its own name (registered: a dataclass looks its module up)."""
+    name = f"{name}_{hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:10]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def grade_jobs(jobs: list, with_deepspeed: bool = True) -> dict:
+    """{(name, part): Graded} for each job (name, part, the student's folder or None for
+    minizero's own files, the names of the scenarios to run or None for all of them). minizero's
+    own code runs every scenario asked for once, in the same launch, as the reference; minizero's
+    own files graded as a student's are a second, separate run through the same import hook (the
+    answer key must reproduce the reference bit for bit)."""
+    wanted: dict = {}
+    for _, part, _, names in jobs:
+        have = wanted.setdefault(part, set())
+        have.update(sc.name for sc in PARTS[part].scenarios if names is None or sc.name in names)
+    runs_of = [("minizero", part, {}, tuple(sorted(names))) for part, names in wanted.items()]
+    runs_of += [(name, part, student_files(part, folder or CORE), names) for name, part, folder, names in jobs]
+    chosen = [sc for part, names in wanted.items() for sc in PARTS[part].scenarios if sc.name in names]
+    ds_stages = sorted({sc.stage for sc in chosen if sc.deepspeed and not sc.fp16})
+    if with_deepspeed and ds_stages and deepspeed_available():
+        from minizero.runtime import spawn
+        spawn.preload("deepspeed")   # before the first launch starts the forkserver: imported once
+    runs = run_variants(runs_of)
+    ds = deepspeed_losses(ds_stages) if with_deepspeed else {}
+    out = {}
+    for name, part, folder, names in jobs:
+        got, want = runs[(name, part)], runs[("minizero", part)]
+        facts = [compare(sc, got[sc.name], want[sc.name], ds.get(sc.stage) if sc.deepspeed else None)
+                 for sc in PARTS[part].scenarios if names is None or sc.name in names]
+        lines, msgs = unit_checks(part, student_files(part, folder or CORE), with_deepspeed)
+        out[(name, part)] = Graded(part, folder, facts, lines, msgs)
+    return out
+
+
+def grade(parts: list, variants: dict, with_deepspeed: bool = True) -> dict:
+    """{variant: {part: Graded}}: every part, every scenario, for each variant ({name: the
+    student's folder, or None for minizero's own files})."""
+    graded = grade_jobs([(name, p, folder, None) for name, folder in variants.items() for p in parts], with_deepspeed)
+    return {name: {p: graded[(name, p)] for p in parts} for name in variants}
+
+
+class Graded:
+    """One part's grade: the unit checks, each scenario's facts, and the messages."""
+
+    def __init__(self, part: str, folder, facts: list, unit_lines: list, unit_messages: list):
+        self.part, self.folder, self.facts = part, folder, facts
+        self.unit_lines, self.unit_messages = unit_lines, unit_messages
+
+    @property
+    def messages(self) -> list[str]:
+        msgs = list(self.unit_messages)
+        for f in self.facts:
+            for m in PARTS[self.part].diagnose(f):
+                if m not in msgs:
+                    msgs.append(m)
+        return msgs
+
+    @property
+    def passed(self) -> bool:
+        return all(ok for _, ok, _ in self.unit_lines) and all(f.passed for f in self.facts)
+
+    def report(self) -> str:
+        part = PARTS[self.part]
+        who = f"your files in {self.folder}" if self.folder else "minizero's own code (the answer key)"
+        out = [f"lab part {self.part}: {part.title}", f"  graded: {who}, on {WORLD} ranks"]
+        for what, ok, detail in self.unit_lines:
+            out.append(f"  {'PASS' if ok else 'FAIL'}  {what}: {detail}")
+        for f in self.facts:
+            out.append(f"  scenario: {f.scenario.name} ({f.scenario.describe()})")
+            for what, ok, detail in check_lines(f):
+                out.append(f"    {'PASS' if ok else 'FAIL'}  {what}: {detail}")
+        msgs = self.messages
+        if not self.passed and not msgs:
+            msgs = ["the run differs from minizero's in the checks above"]
+        for m in msgs:
+            out.append(f"  => {m}")
+        out.append(f"part {self.part}: {'PASS' if self.passed else 'FAIL'}")
+        return "\n".join(out)
+
+
+def to_json(graded: dict) -> str:
+    return json.dumps({v: {p: {"passed": g.passed, "messages": g.messages} for p, g in ps.items()}
+                       for v, ps in graded.items()}, indent=1)
