@@ -173,17 +173,17 @@ def write_timings(times: list[tuple[str, float]], load: tuple) -> None:
     from minizero.runtime.about import machine, versions
     v = versions()
     lines = ["# The lesson's commands, timed", "",
+             f"**Date:** {time.strftime('%Y-%m-%d')}",
+             f"**Machine:** {machine()}; load average (1 min) before and after: {load[0]:.1f}, {load[1]:.1f} (on 2 "
+             f"cores, a load above 2 means other work shared them: the seconds below are then longer than on an "
+             f"idle laptop)",
+             "**Command:** `python docs/lesson/lesson_numbers.py --timings --runs DIR`",
+             f"**Software:** python {v['python']}, torch {v['torch']}", "",
              "Every command the two 50-minute sessions of [docs/lesson.md](../lesson.md) run in class, run once "
              "more exactly as printed (a fresh process each, in the page's order, after the lesson's runs had "
              "filled the folder) and timed by the wall clock. The lesson's timing table adds these seconds, "
              "rounded up to whole minutes per part, to each part's talking minutes "
              "(docs/lesson/sessions.json).", "",
-             "- command: `python docs/lesson/lesson_numbers.py --timings --runs DIR`",
-             f"- machine: {machine()}",
-             f"- date: {time.strftime('%Y-%m-%d')}",
-             f"- versions: python {v['python']}, torch {v['torch']}",
-             f"- load average (1 min) before and after: {load[0]:.1f}, {load[1]:.1f} (on 2 cores, a load above 2 "
-             f"means other work shared them: the seconds below are then longer than on an idle laptop)", "",
              "| seconds | command |", "|---|---|"]
     lines += [f"| {wall:.1f} | `{command}` |" for command, wall in times]
     with open(TIMINGS, "w") as f:
@@ -276,7 +276,11 @@ def record_comparison(runs: str) -> None:
     report = re.sub(r"\[([^\]]+)\]\((?!\.\./|https?:)[^)]+\)", r"\1", report)   # and its other files
     printed = command.replace("runs/compare-$(date +%s)", "runs/compare-<time>")
     header = (f"<!-- Recorded by `python docs/lesson/lesson_numbers.py --record`: the lesson's part 8 command, "
-              f"`{printed}`, on the machine below; `python docs/lesson/recorded.py` shows it. -->\n")
+              f"`{printed}`, on the machine below; `python docs/lesson/recorded.py` shows it. -->\n"
+              f"# Part 8 of the lesson, recorded: minizero beside DeepSpeed\n\n"
+              f"**Date:** {results['date'][:10]}\n**Machine:** {results['machine']}\n"
+              f"**Command:** `python docs/lesson/lesson_numbers.py --record` (the lesson's `{printed}`)\n"
+              f"**Software:** " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + "\n\n")
     with open(RECORDED + ".md", "w") as f:
         f.write(header + report)
     keep = {k: results[k] for k in ("command", "machine", "date", "versions", "nproc", "dtype", "rows")}

@@ -420,7 +420,7 @@ def test_the_timing_table_is_the_measured_sessions(script, lesson):
         assert numbers[f"timing.session{i}.used"] == str(used) and used <= spec["minutes"]
         assert numbers[f"timing.session{i}"].count("\n") == len(session["slots"]) + 2
     measured = open(script.TIMINGS).read()
-    assert "- machine: " in measured and "- date: " in measured and "load average" in measured
+    assert "**Machine:** " in measured and "**Date:** " in measured and "load average" in measured
 
     real = script.read_timings
     try:
