@@ -24,6 +24,7 @@ CASES = [(0, "fp32"), (3, "fp32"), (3, "bf16")]
 @pytest.fixture(scope="module", autouse=True)
 def _train_everything_once():
     A.prefetch_mz(A.ALL_MZ_KEYS)
+    A.prefetch_ds(A.ALL_DS_KEYS)
 
 
 @pytest.mark.parametrize("stage,dtype", CASES, ids=[f"z{s}-{d}" for s, d in CASES])

@@ -52,6 +52,7 @@ PSI = 108_801                 # elements summed into the gradient norm
 @pytest.fixture(scope="module", autouse=True)
 def _train_everything_once():
     A.prefetch_mz(A.ALL_MZ_KEYS)  # all minizero configurations, one pair of processes
+    A.prefetch_ds(A.ALL_DS_KEYS)  # all DeepSpeed configurations, another pair
 
 
 def _r0(results):

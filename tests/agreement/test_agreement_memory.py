@@ -33,6 +33,7 @@ CATS = ("params", "master_params", "optimizer_states", "grads")
 @pytest.fixture(scope="module", autouse=True)
 def _train_everything_once():
     A.prefetch_mz(A.ALL_MZ_KEYS)
+    A.prefetch_ds(A.ALL_DS_KEYS)
 
 
 def _model_numels():

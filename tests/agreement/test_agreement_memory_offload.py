@@ -8,8 +8,8 @@ once (N = 2): fp16 ZeRO-2 + offload_optimizer, fp32 ZeRO-3 + both, and bf16 ZeRO
 offload_param with every parameter persistent (stage3_param_persistence_threshold 1e5).
 DeepSpeed's numbers are reference/ds_memory.deepspeed_model_state_bytes on the live engine
 (reference/ds_run.run_deepspeed(capture_memory=True)), minizero's engine.memory_breakdown();
-one DeepSpeed launch per config (ZeRO-3 patches torch process-wide), all minizero configs of
-one world size in one launch. 22 DeepSpeed launches of 4-8 s: 1.5-4 min on 2 shared CPU cores.
+all DeepSpeed configs of one world size in one launch, and all minizero configs of one world
+size in another: 4 launches.
 
 The symbols (bytes per rank, exact integers):
   b   bytes per low-precision element (2 bf16/fp16, 4 fp32)
@@ -89,13 +89,22 @@ def config(c: Case) -> dict:
 _CACHE: Dict[tuple, list] = {}
 
 
+def _deepspeed_many(cases: list) -> list:
+    """On each rank: run_deepspeed for each case in turn, in this process (each its own engine;
+    every number equal to the case's own launch, as the agreement cache's DeepSpeed runs are:
+    tests/support/agreement.py, _deepspeed_many)."""
+    from reference.ds_run import run_deepspeed
+    return [run_deepspeed(A.MODEL_FN, config(c), A.BATCHES, STEPS, capture_memory=True, return_final_state=False)
+            for c in cases]
+
+
 def ds(n: int, c: Case) -> list:
     if ("ds", n, c) not in _CACHE:
-        from reference.ds_run import run_deepspeed
         from tests.support.launcher import run_ranks
-        _CACHE[("ds", n, c)] = run_ranks(run_deepspeed, world_size=n, args=(A.MODEL_FN, config(c), A.BATCHES, STEPS),
-                                         kwargs={"capture_memory": True, "return_final_state": False},
-                                         env=A.ENV, timeout=600)
+        todo = [k for m, k in ALL if m == n]
+        per_rank = run_ranks(_deepspeed_many, world_size=n, args=(todo,), env=A.ENV, timeout=600)
+        for i, k in enumerate(todo):
+            _CACHE[("ds", n, k)] = [per_rank[r][i] for r in range(n)]
     return _CACHE[("ds", n, c)]
 
 
