@@ -2,8 +2,9 @@
 a reduction or a step needs it.
 
 Every stage keeps the buffer object and its per-parameter views (laid out once, flat_param.py)
-but frees its storage once nothing reads it: ZeRO-2/3 after each reduction, stage 0 and ZeRO-1
-after the step (their reduced gradient is what the step reads). So between steps no rank holds
+but frees its storage once nothing reads it: ZeRO-1/2/3 after each reduce-scatter (the step
+reads the reduced slice, a buffer of its own), stage 0 after the step (its all-reduced buffer is
+what the step reads). So between steps no rank holds
 a flat gradient beside the parameters' own, which is what memory.held_bytes measures and the
 layout formulas and DeepSpeed say."""
 import pytest
@@ -15,7 +16,7 @@ from tests.support.harness import SyntheticBatches, make_config, micro_engine
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_stage0_and_zero1_free_the_gradient_buffer_after_the_step(stage, dtype):
+def test_stage0_and_zero1_hold_no_gradient_buffer_after_the_step(stage, dtype):
     engine, model = micro_engine(make_config(stage, dtype, micro_batch=2, lr=1e-3))
     batches = SyntheticBatches(model.config.vocab_size, model.config.block_size, 2)
     flats = engine.zero.flat_params
