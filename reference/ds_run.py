@@ -313,7 +313,8 @@ def train_steps(engine, batches, steps: int, loss_scale, probe=None, memory=None
 
 
 def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any], batches, steps: int, *,
-                  fp16_cpu_patch: bool = True, capture_memory: bool = False, zero3_exact: bool = True,
+                  fp16_cpu_patch: bool = True, capture_memory: bool = False, capture_peaks: Optional[bool] = None,
+                  zero3_exact: bool = True,
                   seed: int = 0, weight_decay: Optional[float] = None,
                   return_final_state: bool = True, drive: Optional[Callable] = None) -> Dict[str, Any]:
     """Train `steps` optimizer steps with DeepSpeed on this rank; return plain data.
@@ -330,6 +331,10 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         weight_decay overrides the optimizer's, so the no-decay group really gets 0.
     capture_memory: record `reference.ds_memory.deepspeed_model_state_bytes` after init,
         after each step's last backward (before engine.step) and after each step.
+    capture_peaks: with capture_memory (the default: whenever it is on), also the last step's
+        peaks (track_peaks). Off where no one reads them: the recorder reads every buffer at
+        each event of the step (at ZeRO-3, every submodule's fetch and release), which can
+        cost more than the step itself.
     drive: engine -> the object the loop calls instead of the engine (forward, backward,
         step; everything else passes through), e.g. tests/support/two_nodes.py's PhaseRecorder,
         which notes each phase's collectives; its `result()` joins the returned dict.
@@ -346,8 +351,8 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
         memory         if capture_memory: {"after_init": d, "after_backward": [d per step],
                        "after_step": [d per step], "transient_buckets": {"max_bytes",
                        "calls"}} (ZeRO-1/2 bucket buffers live only during backward),
-                       "peaks": the last step's fullest moment in backward and in the
-                       step (reference.ds_memory.track_peaks)}
+                       "peaks" (with capture_peaks): the last step's fullest moment in
+                       backward and in the step (reference.ds_memory.track_peaks)}
         init_seconds, step_seconds (wall time per optimizer step), rank, world_size,
         optimizer_kind (DeepSpeed's optimizer wrapper class), zero_stage, config (as used)
     """
@@ -384,8 +389,10 @@ def run_deepspeed(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any
                   "transient_buckets": track_transient_buckets(engine)}
 
     driven = drive(engine) if drive is not None else engine
+    if capture_peaks is None:
+        capture_peaks = capture_memory
     out = train_steps(driven, batches, steps, _loss_scale, probe, memory,
-                      track_peaks(engine) if capture_memory else None)
+                      track_peaks(engine) if capture_memory and capture_peaks else None)
     if driven is not engine:
         out.update(driven.result())
     out.update({

@@ -94,7 +94,7 @@ def _deepspeed_many(cases: list) -> list:
     every number equal to the case's own launch, as the agreement cache's DeepSpeed runs are:
     tests/support/agreement.py, _deepspeed_many)."""
     from reference.ds_run import run_deepspeed
-    return [run_deepspeed(A.MODEL_FN, config(c), A.BATCHES, STEPS, capture_memory=True, return_final_state=False)
+    return [run_deepspeed(A.MODEL_FN, config(c), A.BATCHES, STEPS, capture_memory=True, capture_peaks=False, return_final_state=False)
             for c in cases]
 
 
