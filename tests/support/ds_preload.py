@@ -24,3 +24,15 @@ import deepspeed.module_inject.auto_ep_layer  # noqa: E402,F401
 from reference.ds_run import skip_inference_shm_op  # noqa: E402
 
 skip_inference_shm_op()
+
+# DeepSpeed's CPU accelerator answers device_count() by running `numactl --hardware` each time
+# (utils/numa.py, get_numa_cores), and ZeRO-3 asks it in every reduce-scatter of gradients
+# (stage3.py, __avg_scatter_grads): 140 subprocesses per rank in a 20-step ZeRO-3 run of the
+# agreement tests, each a fork of a process holding torch and DeepSpeed (sys.modules'
+# subprocess.Popen counted per call site). The machine's NUMA layout does not change while the
+# tests run: asked once per process, the same answer.
+import functools  # noqa: E402
+
+import deepspeed.utils.numa as _numa  # noqa: E402
+
+_numa.get_numa_cores = functools.lru_cache(maxsize=None)(_numa.get_numa_cores)

@@ -25,6 +25,13 @@ from minizero.runtime.spawn import preload  # noqa: F401  (test modules call lau
 spawn.preload("tests.support.launcher")
 if importlib.util.find_spec("deepspeed") is not None:   # deepspeed is an optional (dev) dependency
     spawn.preload("tests.support.ds_preload")
+# What nearly every rank imports on its first run, after the fork: minizero.initialize's
+# checkpoint_io (and its package), the runs' memory readers (minizero.train.runlog; for DeepSpeed
+# reference.ds_memory). Imported in each forked rank they cost 0.03-0.07 s of CPU per rank per
+# launch (sys.modules before and after one run of tests/support/engine_runs.train_run,
+# harness.run_minizero, reference/ds_run.run_deepspeed); here once per test session. None
+# starts a thread or patches anything.
+spawn.preload("minizero.checkpoint_files.checkpoint_io", "minizero.train.runlog", "reference.ds_memory")
 
 
 def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, env=None, timeout: float = 300.0):
