@@ -98,12 +98,13 @@ def run_command(program: str, argv: list[str], nproc: int = 1, *, launcher: bool
                               group=False, timeout=timeout)
 
         def read(ext):
-            return "".join(open(os.path.join(folder, f"{r}.{ext}")).read() for r in range(nproc))
-        out, err = read("out"), read("err")
+            return [open(os.path.join(folder, f"{r}.{ext}")).read() for r in range(nproc)]
+        outs, errs = read("out"), read("err")
     rc = next((c for c in rcs if c != 0), 0)
     args = (["torchrun", "--nproc-per-node", str(nproc)] if launcher else ["python"]) + ["-m", program, *argv]
-    done = subprocess.CompletedProcess(args, rc, out, err)
+    done = subprocess.CompletedProcess(args, rc, "".join(outs), "".join(errs))
     done.rank_returncodes = rcs     # each rank's own, where a test asserts them all
+    done.rank_stdout, done.rank_stderr = outs, errs   # each rank's own output (one "node" each: python_m.py)
     return done
 
 

@@ -215,20 +215,35 @@ def test_shellcheck(name):
     assert r.returncode == 0, r.stdout
 
 
-def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(tmp_path):
-    """launch/gpu_lease.sh on a machine without a GPU: the env part still writes env.txt (what
-    the box has, or why not), an unknown part is named in one line and skipped, and every part
-    leaves its line in parts.log, in the order asked (the wheels part first, always)."""
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def lease(tmp_path_factory):
+    """One run of launch/gpu_lease.sh on this machine without a GPU, parts `env bogus`, with a
+    carried wheel whose module stands in for deepspeed (the two tests below read it: each
+    lease run imports torch in its env part). Returns (the run, OUT, its TMPDIR)."""
+    tmp_path = tmp_path_factory.mktemp("lease")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "deepspeed", "raise ImportError('the carried stand-in for deepspeed was imported')\n")
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
     r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env", "bogus"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
-                                                    "GPU_LEASE_WHEELS": str(tmp_path / "no-wheels")})
+                                                    "GPU_LEASE_WHEELS": str(wheels), "TMPDIR": str(scratch)})
+    return r, out, scratch
+
+
+def test_gpu_lease_runs_its_parts_in_order_and_names_an_unknown_one(lease):
+    """launch/gpu_lease.sh on a machine without a GPU: the env part still writes env.txt (what
+    the box has, or why not), an unknown part is named in one line and skipped, and every part
+    leaves its line in parts.log, in the order asked (the wheels part first, always: here it
+    installs the carried wheel and says so in the line before its own)."""
+    r, out, _ = lease
     log = (out / "parts.log").read_text().splitlines()
-    env_rc = int(re.search(r" env: exit (\d+) ", log[1]).group(1))
+    env_rc = int(re.search(r" env: exit (\d+) ", log[2]).group(1))
     assert r.returncode == max(2, env_rc), r.stderr   # a part asked for and not run: a usage error (2)
-    assert len(log) == 4 and " wheels: exit 0 " in log[0] and "unknown part bogus" in log[2] \
-        and log[3].endswith(f"worst exit status: {max(2, env_rc)}"), log
-    assert "budget 25 s" in log[1]
+    assert len(log) == 5 and "wheels: installed 1 from " in log[0] and " wheels: exit 0 " in log[1] \
+        and "unknown part bogus" in log[3] and log[4].endswith(f"worst exit status: {max(2, env_rc)}"), log
+    assert "budget 25 s" in log[2]
     assert "torch.distributed.set_timeout: " in (out / "env.txt").read_text()
     assert r.stderr == ""
 
@@ -302,19 +317,12 @@ def _wheel(folder, name: str, source: str):
     return path
 
 
-def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(tmp_path):
+def test_gpu_lease_installs_carried_wheels_onto_every_parts_path(lease):
     """Wheels in GPU_LEASE_WHEELS (.whl/ by default: how DeepSpeed reaches a box with no
     network) are installed before the parts and are importable in them: here a wheel whose
     module stands in for deepspeed, which the env part imports and reports. Its work folder
     (the installed wheels, the logs) is gone afterwards: what is kept is in OUT."""
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    _wheel(wheels, "deepspeed", "raise ImportError('the carried stand-in for deepspeed was imported')\n")
-    out, scratch = tmp_path / "out", tmp_path / "tmp"
-    scratch.mkdir()
-    r = subprocess.run(["bash", str(LAUNCH / "gpu_lease.sh"), str(out), "env"], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_LEASE_WHEELS": str(wheels),
-                                         "TMPDIR": str(scratch)})
+    r, out, scratch = lease
     log = (out / "parts.log").read_text().splitlines()
     assert log[-1].endswith(f"worst exit status: {r.returncode}"), (log, r.stderr)
     assert "wheels: installed 1 from " in log[0] and " wheels: exit 0 " in log[1] and " env: exit " in log[2], log

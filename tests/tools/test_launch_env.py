@@ -251,15 +251,26 @@ def _node_groups_of_an_engine(hosts: list):
     logging.getLogger("minizero").addHandler(handler)
     cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "hsdp_shard_size": 2}}
-    minizero.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+    try:
+        minizero.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+    finally:
+        logging.getLogger("minizero").removeHandler(handler)
     return [s for s in said if "hsdp_shard_size" in s]
+
+
+def _node_groups_of_engines(placements: list):
+    """_node_groups_of_an_engine for each of `placements` in turn, in one launch: each engine
+    gathers the hosts again where it makes its groups (process_group.check_node_groups)."""
+    return [_node_groups_of_an_engine(hosts) for hosts in placements]
 
 
 def test_an_engine_warns_once_when_its_node_groups_span_hosts():
     """sharding.for_config calls process_group.check_node_groups where it makes HSDP's groups:
     ranks placed round-robin over two hosts (srun --distribution=cyclic) make every group of
     2 consecutive ranks span both, and rank 0 says so in one line; placed node by node, nothing."""
-    cyclic = run_ranks(_node_groups_of_an_engine, 4, args=(["a", "b", "a", "b"],), timeout=120)
+    # node by node first: the cyclic engine after it in the same processes must still warn
+    per_rank = run_ranks(_node_groups_of_engines, 4, args=([["a", "a", "b", "b"], ["a", "b", "a", "b"]],), timeout=120)
+    blocks, cyclic = ([said[i] for said in per_rank] for i in (0, 1))
     assert len(cyclic[0]) == 1 and cyclic[1:] == [[], [], []], cyclic
     assert cyclic[0][0].startswith("hsdp_shard_size 2: ranks 0-1, one node group, run on 2 hosts (a, b)"), cyclic
-    assert run_ranks(_node_groups_of_an_engine, 4, args=(["a", "a", "b", "b"],), timeout=120) == [[]] * 4
+    assert blocks == [[]] * 4, blocks

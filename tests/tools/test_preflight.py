@@ -12,12 +12,18 @@ machine as two torchruns over 127.0.0.1, each torchrun its own pretended host
 - the checks' arithmetic and wording without processes: the endpoint checks, the README's
   literal `--nnodes 2` line, the hosts and GPUs from ranks' facts, the checkpoint size.
 
-Cost, measured on 2 shared cores: a two-torchrun launch is 2 launchers and 2-4 ranks, each
-importing torch, 20-45 s; the wrong endpoint 25 s (its --timeout is 10 s); the checkpoint
-size test 10 s; the rest under a second.
+Each node's first process (torchrun, or the preflight that runs torchrun) runs as
+`python -m` runs it, on a process forked from the tests' preloaded forkserver
+(tests/support/python_m.py), so it does not pay a fresh interpreter's import of torch; what
+it starts (torchrun's ranks, the preflight's torchrun) are fresh processes, as on a cluster.
+
+Cost, measured on one core of a 2-core machine: a two-torchrun launch is 2 launchers and 2-4
+ranks, the ranks importing torch, 10-20 s; the wrong endpoint about 8 s (its --timeout is
+2 s); the rest under a second.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -28,6 +34,8 @@ import pytest
 
 from minizero.comm import free_port
 from minizero.preflight import checks, command, launch, rendezvous
+from tests.support import python_m
+from tests.support.command_runs import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CIFAR = "cifar-10-batches-py"
@@ -48,22 +56,27 @@ def torchrun(port: int, nproc: int, rdzv_id: str) -> list[str]:
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id]
 
 
+def forked(lines: list[list[str]], hosts: str) -> tuple[list[int], list[str], float]:
+    """Run the command lines `python -m MODULE ARGS` side by side, line i as host hosts[i]
+    (MINIZERO_HOST), each on a process forked from the preloaded forkserver
+    (tests/support/python_m.py); (exit statuses, each one's stdout and stderr, seconds)."""
+    assert all(argv[:2] == [sys.executable, "-m"] for argv in lines), lines
+    common = {k: v for k, v in env_for("").items() if os.environ.get(k) != v and k != "MINIZERO_HOST"}
+    rank_env = [{**common, python_m.INDEX_ENV: str(i), "MINIZERO_HOST": host} for i, host in enumerate(hosts)]
+    t0 = time.monotonic()
+    p = run_command("tests.support.python_m", [json.dumps([argv[2:] for argv in lines])], len(lines), launcher=False,
+                    rank_env=rank_env, timeout=TIMEOUT)
+    outs = [out + err for out, err in zip(p.rank_stdout, p.rank_stderr)]
+    return p.rank_returncodes, outs, time.monotonic() - t0
+
+
 def two_nodes(lines: list[list[str]], folder) -> tuple[list[int], list[str], float]:
-    """Start one command per pretended node (nodeA, nodeB) at once; (exit statuses, outputs, seconds)."""
-    t0, procs, logs = time.monotonic(), [], []
-    for n, argv in zip("AB", lines):
-        logs.append(folder / f"node{n}.log")
-        with open(logs[-1], "w") as f:
-            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env_for(f"node{n}"), stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    try:
-        rcs = [p.wait(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    return rcs, [log.read_text() for log in logs], time.monotonic() - t0
+    """Start one command per pretended node (nodeA, nodeB) at once; (exit statuses, outputs, seconds).
+    Each node's output is also left in folder/node{A,B}.log, as a launcher's log would be."""
+    rcs, outs, seconds = forked(lines, ["nodeA", "nodeB"])
+    for n, text in zip("AB", outs):
+        (folder / f"node{n}.log").write_text(text)
+    return rcs, outs, seconds
 
 
 def said(text: str) -> list[str]:
@@ -167,8 +180,8 @@ def test_each_injected_fault_is_one_line(faults):
 def test_a_wrong_rendezvous_endpoint_ends_in_one_line_within_the_timeout(tmp_path):
     """Node B names another port than node A (each then hosts a rendezvous of its own, as a
     wrong --rdzv-endpoint does on a cluster): each node prints one line naming what to make
-    the same on every node, within --timeout 5 s and torchrun's start, not its 600 s."""
-    timeout = 5
+    the same on every node, within --timeout 2 s and torchrun's start, not its 600 s."""
+    timeout = 2
     lines = [[sys.executable, "-m", "minizero.preflight", "--timeout", str(timeout), *torchrun(free_port(), 1, "wrong"),
               "-m", "minizero.train", "--save-dir", str(tmp_path / "save")] for _ in "AB"]
     rcs, out, seconds = two_nodes(lines, tmp_path)
@@ -190,10 +203,9 @@ def test_one_rank_under_torchrun_meets_at_torchruns_store(tmp_path):
     it made up a MASTER_PORT nobody served, and ended in a traceback)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
             "minizero.preflight", "--dataset", "synthetic", "--save-dir", str(tmp_path / "s"), "--timeout", "20"]
-    p = subprocess.run(argv, cwd=ROOT, env=env_for("node0"), capture_output=True, text=True, timeout=120)
-    lines = said(p.stdout)
-    assert p.returncode == 0 and "ranks: 1 of 1 joined" in lines[0] and "torchrun's rendezvous" in lines[0], \
-        p.stdout[-2000:] + p.stderr[-2000:]
+    (rc,), (out,), _ = forked([argv], ["node0"])
+    lines = said(out)
+    assert rc == 0 and "ranks: 1 of 1 joined" in lines[0] and "torchrun's rendezvous" in lines[0], out[-4000:]
     assert " 0 FAIL " in lines[-1], lines
 
 

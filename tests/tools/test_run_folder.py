@@ -13,7 +13,9 @@ scripts' command lines.
 - a usage error is answered before torch is imported (a fraction of a second, not ~3 s).
 
 The single-process command lines are forked from one preloaded process
-(tests/support/script_runs.py); the torchrun case is its own launch.
+(tests/support/script_runs.py); the torchrun case is its own launch, torchrun forked as
+`python -m torch.distributed.run` (tests/support/python_m.py) and its ranks fresh
+interpreters, and `python -m minizero.compare` is forked the same way.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import subprocess
 
 import pytest
 
+from tests.support import python_m
 from tests.support.command_runs import run_command
 from tests.tools.test_train import PY, ROOT, _env, _torchrun
 
@@ -62,6 +65,15 @@ def runs(tmp_path_factory):
     assert p.returncode == 0, p.stdout + p.stderr
     results = {s["name"]: tuple(open(f"{w}/{s['name']}.{ext}").read() for ext in ("rc", "out", "err")) for s in plan}
     return {k: (int(rc), out, err) for k, (rc, out, err) in results.items()}, w
+
+
+def _python_m(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (cmd, from PY on) on a process forked from the preloaded
+    forkserver (tests/support/python_m.py): its exit status, stdout and stderr."""
+    assert cmd[:2] == [PY, "-m"], cmd
+    env = {k: v for k, v in _env().items() if os.environ.get(k) != v}
+    return run_command("tests.support.python_m", [json.dumps([cmd[2:]])], 1, launcher=False,
+                       rank_env=[{**env, python_m.INDEX_ENV: "0"}], timeout=timeout)
 
 
 def _refused(runs, name) -> tuple[str, str]:
@@ -113,8 +125,7 @@ def test_compare_refuses_an_out_path_that_is_a_file(tmp_path):
     pytest.importorskip("matplotlib")
     a_file = tmp_path / "report"
     a_file.write_text("")
-    p = subprocess.run([PY, "-m", "minizero.compare", "--out", str(a_file)], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=120)
+    p = _python_m([PY, "-m", "minizero.compare", "--out", str(a_file)], timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if "error:" in ln]
     assert len(lines) == 1 and "--out" in lines[0] and "is a file" in lines[0], p.stderr
@@ -123,9 +134,8 @@ def test_compare_refuses_an_out_path_that_is_a_file(tmp_path):
 def test_torchrun_reports_the_one_line_as_root_cause(tmp_path):
     """torchrun follows a failed rank with its own report; its Root Cause is rank 0's line."""
     save = tmp_path / "cifar"
-    p = subprocess.run([*_torchrun(2), "-m", "minizero.train", *TINY, "--dataset", "cifar10",
-                        "--data-dir", str(tmp_path), "--save-dir", str(save)], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=180)
+    p = _python_m([*_torchrun(2), "-m", "minizero.train", *TINY, "--dataset", "cifar10",
+                   "--data-dir", str(tmp_path), "--save-dir", str(save)], timeout=180)
     assert p.returncode != 0
     ours = [ln for ln in p.stderr.splitlines() if ln.startswith("python -m minizero.train: error:")]
     assert len(ours) == 1 and "--dataset synthetic" in ours[0], p.stderr

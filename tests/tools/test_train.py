@@ -7,8 +7,12 @@ files it wrote: one single-process run (continued with --resume, next to a strai
 A fresh interpreter costs 5-10 s of imports (torch, dynamo, DeepSpeed) per process on this
 2-core machine, so the command lines run as each program's main(argv) on ranks forked from
 the tests' preloaded forkserver, with torchrun's environment where torchrun would start them
-(tests/support/command_runs.py). Stage 3's 2-rank launch still goes through the real
-`torchrun -m minizero.train`, as the README prints it, so the launcher itself stays tested.
+(tests/support/command_runs.py), stage 3's 2-rank launch as well: torchrun itself, starting
+minizero.train's ranks and meeting them, is tested where it is the point, and there alone
+(tests/tools/test_two_nodes.py: the README's two-node command, two real torchruns of
+`-m minizero.train --stage 3` to a completed run; tests/tools/test_run_folder.py: a failed
+rank's line as the Root Cause of torchrun's report; tests/tools/test_preflight.py:
+`torchrun --standalone`).
 """
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -42,12 +45,6 @@ def _env():
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
-
-
-def _run(args, timeout=240):
-    p = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    return p
 
 
 def _ok(p):
@@ -132,10 +129,7 @@ def test_torchrun_two_ranks(stage, tmp_path, data_dir):
     save, trace = str(tmp_path / f"z{stage}"), str(tmp_path / f"trace{stage}")
     argv = [*SMALL, "--stage", str(stage), "--data-dir", data_dir, "--save-dir", save, "--trace", trace,
             "--comms-logger"]
-    if stage == 3:   # the README's command: through torchrun itself
-        p = _run([*_torchrun(2), "-m", "minizero.train", *argv])
-    else:
-        p = _ok(run_command("minizero.train", argv, nproc=2))
+    p = _ok(run_command("minizero.train", argv, nproc=2))
     # the trainer finds its tracer: it says where the trace goes, and prints the step's table
     assert f"tracing step 2 into {trace}" in p.stdout + p.stderr and "collectives of step 2 on rank 0 of 2" in p.stdout
     s = _check_run(save, "minizero", stage, 2)
