@@ -27,9 +27,9 @@ steps; no clipping: `test_clip_never_fires`), and a step is bitwise equal when i
 are, so a further step repeats the same operations on equal state. The first step starts
 from the initial weights and empty Adam moments; the second is the first to start from
 updated weights (the fp32 masters rounded back to fp16) and Adam's moments, the state every
-later step starts from; two already show the loss falling (6.238497 to 6.231308). Each
-step costs DeepSpeed 10-15 s on one core: 4 steps made this file 100 s, 2 make it about 65 s
-(docs/results/test-suite-cuts-isuite.md).
+later step starts from; two already show the loss falling (6.238497 to 6.231308). The
+file's time at 4 and 2 steps, with and without DeepSpeed's memory recording, is measured in
+docs/results/test-suite-cuts-avx512.md.
 
 Why bitwise is the right expectation, operation by operation:
 - DeepSpeed's ZeRO-3 replaces F.linear by `LinearFunctionForZeroStage3` (matmul, then
