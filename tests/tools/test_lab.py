@@ -165,3 +165,17 @@ def test_the_scaler_is_graded_against_deepspeeds_own_class(tmp_path):
     wrong = lab_grade.student_files("fp16", write("fp16", 1, str(tmp_path / "m")))
     lines, msgs = lab_grade.unit_checks("fp16", wrong, with_deepspeed=True)
     assert not all(ok for what, ok, _ in lines if "DeepSpeed" in what) and msgs
+
+
+def test_grading_the_scaler_prints_no_overflow_line(caplog):
+    """The scaler checks provoke overflows on purpose; the grade shows its verdicts, not the
+    scaler's "OVERFLOW! ... Skipping step" line for each of them."""
+    import logging
+
+    from minizero.fp16 import DynamicLossScaler, MinLossScaleError
+    from minizero.lab.parts import SCALER_CASES, scaler_trajectory
+    with caplog.at_level(logging.INFO):
+        for kwargs, pattern in SCALER_CASES.values():
+            assert scaler_trajectory(DynamicLossScaler, MinLossScaleError, kwargs, pattern)
+    assert not [r for r in caplog.records if "OVERFLOW" in r.getMessage()]
+    assert not logging.getLogger("minizero").disabled      # and the engine's own lines still log
