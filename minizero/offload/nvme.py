@@ -47,6 +47,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -211,7 +212,14 @@ def free_storage(t: torch.Tensor) -> None:
 
 
 def _shutdown(pool: ThreadPoolExecutor, folder: SwapFolder) -> None:
-    pool.shutdown(wait=True)
+    """Wait for every read and write, then remove the folder. The Swapper's last reference can
+    die inside one of the pool's own tasks (the garbage collector runs wherever it runs), and a
+    thread cannot wait for itself: then a helper thread waits, after this task has returned."""
+    try:
+        pool.shutdown(wait=True)
+    except RuntimeError:          # "cannot join current thread": this is one of the pool's threads
+        threading.Thread(target=_shutdown, args=(pool, folder), name="minizero-nvme-shutdown").start()
+        return
     folder.remove()
 
 

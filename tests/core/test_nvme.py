@@ -276,3 +276,21 @@ def test_compare_table_shows_the_nvme_place():
     cells = [c.strip() for c in first.strip("|").split("|")]
     assert cells[cols.index("NVMe B r0 mz")] == "8" and cells[cols.index("NVMe B r0 DS")] == "-"
     assert "NVMe" not in table([{**row, "minizero": lib}])
+
+
+def test_the_swap_folder_goes_when_the_swapper_dies_inside_its_own_pool(tmp_path):
+    """The last reference to a Swapper can die in one of its pool's own tasks (here: the task
+    drops it; in a run, the garbage collector running on an I/O thread). Its shutdown then
+    cannot wait for that thread from that thread: it must not raise, and the folder must still
+    go once the pool has drained (before, `cannot join current thread` was printed as ignored
+    and the folder stayed)."""
+    import time
+
+    from minizero.offload.nvme import SwapFolder, Swapper
+    folder = SwapFolder(str(tmp_path), 0, "offload_param.nvme_path")
+    holder = [Swapper(folder, threads=2, block_size=4096)]
+    holder[0].pool.submit(holder.clear).result(timeout=30)
+    deadline = time.monotonic() + 30
+    while os.path.exists(folder.path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(folder.path)
