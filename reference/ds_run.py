@@ -23,6 +23,7 @@ Batch convention (minizero's side uses the same one)
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -143,6 +144,25 @@ def skip_inference_shm_op() -> None:
 
     # (not `import deepspeed.comm.torch`: deepspeed.comm's attribute `torch` is torch itself)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+@contextlib.contextmanager
+def quiet_loss_scaler():
+    """DeepSpeed's loss_scaler module (runtime/fp16/loss_scaler.py), for a while, asking no
+    process group for the rank (its update_scale does, and there may be none in this process)
+    and logging nothing: to drive its DynamicLossScaler on its own, as minizero's lab grades a
+    student's scaler against it."""
+    import logging
+    import types
+
+    from deepspeed.runtime.fp16 import loss_scaler as module
+    saved = module.dist, module.logger
+    module.dist, module.logger = types.SimpleNamespace(get_rank=lambda: 0), logging.getLogger("reference.quiet")
+    module.logger.disabled = True
+    try:
+        yield module
+    finally:
+        module.dist, module.logger = saved
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -18,7 +18,6 @@ collective timeout once (GLOO_TIMEOUT_S), never a hang.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import importlib.abc
@@ -402,10 +401,9 @@ def unit_checks(part: str, files: dict, with_deepspeed: bool) -> tuple[list, lis
         from minizero import fp16 as real
         student = _load(files["minizero.fp16"], "lab_fp16_student")
         lines, msgs = [], []
-        ds = None
-        if with_deepspeed:
-            with contextlib.suppress(ImportError):
-                from deepspeed.runtime.fp16 import loss_scaler as ds
+        quiet_deepspeed_scaler = None     # DeepSpeed's class, through the repository's reference/
+        if with_deepspeed and deepspeed_available():
+            from reference.ds_run import quiet_loss_scaler as quiet_deepspeed_scaler
         for case, (kwargs, pattern) in SCALER_CASES.items():
             want = scaler_trajectory(real.DynamicLossScaler, real.MinLossScaleError, kwargs, pattern)
             got = scaler_trajectory(student.DynamicLossScaler, student.MinLossScaleError, kwargs, pattern)
@@ -414,8 +412,8 @@ def unit_checks(part: str, files: dict, with_deepspeed: bool) -> tuple[list, lis
                           f"after each update {got}, minizero {want}"))
             if not ok:
                 msgs += parts.fp16_messages(case, kwargs, pattern, got, want)
-            if ds is not None:
-                with deepspeed_scaler_quiet(ds):
+            if quiet_deepspeed_scaler is not None:
+                with quiet_deepspeed_scaler() as ds:
                     theirs = scaler_trajectory(ds.DynamicLossScaler, Exception,
                                                dict(kwargs, consecutive_hysteresis=False, raise_error_at_min_scale=True),
                                                pattern)
@@ -425,21 +423,6 @@ def unit_checks(part: str, files: dict, with_deepspeed: bool) -> tuple[list, lis
                               f"DeepSpeed's {theirs}"))
         return lines, msgs
     return [], []
-
-
-@contextlib.contextmanager
-def deepspeed_scaler_quiet(module):
-    """DeepSpeed's loss_scaler module, for a while, asking no process group for the rank (its
-    update_scale does, and there is none in this process) and logging nothing."""
-    import logging
-    import types
-    saved = module.dist, module.logger
-    module.dist, module.logger = types.SimpleNamespace(get_rank=lambda: 0), logging.getLogger("minizero.lab.quiet")
-    module.logger.disabled = True
-    try:
-        yield
-    finally:
-        module.dist, module.logger = saved
 
 
 def _load(path: str, name: str):

@@ -372,6 +372,19 @@ def test_the_core_imports_only_torch_and_the_standard_library():
     assert not bad, "\n".join(bad)
 
 
+def test_no_module_of_minizero_imports_deepspeed():
+    """minizero never imports DeepSpeed, rooms included, at any depth: what runs DeepSpeed (the
+    compare report, the selftest, the lab's grade against DeepSpeed's own classes) reaches it
+    through the repository's reference/, which is where DeepSpeed's names may appear."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "deepspeed"]
+    assert not bad, "\n".join(bad)
+
+
 def test_boundary_checks_catch_a_room_import(tmp_path):
     """The import graph sees a function-level import of a room from a core module."""
     pkg = tmp_path / "minizero"
