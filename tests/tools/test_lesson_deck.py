@@ -10,18 +10,16 @@ on the slide at a readable size; the formulas; links to the replay pages the cla
 write (parts 2, 3 and 11); the keys (right and left, N for the notes) doing what the page says.
 
 Cost: one Chromium (about a second to start) and some 30 slides shown once; skipped, with the
-line to install them, where Playwright or Chromium is missing (tests/tools/test_replay.py's).
+line to install them, where Playwright or Chromium is missing (tests/support/browser.py).
 """
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 
 import pytest
 
-from tests.tools.test_replay import CHROMIUM_ARGS, INSTALL, chromium_path
+from tests.support.browser import offline_chromium
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECK = os.path.join(ROOT, "docs", "lesson", "slides", "deck.html")
@@ -29,32 +27,13 @@ DECK = os.path.join(ROOT, "docs", "lesson", "slides", "deck.html")
 
 @pytest.fixture(scope="module")
 def deck():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip(INSTALL)
-    exe = chromium_path()
-    if exe is None:
-        pytest.skip(INSTALL)
-    profile = tempfile.mkdtemp(prefix="deck-chromium-")
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(profile, executable_path=exe, args=CHROMIUM_ARGS,
-                                                       headless=True, viewport={"width": 1280, "height": 720})
-        context.set_offline(True)
-        requests = []
-        context.on("request", lambda req: requests.append(req.url))
-        context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
-                      else route.abort())
+    with offline_chromium("deck-chromium-") as (context, requests):
         page = context.new_page()
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.goto("file://" + DECK)
-        try:
-            yield page, requests, errors
-        finally:
-            context.close()
-            shutil.rmtree(profile, ignore_errors=True)
+        yield page, requests, errors
 
 
 def _slide(page) -> dict:

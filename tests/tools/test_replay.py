@@ -25,14 +25,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 
 import pytest
 
 from minizero.observe.memory_track import categories
 from tests.support.harness import NO_DROPOUT, PatternBatches, make_config, micro_engine
+from tests.support.browser import offline_chromium
 from tests.support.launcher import run_ranks
 
 STEP = 2   # the traced step, the last: the one MemoryMoments reads
@@ -235,41 +234,12 @@ def test_replay_command(runs, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- in a browser
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-INSTALL = ("needs Playwright for Python and the system's Chromium: pip install playwright; "
-           "apt-get install chromium (or set MINIZERO_CHROMIUM to a Chromium binary)")
-
-
-def chromium_path() -> str | None:
-    return os.environ.get("MINIZERO_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 @pytest.fixture(scope="module")
 def browser():
-    """One headless Chromium (a fresh profile), offline, at 1280 x 720, for every page of the file;
+    """One headless Chromium, offline, for every page of the file (tests/support/browser.py);
     yields (context, requests): every URL any page asked for."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip(INSTALL)
-    exe = chromium_path()
-    if exe is None:
-        pytest.skip(INSTALL)
-    profile = tempfile.mkdtemp(prefix="replay-chromium-")
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(profile, executable_path=exe, args=CHROMIUM_ARGS,
-                                                       headless=True, viewport={"width": 1280, "height": 720})
-        context.set_offline(True)
-        requests = []
-        context.on("request", lambda req: requests.append(req.url))
-        context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
-                      else route.abort())
-        try:
-            yield context, requests
-        finally:
-            context.close()
-            shutil.rmtree(profile, ignore_errors=True)
+    with offline_chromium("replay-chromium-") as (context, requests):
+        yield context, requests
 
 
 def _wait(page, condition: str, seconds: float = 10.0) -> None:
