@@ -24,17 +24,17 @@ loads the same way.
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 
 from minizero import comm
-from minizero.checkpoint_files import durable
-from minizero.checkpoint_files.checkpoint_folder import CheckpointError, describe_tags, publish, resolve_tag
+from minizero.checkpoint_files.checkpoint_folder import (CheckpointError, describe_tags, open_tmp, publish_together,
+                                                        resolve_tag)
 from minizero.checkpoint_files.checkpoint_state import model_difference
 from minizero.checkpoint_files.dcp_checkpoint import _common, _run_record
 from minizero.checkpoint_files.dcp_source import DcpSource
 from minizero.checkpoint_files.dcp_files import SafeLoadPlanner, SafeReader, damaged_chunks, is_dcp_folder
+from minizero.checkpoint_files.save_guards import rng_state, set_rng_state
 
 OPTIONS = dict(flatten_optimizer_state_dict=True)
 
@@ -42,13 +42,6 @@ OPTIONS = dict(flatten_optimizer_state_dict=True)
 def _options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     return StateDictOptions(**OPTIONS)
-
-
-def _rng() -> dict:
-    st = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
 
 
 def save(engine, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True) -> str:
@@ -59,15 +52,10 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict | None, save
     from torch.distributed.checkpoint.state_dict import get_state_dict
     steps = engine.micro_steps // engine.gradient_accumulation_steps()
     tag = str(tag or f"global_step{steps}")
-    final = os.path.join(save_dir, tag)
-    tmp = final + ".tmp"
     rank, world = comm.get_rank(), comm.get_world_size()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    comm.barrier()
+    tmp = open_tmp(save_dir, tag)
     msd, osd = get_state_dict(engine.module, engine.optimizer, options=_options())
-    state = {**msd, "optimizer": osd, "rng": {f"rank_{rank}": _rng()}}
+    state = {**msd, "optimizer": osd, "rng": {f"rank_{rank}": rng_state()}}
     if rank == 0:
         names = {id(p): n for n, p in engine.module.named_parameters()}
         groups = [[names[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
@@ -77,12 +65,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict | None, save
                     "global_samples": engine.global_samples}
         state.update(_common(counters, None, None, client_state, run))
     dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
-    durable.fsync_dir(tmp)
-    comm.barrier()
-    if rank == 0:
-        publish(save_dir, tag, save_latest)
-    comm.barrier()
-    return final
+    return publish_together(save_dir, tag, save_latest)
 
 
 def _check(engine, source: DcpSource, path: str, load_optimizer_states: bool) -> None:
@@ -150,9 +133,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
         c["skipped_steps"]
     rng = source.rng_state(comm.get_rank())
     if rng is not None:
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        set_rng_state(rng)
     if comm.get_rank() == 0 and (source.world_size != comm.get_world_size() or source.writer != "torch"):
         comm_note = f"{path}: DCP checkpoint of {source.world_size} rank(s) written by {source.writer} loaded onto " \
                     f"{comm.get_world_size()} rank(s) of {'DDP' if engine.stage == 0 else 'FSDP2'}"

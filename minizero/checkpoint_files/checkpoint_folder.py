@@ -57,6 +57,7 @@ import shutil
 import sys
 import zipfile
 
+from .. import comm
 from . import durable
 from .checkpoint_errors import CheckpointError, UnsafeCheckpointError  # noqa: F401  (imported from here too)
 from .safe_load import refusal, torch_load
@@ -277,6 +278,29 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)     # a second name for the same bytes: instant, no extra disk
     except OSError:           # a filesystem without hard links
         shutil.copy2(src, dst)
+
+
+def open_tmp(save_dir: str, tag: str) -> str:
+    """Collective, the start of every format's save: rank 0 makes `<tag>.tmp` afresh (a
+    leftover of a crashed save goes), every rank waits for it. Returns its path."""
+    tmp = os.path.join(save_dir, tag) + ".tmp"
+    if comm.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier()
+    return tmp
+
+
+def publish_together(save_dir: str, tag: str, save_latest: bool) -> str:
+    """Collective, the end of every format's save, once this rank has written its files into
+    `<tag>.tmp`: their names on disk, then, when every rank's are, rank 0 publishes the folder
+    (publish). Returns the folder `<tag>`."""
+    durable.fsync_dir(os.path.join(save_dir, tag) + ".tmp")
+    comm.barrier()
+    if comm.get_rank() == 0:
+        publish(save_dir, tag, save_latest)
+    comm.barrier()
+    return os.path.join(save_dir, tag)
 
 
 def publish(save_dir: str, tag: str, save_latest: bool) -> None:

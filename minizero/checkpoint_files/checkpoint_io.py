@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 
 import torch  # noqa: F401  (checkpoint_io.torch: the tests replace torch.save through it)
@@ -80,7 +79,7 @@ import torch  # noqa: F401  (checkpoint_io.torch: the tests replace torch.save t
 from .. import comm
 from . import durable, shared_folder
 from .checkpoint_folder import (DS_ZERO3_MODEL_FILE, MODEL_FILE, CheckpointError, describe_tags, load_file, unreadable,
-                                optim_file, publish, resolve_tag, rng_file)
+                                open_tmp, optim_file, publish_together, resolve_tag, rng_file)
 from .safe_load import numbers_as_python, refuse_unsafe_values
 from .dcp_files import is_dcp_folder
 from .checkpoint_state import (DTYPE_NAMES, MinizeroSource, check_same_groups, check_same_model,  # noqa: F401
@@ -139,12 +138,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     except ValueError as e:
         raise CheckpointError(f"refusing to save checkpoint {tag}: {e}; nothing was written") from None
     _refuse_non_finite(engine, state, save_dir, tag)
-    final = os.path.join(save_dir, tag)
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    comm.barrier()
+    tmp = open_tmp(save_dir, tag)
     _refuse_unshared(engine, save_dir, tmp)
     if rank == 0:
         durable.save(meta, os.path.join(tmp, MODEL_FILE))
@@ -152,12 +146,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         durable.save(shard_state, os.path.join(tmp, optim_file(shard)))
     # RNG differs per rank even at stage 0 (dropout masks): every rank saves its own.
     durable.save(_rng_state(), os.path.join(tmp, rng_file(rank)))
-    durable.fsync_dir(tmp)   # this rank's names in the folder on disk, before rank 0 publishes it
-    comm.barrier()
-    if rank == 0:
-        publish(save_dir, tag, save_latest)
-    comm.barrier()
-    return final
+    return publish_together(save_dir, tag, save_latest)
 
 
 # ----------------------------------------------------------------------------- load

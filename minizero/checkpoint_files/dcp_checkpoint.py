@@ -44,16 +44,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 
 import torch
 
-from .. import comm
 from ..partition import params_in_range, shard_range
 from ..version import __version__
-from . import durable
-from .checkpoint_folder import CheckpointError, publish
+from .checkpoint_folder import CheckpointError, open_tmp, publish_together
 from .checkpoint_state import CheckpointSource
 from .dcp_files import METADATA_FILE, save_items  # noqa: F401  (METADATA_FILE: the folder's one pickle)
 from .save_guards import refuse_non_finite, refuse_unshared, rng_state
@@ -257,22 +253,11 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         raise CheckpointError(f"refusing to save checkpoint {tag}: {e}; nothing was written") from None
     state = engine.state_dict()
     refuse_non_finite(engine, state, save_dir, tag)
-    final = os.path.join(save_dir, tag)
-    tmp = final + ".tmp"
-    rank = engine.global_rank
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    comm.barrier()
+    tmp = open_tmp(save_dir, tag)
     refuse_unshared(engine, save_dir, tmp)
     entries = engine_entries(state, client_state, rng_state())
     save_items(entries, tmp, no_dist=not torch.distributed.is_initialized())
-    durable.fsync_dir(tmp)
-    comm.barrier()
-    if rank == 0:
-        publish(save_dir, tag, save_latest)
-    comm.barrier()
-    return final
+    return publish_together(save_dir, tag, save_latest)
 
 
 def source_entries(source: CheckpointSource) -> dict:
