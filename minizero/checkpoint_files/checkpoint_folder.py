@@ -51,6 +51,7 @@ waits in a collective.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -69,6 +70,15 @@ DS_ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # DeepSpeed'
 def unreadable(path: str, e: Exception) -> str:
     """The one line for a file that unpickles but is not what a checkpoint holds."""
     return f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The checkpoint commands' parser: a mistake in the command line is one line on stderr,
+    `<prog>: error: <what>`, exit status 2 (argparse's own prints its usage first)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def command_error(prog: str, e: Exception, src: str, dst: str) -> int:

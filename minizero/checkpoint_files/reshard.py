@@ -16,7 +16,6 @@ path, file for file; for any other model the load reshards it once more, still e
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -25,7 +24,8 @@ import torch
 from torch import nn
 
 from . import durable
-from .checkpoint_folder import MODEL_FILE, CheckpointError, command_error, optim_file, publish, rng_file, tag_folder
+from .checkpoint_folder import (MODEL_FILE, CheckpointError, CommandParser, command_error, optim_file, publish, rng_file,
+                                tag_folder)
 from .checkpoint_io import open_checkpoint, rank_span, read_every_file
 from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
 from ..config import ZeroConfig
@@ -161,14 +161,8 @@ def describe_move(source, world_size: int, stage: int | None) -> str:
     return said
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line, not usage + error
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None) -> int:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[1])
+    ap = CommandParser(prog=PROG, description=__doc__.split("\n\n")[1])
     ap.add_argument("src", help="checkpoint folder (with 'latest' and <tag>/ sub-folders)")
     ap.add_argument("dst", help="folder to write the resharded checkpoint into")
     ap.add_argument("--world-size", type=int, required=True, help="ranks that will resume it")

@@ -20,14 +20,13 @@ exists in DST already. Exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 import time
 
 from ..checkpoint_files import durable
-from ..checkpoint_files.checkpoint_folder import CheckpointError, command_error, publish, tag_folder
+from ..checkpoint_files.checkpoint_folder import CheckpointError, CommandParser, command_error, publish, tag_folder
 from ..checkpoint_files.checkpoint_io import open_checkpoint, read_every_file
 from ..checkpoint_files.dcp_checkpoint import write_source
 
@@ -62,14 +61,8 @@ def export(src_dir: str, dst_dir: str, tag: str | None = None):
     return source, final
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line, not usage + error
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None) -> int:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[1])
+    ap = CommandParser(prog=PROG, description=__doc__.split("\n\n")[1])
     ap.add_argument("src", help="checkpoint folder (with 'latest' and <tag>/ sub-folders): minizero's, DeepSpeed's "
                                 "or a DCP one")
     ap.add_argument("dst", help="folder to write the DCP checkpoint into (its 'latest' and <tag>/)")
