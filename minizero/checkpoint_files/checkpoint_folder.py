@@ -52,6 +52,7 @@ waits in a collective.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -299,6 +300,24 @@ def open_tmp(save_dir: str, tag: str) -> str:
         os.makedirs(tmp)
     comm.barrier()
     return tmp
+
+
+@contextlib.contextmanager
+def offline_tmp(dst_dir: str, tag: str):
+    """One process, for the commands that rewrite a checkpoint (reshard, export_dcp,
+    export_deepspeed): `<tag>.tmp` in dst_dir made afresh and yielded to be filled; its names
+    on disk when the block ends; if the block fails, no folder of ours is left behind (dst_dir
+    too, when this made it). Publishing it is the caller's (`publish`, or DeepSpeed's own way)."""
+    tmp = os.path.join(dst_dir, tag) + ".tmp"
+    made = not os.path.exists(dst_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        durable.fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(dst_dir if made else tmp, ignore_errors=True)
+        raise
 
 
 def publish_together(save_dir: str, tag: str, save_latest: bool) -> str:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 import torch
 
 from . import durable
-from .checkpoint_folder import CheckpointError, command_error, load_file, tag_folder
+from .checkpoint_folder import CheckpointError, command_error, load_file, offline_tmp, tag_folder
 from .checkpoint_io import read_every_file
 from .checkpoint_state import MinizeroSource, build_shard
 from .dcp_source import open_source as open_dcp
@@ -272,17 +272,9 @@ def export(source, dst_dir: str, tag: str | None = None, stage: int | None = Non
         raise CheckpointError(f"{final} exists already: export into another folder or with another --tag")
     read_every_file(source)   # a refused or damaged file is said before DST exists
     files = deepspeed_files(source, stage, world_size)
-    tmp = final + ".tmp"
-    made = not os.path.exists(dst_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    with offline_tmp(dst_dir, tag) as tmp:
         for name, obj in files.items():
             torch_save(obj, os.path.join(tmp, name))   # fsynced (durable.py)
-        durable.fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(dst_dir if made else tmp, ignore_errors=True)   # no folder of ours left behind
-        raise
     os.replace(tmp, final)
     durable.fsync_dir(dst_dir)
     scripts = _deepspeed_script_dir()

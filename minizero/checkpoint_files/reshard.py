@@ -17,15 +17,14 @@ path, file for file; for any other model the load reshards it once more, still e
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import torch
 from torch import nn
 
 from . import durable
-from .checkpoint_folder import (MODEL_FILE, CheckpointError, CommandParser, command_error, optim_file, publish, rng_file,
-                                tag_folder)
+from .checkpoint_folder import (MODEL_FILE, CheckpointError, CommandParser, command_error, offline_tmp, optim_file,
+                                publish, rng_file, tag_folder)
 from .checkpoint_io import open_checkpoint, rank_span, read_every_file
 from .checkpoint_state import adam_state_dict, fill_missing_hparams, rank_state
 from ..config import ZeroConfig
@@ -92,15 +91,8 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, stage: int | None = Non
         numel = sum(int(torch.Size(s).numel()) for s in f["shapes"])
         f.update(numel=numel, padded_numel=padded_numel(numel, shards))
 
-    tmp = os.path.join(dst_dir, tag + ".tmp")
-    made = not os.path.exists(dst_dir)
-    os.makedirs(tmp, exist_ok=True)
-    try:
+    with offline_tmp(dst_dir, tag) as tmp:
         _write(source, layout, tmp, world_size, stage, shards)
-        durable.fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(dst_dir if made else tmp, ignore_errors=True)   # no folder of ours left behind
-        raise
     publish(dst_dir, tag, save_latest=True)
     return source, os.path.join(dst_dir, tag)
 

@@ -21,12 +21,11 @@ exists in DST already. Exit code 2.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 
-from ..checkpoint_files import durable
-from ..checkpoint_files.checkpoint_folder import CheckpointError, CommandParser, command_error, publish, tag_folder
+from ..checkpoint_files.checkpoint_folder import (CheckpointError, CommandParser, command_error, offline_tmp,
+                                                      publish, tag_folder)
 from ..checkpoint_files.checkpoint_io import open_checkpoint, read_every_file
 from ..checkpoint_files.dcp_checkpoint import write_source
 
@@ -47,16 +46,8 @@ def export(src_dir: str, dst_dir: str, tag: str | None = None):
     if not source.has_optimizer_state:
         raise CheckpointError(f"{folder} holds no optimizer state (Adam's moments): a DCP checkpoint of it could not "
                               f"continue training; export one saved after a step")
-    made = not os.path.exists(dst_dir)
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    with offline_tmp(dst_dir, tag) as tmp:
         write_source(source, tmp)
-        durable.fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(dst_dir if made else tmp, ignore_errors=True)   # no folder of ours left behind
-        raise
     publish(dst_dir, tag, save_latest=True)
     return source, final
 
