@@ -3,45 +3,24 @@ signal, and the announcements of each unit's phases, at world size 1 (no process
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minizero import comm
 from minizero.flat_param import FlatParam
 from minizero.sharding import replicated
 from minizero.unit import ShardState, Unit, find_units, on_backward
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 3)
-
-    def forward(self, x):
-        return torch.tanh(self.fc(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(3, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).sum()
+from tests.support.harness import TanhBlock, TwoBlockNet
 
 
 def _unit():
     torch.manual_seed(0)
-    b = Block()
+    b = TanhBlock()
     flat = FlatParam(list(b.parameters()), ["fc.weight", "fc.bias"], "u.g0", group=0, sharding=replicated(1),
                      persistent=False)
     return Unit("u", b, [flat]), b
 
 
 def test_find_units_is_each_block_then_the_root():
-    net = Net()
+    net = TwoBlockNet()
     assert [n for n, _ in find_units(net)] == ["blocks.0", "blocks.1", "root"]
     assert find_units(net)[-1][1] is net
 

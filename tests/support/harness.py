@@ -94,6 +94,31 @@ def param_groups(model: nn.Module, wd: float) -> List[Dict[str, Any]]:
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
 
+class TanhBlock(nn.Module):
+    """A 3-wide linear layer and tanh: the smallest block that is a ZeRO-3 unit of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class TwoBlockNet(nn.Module):
+    """Two TanhBlocks and a head, a scalar out: three ZeRO-3 units (the blocks and the root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([TanhBlock(), TanhBlock()])
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
 class GPTWithUnused(nn.Module):
     """The GPT plus parameters that get no gradient:
 

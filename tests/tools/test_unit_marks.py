@@ -3,19 +3,10 @@ a tool watches the engine, and not otherwise."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minizero import comm
 from minizero.observe import unit_marks
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 3)
-
-    def forward(self, x):
-        return torch.tanh(self.fc(x))
+from tests.support.harness import TwoBlockNet
 
 
 class Engine:
@@ -23,18 +14,6 @@ class Engine:
 
     def __init__(self, module):
         self.module = module
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(3, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).sum()
 
 
 class Listener:
@@ -49,7 +28,7 @@ class Listener:
 
 
 def test_unit_marks_announce_each_units_phases_only_while_watched():
-    net = Net()
+    net = TwoBlockNet()
     engine = Engine(net)
     net(torch.randn(2, 3)).backward()      # nobody watches: no hooks at all
     assert not unit_marks.watched(engine) and not net._forward_pre_hooks
