@@ -86,7 +86,9 @@ class CheckpointSource:
                 f"ZeRO stage {self.zero_stage}, {self.dtype})")
 
 
-def _slice_bounds(source: CheckpointSource, kind: str, name: str, start: int, stop: int | None) -> tuple[int, int]:
+def slice_bounds(source: CheckpointSource, kind: str, name: str, start: int, stop: int | None) -> tuple[int, int]:
+    """[start, stop) of parameter `name` checked against what `source` holds, stop defaulting to
+    its end: the argument checks of every CheckpointSource.read."""
     if kind not in KINDS:
         raise ValueError(f"read: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if name not in source.shapes:
@@ -182,7 +184,7 @@ class MinizeroSource(CheckpointSource):
                                   f"(saved without optimizer state?)") from None
 
     def read(self, kind: str, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        start, stop = _slice_bounds(self, kind, name, start, stop)
+        start, stop = slice_bounds(self, kind, name, start, stop)
         i, off = self._where[name]
         shard = self.layout[i]["padded_numel"] // self.files
         parts = [self._shard(r, kind, i)[lo:hi] for r, lo, hi in shards_holding(off + start, off + stop, shard)]

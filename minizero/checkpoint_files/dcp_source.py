@@ -17,7 +17,7 @@ import re
 import torch
 
 from .checkpoint_errors import CheckpointError
-from .checkpoint_state import KINDS, CheckpointSource
+from .checkpoint_state import CheckpointSource, slice_bounds
 from .dcp_checkpoint import NAMESPACES, Pieces
 from .dcp_files import check_files, load_items, read_metadata
 
@@ -252,14 +252,8 @@ class DcpSource(CheckpointSource):
             self._held -= hi - lo
 
     def read(self, kind: str, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        if kind not in KINDS:
-            raise ValueError(f"read: kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        if name not in self.shapes:
-            raise KeyError(f"{self.folder} holds no parameter {name!r}")
+        start, stop = slice_bounds(self, kind, name, start, stop)
         n = self.numel(name)
-        stop = n if stop is None else stop
-        if not 0 <= start <= stop <= n:
-            raise ValueError(f"read {name}[{start}:{stop}): the parameter has {n} elements")
         have = self._have.get((kind, name))
         if have is None or not (have[0] <= start and stop <= have[1]):
             self.prefetch([(kind, name, 0, n)])   # a slice not announced: the whole tensor, kept
