@@ -134,28 +134,34 @@ def _deepspeed_many(jobs: List[tuple]) -> List[Dict[str, Any]]:
     return [run_deepspeed(MODEL_FN, config, BATCHES, steps, capture_memory=True) for config, steps in jobs]
 
 
-def prefetch_ds(keys) -> None:
-    """Train every not-yet-cached DeepSpeed configuration in `keys` in ONE pair of rank
-    processes (under xdist: those no other worker has trained yet, one worker at a time),
-    as prefetch_mz does minizero's."""
-    from tests.support.launcher import run_ranks
-
-    todo = [k for k in dict.fromkeys(_key(*k)[:4] for k in keys) if ("ds",) + k not in _CACHE]
+def _prefetch(lib: str, keys: list, train) -> None:
+    """Train every not-yet-cached configuration of `lib` ("ds" or "mz") in `keys` with
+    `train(todo) -> per rank, one result per configuration`, in ONE launch (under xdist: those
+    no other worker has trained yet, one worker at a time)."""
+    todo = [k for k in dict.fromkeys(keys) if (lib,) + k not in _CACHE]
     if not todo:
         return
-    with _shared("ds") as (load, store):
+    with _shared(lib) as (load, store):
         stored = load() or {}
         for k in todo:
             if k in stored:
-                _CACHE[("ds",) + k] = stored[k]
+                _CACHE[(lib,) + k] = stored[k]
         todo = [k for k in todo if k not in stored]
         if not todo:
             return
-        per_rank = run_ranks(_deepspeed_many, world_size=N, args=([(make_config(*k), STEPS) for k in todo],),
-                             env=ENV, timeout=900)
+        per_rank = train(todo)
         for i, k in enumerate(todo):
-            _CACHE[("ds",) + k] = stored[k] = [per_rank[r][i] for r in range(N)]
+            _CACHE[(lib,) + k] = stored[k] = [per_rank[r][i] for r in range(N)]
         store(stored)
+
+
+def prefetch_ds(keys) -> None:
+    """Train every not-yet-cached DeepSpeed configuration in `keys` in ONE pair of rank
+    processes, as prefetch_mz does minizero's."""
+    from tests.support.launcher import run_ranks
+    _prefetch("ds", [_key(*k)[:4] for k in keys],
+              lambda todo: run_ranks(_deepspeed_many, world_size=N, args=([(make_config(*k), STEPS) for k in todo],),
+                                     env=ENV, timeout=900))
 
 
 def cached_ds(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None) -> List[Dict[str, Any]]:
@@ -169,23 +175,11 @@ def prefetch_mz(keys) -> None:
     processes (under xdist: those no other worker has trained yet, one worker at a time)."""
     from tests.support.launcher import run_ranks
 
-    todo = [k for k in dict.fromkeys(_key(*k) for k in keys) if ("mz",) + k not in _CACHE]
-    if not todo:
-        return
-    with _shared("mz") as (load, store):
-        stored = load() or {}
-        for k in todo:
-            if k in stored:
-                _CACHE[("mz",) + k] = stored[k]
-        todo = [k for k in todo if k not in stored]
-        if not todo:
-            return
+    def train(todo):
         jobs = [{"model_fn": MODEL_FN, "config": make_config(*k[:4]), "batches": BATCHES, "steps": STEPS,
                  "capture_memory": True, "variant": k[4]} for k in todo]
-        per_rank = run_ranks(run_minizero_many, world_size=N, args=(jobs,), env=ENV, timeout=600)
-        for i, k in enumerate(todo):
-            _CACHE[("mz",) + k] = stored[k] = [per_rank[r][i] for r in range(N)]
-        store(stored)
+        return run_ranks(run_minizero_many, world_size=N, args=(jobs,), env=ENV, timeout=600)
+    _prefetch("mz", [_key(*k) for k in keys], train)
 
 
 def cached_mz(stage: int, dtype: str, ckpt: bool = False, clip: Optional[float] = None,
