@@ -79,20 +79,8 @@ def test_stage0_groups_are_found_from_shapes_in_module_order():
 
 def _loop(engine, batches, start: int, steps: int) -> list[float]:
     """Steps [start, start + steps): the rank-averaged loss per step (as reference/ds_run.py)."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
     engine.train()
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batches(step, 0, rank, world)
-        loss = engine(x, y)[1]
-        engine.backward(loss)
-        engine.step()
-        t = torch.tensor([float(loss.detach().float().item())], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(float(t.item()) / world)
-    return losses
+    return harness.mean_losses(engine, batches, start, steps)
 
 
 def _ds_engine(cfg):

@@ -184,6 +184,23 @@ def train_step(engine, batches, step: int, gas: int) -> List[float]:
     return losses
 
 
+
+def mean_losses(engine, batches, start: int, steps: int) -> List[float]:
+    """Optimizer steps [start, start + steps) of one micro-step each (rows of `batches`): the
+    loss of each, averaged over the ranks in fp64 (as reference/ds_run.py's loop reports it)."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for step in range(start, start + steps):
+        x, y = batches(step, 0, rank, world)
+        loss = engine(x, y)[1]
+        engine.backward(loss)
+        engine.step()
+        t = torch.tensor([float(loss.detach().float().item())], dtype=torch.float64)
+        dist.all_reduce(t)
+        out.append(float(t.item()) / world)
+    return out
+
 # ----------------------------------------------------------------------------- batches
 
 class PatternBatches:

@@ -78,18 +78,7 @@ def _cfg(stage: int, world: int) -> dict:
 
 
 def _loop(engine, start: int, steps: int) -> list[float]:
-    import torch.distributed as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for step in range(start, start + steps):
-        x, y = BATCHES(step, 0, rank, world)
-        loss = engine(x, y)[1]
-        engine.backward(loss)
-        engine.step()
-        t = torch.tensor([float(loss.detach().float().item())], dtype=torch.float64)
-        dist.all_reduce(t)
-        out.append(float(t.item()) / world)
-    return out
+    return harness.mean_losses(engine, BATCHES, start, steps)
 
 
 def _minizero(stage: int, world: int, fp16_schedule: bool = False):
