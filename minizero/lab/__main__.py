@@ -50,7 +50,8 @@ def main(argv=None) -> int:
         print(f"{ap.prog} check: error: {folder}: no such folder; `python -m minizero.lab make {folder}` writes the "
               f"student's copy", file=sys.stderr)
         return 2
-    from .grade import grade, student_files
+    from .grade import grade
+    from .run import student_files
     try:
         for p in parts:
             student_files(p, folder)
