@@ -12,7 +12,7 @@ installed, DeepSpeed's, and says what a difference means in the lesson's terms.
 `make` (make.py) copies the core files that hold a part's pieces, with those pieces' bodies
 removed and their docstrings kept as the specification, plus a README with each part's task:
 generated from the files the engine runs, so the copy never drifts from them, and holding no
-line of the removed code. `check` (grade.py) starts 2 ranks once, loads the student's files in
+line of the removed code. `check` (run.py, then grade.py) starts 2 ranks once, loads the student's files in
 place of minizero's (an import hook: nothing of minizero is patched), runs the part's
 scenarios with the student's code and with minizero's, and compares, per scenario: losses and
 final weights bit for bit, the ledger's calls and bytes per collective in a step, where the

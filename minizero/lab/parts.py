@@ -2,8 +2,8 @@
 
 A part is a few functions of the core (`Hole`: file, qualified name, the task's hint) and the
 scenarios that exercise them (`Scenario`: a ZeRO config on 2 ranks, the micro GPT of
-`python -m minizero.selftest`, fp32, 3 steps unless it says otherwise). grade.py runs each
-scenario with the student's files and with minizero's and turns each into `Facts`; the
+`python -m minizero.selftest`, fp32, 3 steps unless it says otherwise). run.py runs each
+scenario with the student's files and with minizero's, grade.py turns each pair into `Facts`; the
 part's `diagnose` reads the facts and says, in the lesson's terms, what a difference means.
 The checks themselves (losses, weights, bytes per collective, memory) are the same for every
 part; the diagnoses are what a student needs to hear.
