@@ -48,6 +48,26 @@ def short_label(label: str) -> str:
     return ".".join(parts) or label
 
 
+class Bars:
+    """The bars of one layer of one rank's row, drawn as one collection (`draw`), each bar with
+    its own face and edge colour and edge width."""
+
+    def __init__(self):
+        self.spans, self.faces, self.edges, self.widths = [], [], [], []
+
+    def add(self, x: float, w: float, face: str, edge: str, width: float | None = None) -> None:
+        self.spans.append((x, w))
+        self.faces.append(face)
+        self.edges.append(edge)
+        self.widths.append(width)
+
+    def draw(self, ax, yrange: tuple, linewidth: float | None = None, **style) -> None:
+        if self.spans:
+            widths = [linewidth if w is None else w for w in self.widths]
+            ax.broken_barh(self.spans, yrange, facecolors=self.faces, edgecolors=self.edges,
+                           **({} if None in widths else {"linewidths": widths}), **style)
+
+
 def plot(doc: dict, path: str) -> str:
     """Draw the first traced step of a (merged) Chrome-trace document to `path` (PNG), with
     each unit's forward/backward and each collective labelled by the unit or bucket it moved."""
@@ -70,28 +90,35 @@ def plot(doc: dict, path: str) -> str:
     labels = []   # (text, start, end of its bar in ms): kept only where the text fits inside its bar
     for row, r in enumerate(ranks):
         y = len(ranks) - 1 - row          # rank 0 on top
-        mine = [e for e in events if e["pid"] == r]
-        for e in mine:
+        # One broken_barh (one collection) per row and layer, not one per bar: a traced step has
+        # thousands of bars, and each call costs matplotlib a collection and an autoscale.
+        # Within a layer the bars keep the trace's order (later on top), each its own colours.
+        phases, roots, units, moves = Bars(), Bars(), Bars(), Bars()
+        waits = {}                        # per op: a collection's hatch has one colour
+        for e in (e for e in events if e["pid"] == r):
             x, w = ms(e["ts"]), e["dur"] / 1e3
             if e["cat"] == "step" and e["name"] in PHASE_COLOURS:
-                ax.broken_barh([(x, w)], (y, 0.95), color=PHASE_COLOURS[e["name"]], zorder=0)
+                phases.add(x, w, PHASE_COLOURS[e["name"]], PHASE_COLOURS[e["name"]])
             elif e["cat"] == "units":   # the root unit encloses the blocks: drawn paler, behind them
                 root = e["args"]["unit"] == "root"
-                ax.broken_barh([(x, w)], (y + 0.5, 0.4), facecolor=UNIT_COLOURS[e["args"]["phase"]],
-                               alpha=0.35 if root else 1.0, edgecolor="white", linewidth=0.6, zorder=1 if root else 2)
+                (roots if root else units).add(x, w, UNIT_COLOURS[e["args"]["phase"]], "white")
                 if not root and w > span_ms / 60:
                     labels.append((ax.text(x + w / 2, y + 0.7, e["args"]["unit"], ha="center", va="center",
                                            fontsize=TEXT_PT, zorder=5), x, x + w))
             elif e["cat"] in ("collectives", "copies"):
                 across = nodes > 1 and e["args"].get("inter_node_bytes", 0) > 0
-                ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor=OP_COLOURS[e["args"]["op"]], zorder=3,
-                               edgecolor="black" if across else "none", linewidth=1.6 if across else 0)
+                moves.add(x, w, OP_COLOURS[e["args"]["op"]], "black" if across else "none", 1.6 if across else 0)
                 if e["cat"] == "collectives" and e["args"].get("label") and w > span_ms / 25:
                     labels.append((ax.text(x + w / 2, y + 0.26, short_label(e["args"]["label"]), ha="center",
                                            va="center", fontsize=TEXT_PT, color="white", zorder=6), x, x + w))
             elif e["cat"] == "wait":
-                ax.broken_barh([(x, w)], (y + 0.08, 0.36), facecolor="white", alpha=0.55, hatch="////",
-                               edgecolor=OP_COLOURS[e["args"]["op"]], linewidth=0, zorder=4)
+                waits.setdefault(e["args"]["op"], Bars()).add(x, w, "white", OP_COLOURS[e["args"]["op"]])
+        phases.draw(ax, (y, 0.95), zorder=0)
+        roots.draw(ax, (y + 0.5, 0.4), alpha=0.35, linewidth=0.6, zorder=1)
+        units.draw(ax, (y + 0.5, 0.4), linewidth=0.6, zorder=2)
+        moves.draw(ax, (y + 0.08, 0.36), zorder=3)
+        for op, bars in waits.items():
+            bars.draw(ax, (y + 0.08, 0.36), alpha=0.55, hatch="////", linewidth=0, zorder=4)
     names = [f"rank {r}" + (f"\nnode {r // per_node}" if nodes > 1 else "") for r in ranks]
     ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))], names)
     if nodes > 1:   # a line where one node's rows end and the next one's begin
