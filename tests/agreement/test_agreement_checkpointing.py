@@ -4,7 +4,7 @@
     the harness sets model.checkpoint_fn = minizero.checkpointing.checkpoint) vs DeepSpeed with
     the same section (reference/ds_run.py calls deepspeed.checkpointing.configure, which
     deepspeed.initialize does not, and sets checkpoint_fn = deepspeed.checkpointing.checkpoint),
-    20 steps, stages 0 and 3 in fp32 and stage 3 in bf16; partition_activations on (with
+    10 steps, stages 0 and 3 in fp32 and stage 3 in bf16; partition_activations on (with
     no mpu the partition group is one rank: a plain copy).
 (b) minizero only: ZeRO-3 + checkpointing == ZeRO-3 without, bitwise (same maths; the
     dropout RNG state is saved before each block's forward and restored for the recompute),
@@ -64,7 +64,7 @@ def test_zero3_checkpointing_same_losses_weights_and_one_extra_gather_per_block(
             return sum(v["calls"] for k, v in comm.items() if k.startswith("all_gather:") and pred(k))
 
         extra = gathers(cc) - gathers(cp)
-        assert extra == n_blocks * A.STEPS * per_block                     # 2 * 20 * 2 = 80
+        assert extra == n_blocks * A.STEPS * per_block                     # 2 * 10 * 2 = 40
         recompute = {k: v["calls"] for k, v in cc.items() if k.endswith(".recompute")}
         assert sum(recompute.values()) == extra
         # one recompute gather per block FlatParam per step, none for the root unit

@@ -1,7 +1,7 @@
 """minizero's memory_breakdown() vs DeepSpeed's live model-state bytes, bf16, N = 2, per rank.
 
 DeepSpeed's numbers come from reference/ds_memory.deepspeed_model_state_bytes on the live
-engine of the 20-step bf16 runs of test_agreement_loss (probed after the last backward and
+engine of the 10-step bf16 runs of test_agreement_loss (probed after the last backward and
 after the last step); minizero's from engine.memory_breakdown(). Every category is asserted
 as   minizero == DeepSpeed + (a named, computed difference)   in exact integers.
 

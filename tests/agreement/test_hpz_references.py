@@ -12,7 +12,7 @@ and written down in reference/hpz.py, pinned here run by run:
 - the numbers do not change: the secondary holds the same values as the primary shards.
 FSDP2's reshard_after_forward=k (reference/torch_engine.py) does the same for backward's gathers.
 
-Runs (tests/support/two_nodes.py, 3 steps): DeepSpeed hpZ in fp32 and bf16, plain DeepSpeed
+Runs (tests/support/two_nodes.py, 2 steps): DeepSpeed hpZ in fp32 and bf16, plain DeepSpeed
 ZeRO-3 in bf16, FSDP2 with and without reshard_after_forward=2 in fp32: about 60-100 s on 2
 shared cores.
 """

@@ -11,7 +11,7 @@ over a row of S ranks (a node), replicated across the rows. Pinned here:
   AVG within the node in the reduce dtype, then all-reduce AVG across the nodes in the reduce
   dtype, then the cast to fp32, bit for bit in fp32 and bf16 on a one-layer model.
 
-Runs: HSDP in fp32 and bf16 (tests/support/two_nodes.py, 3 steps) and the one-layer gradient
+Runs: HSDP in fp32 and bf16 (tests/support/two_nodes.py, 2 steps) and the one-layer gradient
 check: about 20-40 s on 2 shared cores.
 """
 import math
