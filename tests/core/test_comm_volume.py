@@ -10,6 +10,8 @@ engine.zero.flat_params (padding travels too). The step measured is the last of 
 (after at least one warm-up step). The scalar all-reduces (the `grad_norm` sum at stages
 1-3, the fp16 `overflow` vote) are control traffic: they are taken out by label.
 
+Every run of the file is trained in one launch of ranks per world size (engine_runs.prefetch).
+
 Checked exactly (integers), at N = 2 and N = 4, fp32 / bf16 / fp16. Also: the ledger's
 `bytes` equal the sizes of the tensors actually handed to torch.distributed (recorded by
 wrapping its collectives in the ranks, see engine_runs._patch_dist).
@@ -38,6 +40,11 @@ RUNS = {
     "fp32-tiny-s2bucket-n4": dict(preset="tiny", world=4, steps=3, global_batch=4, stage=2,
                                   zero={"reduce_bucket_size": 3000}),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs():
+    er.prefetch(specs=RUNS.values())
 
 
 def volume(r):
