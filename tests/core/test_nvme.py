@@ -100,7 +100,9 @@ def launch(tmp_path_factory):
     paths = {check: root / check for check in START_CHECKS}
     for path in paths.values():
         path.mkdir()
-    for check in ("in_use", "stale"):      # rank 0's folder, as a run left it: a lock file (and swap files)
+    # rank 0's folder as a start refused for "in use" leaves it (its lock file alone, with the
+    # holder's line): "stale" adds a killed run's swap file beside it
+    for check in ("in_use", "stale"):
         folder = paths[check] / "minizero_swap" / "rank0"
         folder.mkdir(parents=True)
         with open(folder / ".lock", "w") as lock:
