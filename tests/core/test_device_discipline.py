@@ -18,7 +18,13 @@ Meta tensors hold no data, so the checked collectives move nothing, and the run 
 the first place that reads a value out of a meta tensor (`.item()`, `.cpu()`): everything
 up to there is checked. Object collectives (broadcast_object, all_gather_object, barrier)
 still run for real; they pick their device themselves.
+
+Every check of the file runs in one launch of two ranks (the `checked` fixture), one after
+another: strict_collectives puts comm.get_device and the collectives back after each, and
+each builds what it checks afresh; a launch of two ranks costs about a second of CPU.
 """
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,21 +86,23 @@ def strict_collectives(fn, *args, **kwargs):
 # ----------------------------------------------------------------------------- the check catches
 
 def _misplaced_all_reduce():
-    return strict_collectives(lambda: comm.all_reduce(torch.ones(2), label="forgot_the_device"))
+    """The exception the check raised, as its traceback's last line (None if none: a miss)."""
+    try:
+        strict_collectives(lambda: comm.all_reduce(torch.ones(2), label="forgot_the_device"))
+    except Exception as e:   # noqa: BLE001 -- whatever it is, the test reads its line
+        return traceback.format_exception_only(e)[-1]
+    return None
 
 
 def _placed_all_reduce():
     return strict_collectives(lambda: comm.all_reduce(torch.ones(2, device=comm.get_device())))
 
 
-def test_the_check_catches_a_cpu_tensor_and_passes_a_placed_one():
-    try:
-        run_ranks(_misplaced_all_reduce, world_size=2, timeout=120)
-    except RuntimeError as e:
-        assert "Misplaced: all_reduce was handed a tensor on cpu" in str(e)
-    else:
-        raise AssertionError("a CPU tensor handed to all_reduce was not caught")
-    assert run_ranks(_placed_all_reduce, world_size=2, timeout=120) == [([("all_reduce", ["meta"])], None)] * 2
+def test_the_check_catches_a_cpu_tensor_and_passes_a_placed_one(checked):
+    for raised in checked["_misplaced_all_reduce"]:
+        assert raised is not None, "a CPU tensor handed to all_reduce was not caught"
+        assert "Misplaced: all_reduce was handed a tensor on cpu" in raised
+    assert checked["_placed_all_reduce"] == [([("all_reduce", ["meta"])], None)] * 2
 
 
 # ----------------------------------------------------------------------------- minizero.gpt.codebook
@@ -104,8 +112,8 @@ def _codebook_strict():
     return strict_collectives(codebook.compute_codebook, images, ncluster=16, niter=4)
 
 
-def test_codebook_broadcast_is_on_the_device():
-    for log, stopped in run_ranks(_codebook_strict, world_size=2, timeout=120):
+def test_codebook_broadcast_is_on_the_device(checked):
+    for log, stopped in checked["_codebook_strict"]:
         assert log == [("broadcast", ["meta"])]
         assert "meta tensor" in stopped  # the check ended at .cpu(), after the broadcast
 
@@ -141,8 +149,8 @@ def _loss_bookkeeping_strict():
     return strict_collectives(lambda: train_steps(_Engine(), SyntheticBatches(8, 4, 2), 1, lambda e: 1.0))
 
 
-def test_ds_run_loss_all_reduce_is_on_the_engines_device():
-    for log, stopped in run_ranks(_loss_bookkeeping_strict, world_size=2, timeout=120):
+def test_ds_run_loss_all_reduce_is_on_the_engines_device(checked):
+    for log, stopped in checked["_loss_bookkeeping_strict"]:
         assert log == [("all_reduce", ["meta"])]
         assert "meta tensor" in stopped  # the check ended at .item(), after the all-reduce
 
@@ -172,9 +180,9 @@ def _consolidate_with_host_master_strict():
     return strict_collectives(consolidate)
 
 
-def test_full_fp32_state_dict_with_offload_gathers_on_the_device():
+def test_full_fp32_state_dict_with_offload_gathers_on_the_device(checked):
     # Before: the host master went straight into the all-gather; NCCL refuses a CPU input.
-    for log, stopped in run_ranks(_consolidate_with_host_master_strict, world_size=2, timeout=120):
+    for log, stopped in checked["_consolidate_with_host_master_strict"]:
         assert log == [("all_gather_into_tensor", ["meta", "meta"])]
         assert "meta tensor" in stopped   # the check ended at .cpu(), after the gather
 
@@ -204,14 +212,17 @@ def _bench_collectives_timings_strict():
     return strict_collectives(lambda: bench.slowest_median_ms([0.1, 0.2], comm.get_device()))
 
 
-def test_bench_collectives_all_reduces_its_timings_on_the_device():
+def test_bench_collectives_all_reduces_its_timings_on_the_device(checked):
     # Before: a CPU tensor of timings, all-reduced on every GPU run (NCCL refuses it).
-    for log, stopped in run_ranks(_bench_collectives_timings_strict, world_size=2, timeout=120):
+    for log, stopped in checked["_bench_collectives_timings_strict"]:
         assert log == [("all_reduce", ["meta"])]
         assert "meta tensor" in stopped   # the check ended at .tolist(), after the all-reduce
 
 
 # ----------------------------------------------------------------------------- a whole step, every stage
+
+STEP_CASES = [(0, "bf16"), (1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")]
+
 
 class _ReachedTheSync(Exception):
     pass
@@ -253,9 +264,32 @@ def _step_strict(stage: int, dtype: str):
     return sorted({name for name, _ in log}), stopped, reached
 
 
-@pytest.mark.parametrize("stage, dtype", [(0, "bf16"), (1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")])
-def test_a_step_at_every_stage_keeps_collectives_on_the_device_and_reads_nothing_before_its_sync(stage, dtype):
-    for ops, stopped, reached in run_ranks(_step_strict, world_size=2, args=(stage, dtype), timeout=180):
+@pytest.mark.parametrize("stage, dtype", STEP_CASES)
+def test_a_step_at_every_stage_keeps_collectives_on_the_device_and_reads_nothing_before_its_sync(checked, stage, dtype):
+    for ops, stopped, reached in checked[("_step_strict", stage, dtype)]:
         assert stopped is None, stopped                  # no meta read before the documented sync
         assert reached == [["meta"] if dtype != "fp16" else ["meta", "meta"]], reached   # the norm (and vote) on the device
         assert "broadcast" in ops and ("all_gather_into_tensor" in ops) == (stage == 3), ops
+
+
+# ----------------------------------------------------------------------------- every check, one launch
+
+CHECKS = ["_misplaced_all_reduce", "_placed_all_reduce", "_codebook_strict", "_loss_bookkeeping_strict",
+          "_consolidate_with_host_master_strict", "_bench_collectives_timings_strict",
+          *(("_step_strict", stage, dtype) for stage, dtype in STEP_CASES)]
+
+
+def _check_all(checks: list) -> list:
+    """On each rank: every check of `checks` (a function's name, or (name, *args)), in order."""
+    out = []
+    for check in checks:
+        name, *args = (check,) if isinstance(check, str) else check
+        out.append(globals()[name](*args))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checked():
+    """Every check of the file -> the ranks' results, from one launch of two ranks."""
+    per_rank = run_ranks(_check_all, world_size=2, args=(CHECKS,), timeout=300)
+    return {c: [r[i] for r in per_rank] for i, c in enumerate(CHECKS)}

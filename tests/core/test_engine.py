@@ -326,3 +326,27 @@ def test_low_precision_close_to_fp32(dtype):
     dl = er.max_list_diff(er.global_losses(lp), er.global_losses(fp))
     print(f"\n{dtype} vs fp32 losses: {dl:.3g} (bound {bound:.3g})")
     assert dl <= bound
+
+
+# ----------------------------------------------------------------------------- the runs, one launch per world size
+
+LP_NAMES = ["stage0", "stage1", "stage2", "stage3_p0"]
+SPECS = ([STAGE_RUNS[n] for n in STAGE_RUNS] + [dict(world=1), dict(world=1, gas=2)]
+         + [dict(gas=2, **STAGE_RUNS[n]) for n in LP_NAMES]
+         + [dict(clip=0.0, **STAGE_RUNS[n]) for n in LP_NAMES]
+         + [dict(model="unused", **STAGE_RUNS[n]) for n in UNUSED_STAGES]
+         + [dict(dtype=d, **STAGE_RUNS[n]) for d in ("bf16", "fp16") for n in LP_NAMES]
+         + [dict(stage=2, zero={"reduce_bucket_size": 3000})]
+         + [dict(stage=0, **N4), dict(stage=2, zero={"reduce_bucket_size": 3000}, **N4)]
+         + [dict(stage=0, perm=p, **N4) for p in N4_PERMS])
+REFERENCES = ([dict(steps=0), dict(model="unused", steps=0), dict(world=1), dict(world=2)]
+              + [dict(gas=2, **STAGE_RUNS[n]) for n in LP_NAMES]
+              + [dict(clip=c, **STAGE_RUNS[n]) for c in (None, 0.0) for n in LP_NAMES]
+              + [dict(model="unused", **STAGE_RUNS[n]) for n in UNUSED_STAGES])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs():
+    """Every run the file reads: the train runs in one launch of ranks per world size, the
+    references in one process (engine_runs.prefetch), rather than a launch for each."""
+    er.prefetch(specs=SPECS, references=REFERENCES)

@@ -9,7 +9,12 @@ inf. Before this, minizero applied the step and every weight became NaN.
 The run (N = 2, micro GPT, 3 steps): step 1 multiplies rank 1's loss by inf, so only that
 rank's gradients are non-finite before the reduction. Both libraries run the same
 function, and each rank reports, per step: did any fp32 weight move, the counters, the norm.
+Every minizero run of the file is trained in one launch of two ranks, every DeepSpeed run in
+another (`poisoned_many`): each run builds its engine from its own config and seed, so it
+reports in a shared launch what it reports alone (checked field by field when it was
+written), and a launch costs about a second of CPU.
 """
+import importlib.util
 import math
 
 import pytest
@@ -59,15 +64,41 @@ def poisoned_run(lib: str, stage: int, dtype: str, check_grad_overflow=None) -> 
     return log
 
 
-def _run(lib, stage, dtype, **kw):
-    return run_ranks(poisoned_run, world_size=A.N, args=(lib, stage, dtype), kwargs=kw, env=A.ENV)
+def poisoned_many(jobs: list) -> list:
+    """On each rank: poisoned_run(lib, stage, dtype, **kw) for every (lib, stage, dtype, kw)
+    of `jobs`, one after another."""
+    return [poisoned_run(lib, stage, dtype, **kw) for lib, stage, dtype, kw in jobs]
+
+
+LIKE_DEEPSPEED = [(stage, dtype) for stage in (1, 3) for dtype in ("bf16", "fp32")]
+MINIZERO_ONLY = [(1, "bf16", dict(check_grad_overflow=False)), (0, "fp32", {}), (2, "fp32", {})]
+
+
+def _key(lib, stage, dtype, **kw):
+    return (lib, stage, dtype, tuple(sorted(kw.items())))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every run of the file: key -> per-rank logs; one launch per library."""
+    jobs = {"minizero": [("minizero", s, d, {}) for s, d in LIKE_DEEPSPEED]
+            + [("minizero", s, d, kw) for s, d, kw in MINIZERO_ONLY],
+            "deepspeed": [("deepspeed", s, d, {}) for s, d in LIKE_DEEPSPEED]}
+    if importlib.util.find_spec("deepspeed") is None:
+        del jobs["deepspeed"]
+    out = {}
+    for todo in jobs.values():
+        per_rank = run_ranks(poisoned_many, world_size=A.N, args=(todo,), env=A.ENV)
+        for i, (lib, stage, dtype, kw) in enumerate(todo):
+            out[_key(lib, stage, dtype, **kw)] = [r[i] for r in per_rank]
+    return out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_nonfinite_gradient_skips_the_step_like_deepspeed(stage, dtype):
+def test_nonfinite_gradient_skips_the_step_like_deepspeed(runs, stage, dtype):
     pytest.importorskip("deepspeed")
-    mz, ds = _run("minizero", stage, dtype), _run("deepspeed", stage, dtype)
+    mz, ds = runs[_key("minizero", stage, dtype)], runs[_key("deepspeed", stage, dtype)]
     for lib, res in (("minizero", mz), ("deepspeed", ds)):
         for r in res:
             s0, s1, s2 = r
@@ -78,15 +109,15 @@ def test_nonfinite_gradient_skips_the_step_like_deepspeed(stage, dtype):
     assert [[s["skipped"] for s in r] for r in mz] == [[s["skipped"] for s in r] for r in ds]
 
 
-def test_bf16_check_grad_overflow_false_applies_the_step():
+def test_bf16_check_grad_overflow_false_applies_the_step(runs):
     """The switch is honoured: off, the step is applied and the weights go non-finite (as DeepSpeed)."""
-    for r in _run("minizero", 1, "bf16", check_grad_overflow=False):
+    for r in runs[_key("minizero", 1, "bf16", check_grad_overflow=False)]:
         assert r[POISONED_STEP]["skipped"] == 0 and not r[POISONED_STEP]["finite"]
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_minizero_skips_at_every_stage(stage):
+def test_minizero_skips_at_every_stage(runs, stage):
     """Stage 0 too (DeepSpeed's stage-0 fp32 path applies the NaN step: we don't copy that)."""
-    for r in _run("minizero", stage, "fp32"):
+    for r in runs[_key("minizero", stage, "fp32")]:
         assert r[POISONED_STEP]["moved"] == 0.0 and r[POISONED_STEP]["skipped"] == 1
         assert r[2]["moved"] > 0 and r[2]["finite"]

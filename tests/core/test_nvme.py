@@ -14,6 +14,13 @@ beside each other and asserts:
 
 Then the start-time checks (unwritable path on one rank, not enough free space, a folder in
 use, stale files) and a run killed in the middle of a swap write, resumed from its checkpoint.
+
+The start-time checks and the killed run's uninterrupted twin run in the same launch as the
+comparison (the `launch` fixture), each in its own folder, and the two resumes of the killed
+run in one launch: each run builds its engine from its own config and seed, in its own
+folder, and puts back what it patched (_start's disk_usage), so it returns there what it
+returns alone (the twin from the shared launch equals, bit for bit, the resumes launched on
+their own); a launch of two ranks costs about a second of CPU.
 """
 from __future__ import annotations
 
@@ -75,9 +82,45 @@ def _run_all(base):
     return out
 
 
+START_CHECKS = ["rank1_blocked", "full", "in_use", "stale"]
+
+
+def _launch_all(base, starts, whole):
+    """On each rank: _run_all(base); _start(path, mode) for each of `starts`; _train(*whole)."""
+    return _run_all(base), [_start(path, mode) for path, mode in starts], _train(*whole)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_ranks(_run_all, N, args=(str(tmp_path_factory.mktemp("nvme")),), timeout=600)
+def launch(tmp_path_factory):
+    """The comparison's runs, the start-time checks (START_CHECKS, each in its own folder) and
+    the killed run's uninterrupted twin (4 steps, cpu offload), in one launch of N ranks:
+    (per rank: _run_all's runs; {check: per rank: _start's result}; per rank: the twin's
+    result; {check: its folder})."""
+    root = tmp_path_factory.mktemp("nvme")
+    paths = {check: root / check for check in START_CHECKS}
+    for path in paths.values():
+        path.mkdir()
+    # rank 0's folder as a start refused for "in use" leaves it (its lock file alone, with the
+    # holder's line): "stale" adds a killed run's swap file beside it
+    for check in ("in_use", "stale"):
+        folder = paths[check] / "minizero_swap" / "rank0"
+        folder.mkdir(parents=True)
+        with open(folder / ".lock", "w") as lock:
+            lock.write("pid 1 on elsewhere")
+    (paths["stale"] / "minizero_swap" / "rank0" / "root.g0.master.swp").write_bytes(b"stale")   # a killed run's
+    modes = {"rank1_blocked": "rank1_blocked", "full": "full", "in_use": None, "stale": None}
+    starts = [(str(paths[c]), modes[c]) for c in START_CHECKS]
+    with open(paths["in_use"] / "minizero_swap" / "rank0" / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)         # a live run holds rank 0's folder of "in_use"
+        per_rank = run_ranks(_launch_all, N, args=(str(root / "compare"), starts, (str(root / "w"), None, "cpu", 4)),
+                             timeout=600)
+    started = {c: [r[1][i] for r in per_rank] for i, c in enumerate(START_CHECKS)}
+    return [r[0] for r in per_rank], started, [r[2] for r in per_rank], paths
+
+
+@pytest.fixture(scope="module")
+def runs(launch):
+    return launch[0]
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"s{c[0]}-{c[1]}-{'+'.join(c[2])}-p{c[3]}" for c in CASES])
@@ -154,7 +197,8 @@ def _start(path, mode=None):
     from minizero import comm
     from minizero.config import ConfigError
     from tests.support.harness import micro_engine
-    if mode == "full":   # this forked rank only
+    disk_usage = shutil.disk_usage
+    if mode == "full":   # this forked rank only, until the engine is built
         shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 40, (1 << 40) - 1000, 1000)
     if mode == "rank1_blocked" and comm.get_rank() == 1:
         os.makedirs(os.path.join(path, "minizero_swap"), exist_ok=True)
@@ -163,37 +207,34 @@ def _start(path, mode=None):
         engine, _ = micro_engine(_cfg(3, "bf16", ("optimizer", "param"), 0, "nvme", path))
     except ConfigError as e:
         return str(e)
+    finally:
+        shutil.disk_usage = disk_usage
     removed = [folder.removed_stale for folder in engine.offload.tier.folders.values()]
     engine.destroy()
     return removed
 
 
-def test_unwritable_path_on_one_rank_is_one_line_on_every_rank(tmp_path):
-    out = run_ranks(_start, N, args=(str(tmp_path), "rank1_blocked"))
+def test_unwritable_path_on_one_rank_is_one_line_on_every_rank(launch):
+    out, tmp_path = launch[1]["rank1_blocked"], launch[3]["rank1_blocked"]
     assert out[0] == out[1] and "cannot write swap files there" in out[0] and "\n" not in out[0]
     assert not (tmp_path / "minizero_swap" / "rank0").exists()   # rank 0 made its folder, then removed it
 
 
-def test_full_disk_is_one_line_at_start(tmp_path):
-    out = run_ranks(_start, N, args=(str(tmp_path), "full"))
+def test_full_disk_is_one_line_at_start(launch):
+    out, tmp_path = launch[1]["full"], launch[3]["full"]
     # the files of both ranks: 12Σs + 2Σs each (Σs = 7,551 elements of the micro GPT at N = 2)
     assert out[0] == out[1] and "need 211,428 bytes" in out[0] and "only 1,000 are free" in out[0]
     assert "2 rank(s) sharing the disk" in out[0] and "\n" not in out[0]
     assert not (tmp_path / "minizero_swap").exists()   # nothing written, no folder left
 
 
-def test_folder_in_use_is_refused_and_stale_files_are_removed(tmp_path):
-    folder = tmp_path / "minizero_swap" / "rank0"
-    folder.mkdir(parents=True)
-    with open(folder / ".lock", "a+") as lock:   # a live run holds rank 0's folder
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        lock.write("pid 1 on elsewhere")
-        lock.flush()
-        out = run_ranks(_start, N, args=(str(tmp_path),))
+def test_folder_in_use_is_refused_and_stale_files_are_removed(launch):
+    """"in_use": rank 0's folder locked by a live run (the fixture holds the lock); "stale": a
+    killed run's files beside its released lock."""
+    out = launch[1]["in_use"]
     assert out[0] == out[1] and "is in use by a running training (pid 1 on elsewhere)" in out[0]
-    (folder / "root.g0.master.swp").write_bytes(b"stale")   # a killed run's files, lock released
-    assert run_ranks(_start, N, args=(str(tmp_path),)) == [[1], [0]]
-    assert not (tmp_path / "minizero_swap").exists()
+    assert launch[1]["stale"] == [[1], [0]]
+    assert not (launch[3]["stale"] / "minizero_swap").exists()
 
 
 # ----------------------------------------------------------------------------- nothing lost
@@ -224,19 +265,25 @@ def _train(path, ckpt, device, steps, save_at=None, resume=False, kill_at=None):
     return losses, state, removed, comm.get_rank()
 
 
-def test_killed_during_a_swap_resumes_bit_identically(tmp_path):
+def _resume_twice(swap, ckpt):
+    """On each rank: resume from `ckpt` with the swap files left in `swap`, then on cpu offload."""
+    return {device: _train(swap, ckpt, device, 4, None, True) for device in ("nvme", "cpu")}
+
+
+def test_killed_during_a_swap_resumes_bit_identically(launch, tmp_path):
     """A run saves at step 2 and is killed while writing step 3's swap files (half a file
     on disk). Resumed from the checkpoint, with the files left behind (removed at start, with a
     message) and then on cpu offload too, it continues bit for bit as a run that never
-    stopped: the swap files are not the checkpoint."""
+    stopped (the `launch` fixture's twin): the swap files are not the checkpoint."""
     swap, ckpt = str(tmp_path / "swap"), str(tmp_path / "ckpt")
-    whole = run_ranks(_train, N, args=(str(tmp_path / "w"), None, "cpu", 4))
+    whole = launch[2]
     with pytest.raises(RuntimeError, match="exited with code 17"):
         run_ranks(_train, N, args=(swap, ckpt, "nvme", 4, 2, False, 3))
     left = list((tmp_path / "swap" / "minizero_swap").glob("rank*/*.swp"))
     assert left, "the killed run must leave its swap files behind"
+    both = run_ranks(_resume_twice, N, args=(swap, ckpt))
     for device in ("nvme", "cpu"):
-        resumed = run_ranks(_train, N, args=(swap, ckpt, device, 4, None, True))
+        resumed = [b[device] for b in both]
         for r in range(N):
             assert resumed[r][0] == whole[r][0][2:]
             assert all(torch.equal(whole[r][1][k], resumed[r][1][k]) for k in whole[r][1])

@@ -15,6 +15,11 @@ same run without offload, and asserts:
 - copies: per step, d2h = this rank's gradient shard bytes, h2d = its parameter shard bytes
   (offload_optimizer); with offload_param every gather of a unit copies the unit's shard
   host -> device first (2 per step: forward, backward).
+
+The checkpoint runs (save with one offload, resume with another) train in the same launch,
+after those (the `launch` fixture): each run builds its engine from its own config and seed
+and writes to its own folder, so it returns there what it returns alone (checked when the
+fixture was written); a launch of two ranks costs about a second of CPU.
 """
 from __future__ import annotations
 
@@ -71,8 +76,28 @@ def _run_all(specs):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_run_all, N, args=(cases(),), timeout=900)
+def launch(tmp_path_factory):
+    """The one launch of the file: (per rank: key -> _run_all's run; per rank: the checkpoint
+    runs' results, RESUMES' order)."""
+    root = tmp_path_factory.mktemp("offload_resume")
+    jobs = [(*job, str(root / str(i))) for i, job in enumerate(RESUMES)]
+    per_rank = run_ranks(_run_all_then_resume, N, args=(cases(), jobs), timeout=900)
+    return [runs for runs, _ in per_rank], [resumed for _, resumed in per_rank]
+
+
+@pytest.fixture(scope="module")
+def runs(launch):
+    return launch[0]
+
+
+def _run_all_then_resume(specs, resume_jobs):
+    """On each rank: _run_all(specs), then _save_then_resume(*job) for each job."""
+    return _run_all(specs), [_save_then_resume(*job) for job in resume_jobs]
+
+
+def _resumed(launch, job):
+    """The ranks' (whole, first, rest) of one of RESUMES."""
+    return [per_rank[RESUMES.index(job)] for per_rank in launch[1]]
 
 
 def pairs():
@@ -186,7 +211,7 @@ def test_bad_offload_configs_are_one_line_errors():
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def _save_then_resume(stage, dtype, saved, resumed, d, torch_adam=True):
+def _save_then_resume(stage, dtype, saved, resumed, torch_adam, d):
     """tests/tools/test_checkpoint_io.py's run (micro GPT, dropout on, WarmupLR, fp16 with a moving
     scale) with offload `saved` while saving at step 3 and `resumed` when resuming."""
     from tests.tools.test_checkpoint_io import checkpoint_config, train_checkpointed
@@ -198,28 +223,29 @@ def _save_then_resume(stage, dtype, saved, resumed, d, torch_adam=True):
 
 
 BOTH = {**OPT, **PAR}
+ACROSS = [(3, "fp16", BOTH, BOTH), (3, "bf16", BOTH, {}), (3, "bf16", {}, BOTH), (2, "fp32", OPT, {}), (1, "fp16", {}, OPT)]
+ADAMS = [(OPT, {}, (None, None)), ({}, OPT, (True, None))]     # saved, resumed, the resumed run's Adam
+# every checkpoint run of the file: (stage, dtype, saved, resumed, torch_adam)
+RESUMES = [(*case, True) for case in ACROSS] + [(2, "bf16", saved, resumed, False) for saved, resumed, _ in ADAMS]
 
 
-@pytest.mark.parametrize("stage,dtype,saved,resumed", [
-    (3, "fp16", BOTH, BOTH), (3, "bf16", BOTH, {}), (3, "bf16", {}, BOTH), (2, "fp32", OPT, {}), (1, "fp16", {}, OPT)],
-    ids=["s3-fp16-on-on", "s3-bf16-on-off", "s3-bf16-off-on", "s2-fp32-on-off", "s1-fp16-off-on"])
-def test_resume_across_offload_is_bit_exact(tmp_path, stage, dtype, saved, resumed):
+@pytest.mark.parametrize("stage,dtype,saved,resumed", ACROSS,
+                         ids=["s3-fp16-on-on", "s3-bf16-on-off", "s3-bf16-off-on", "s2-fp32-on-off", "s1-fp16-off-on"])
+def test_resume_across_offload_is_bit_exact(launch, stage, dtype, saved, resumed):
     """A checkpoint saved with offload resumes without it and the other way round, and the
     resumed run continues bit for bit as the run that never stopped (offload changes no bit)."""
-    for whole, first, rest in run_ranks(_save_then_resume, N, args=(stage, dtype, saved, resumed, str(tmp_path))):
+    for whole, first, rest in _resumed(launch, (stage, dtype, saved, resumed, True)):
         assert first[0] + rest[0] == whole[0]
         assert whole[2] == rest[2]
         assert all(torch.equal(whole[1][k], rest[1][k]) for k in whole[1])
 
 
-def test_resume_keeps_this_runs_adam(tmp_path):
+def test_resume_keeps_this_runs_adam(launch):
     """Without torch_adam, offload runs torch's fused CPU Adam (as DeepSpeed runs its own CPU
     Adam); a checkpoint saved with it resumes on the default Adam without offload, and the
     other way round: each run keeps its own implementation (torch would adopt the saved one)."""
-    for saved, resumed, want in ((OPT, {}, (None, None)), ({}, OPT, (True, None))):
-        d = tmp_path / ("a" if saved else "b")
-        out = run_ranks(_save_then_resume, N, args=(2, "bf16", saved, resumed, str(d), False))
-        for whole, first, rest in out:
+    for saved, resumed, want in ADAMS:
+        for whole, first, rest in _resumed(launch, (2, "bf16", saved, resumed, False)):
             assert first[4] == [(True, None) if saved else (None, None)] * len(first[4])
             assert rest[4] == [want] * len(rest[4])
             assert all(a == a for a in rest[0]) and len(rest[0]) == 3   # finite, resumed at step 3

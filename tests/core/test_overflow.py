@@ -23,9 +23,15 @@ import pytest
 from tests.support import engine_runs as er
 
 INIT = 2.0 ** 16
+STAGES = [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.fixture(scope="module", autouse=True)
+def _runs():
+    er.prefetch(overflow_stages=STAGES)    # the four stages in one launch of two ranks
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_forced_overflow_on_one_rank_skips_everywhere(stage):
     res = er.get_overflow(stage)
     for r in res:
@@ -52,7 +58,7 @@ def test_forced_overflow_on_one_rank_skips_everywhere(stage):
     assert [s["changed"] for s in res[0]["log"]] == [s["changed"] for s in res[1]["log"]]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 def test_overflow_logged_on_rank_0_only(stage):
     r0, r1 = er.get_overflow(stage)
     msgs0 = [m for s in r0["log"] for m in s["msgs"] if "OVERFLOW" in m]

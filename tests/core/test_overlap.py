@@ -10,8 +10,17 @@
   gathers (DeepSpeed's defaults: 2Ψ gathered per step instead of 3Ψ); a changed execution
   order invalidates the trace and stays correct.
 - Gathered elements never exceed stage3_max_live_parameters (FlatParam's counter).
+
+Every minizero run of the file is trained in one launch of two ranks (the `runs` fixture:
+`_many`), DeepSpeed's in another, rather than a launch per run: each run builds its own
+engine from its own seed and config, puts back what it wrapped (probes.unwatch_live_numel) or
+counts into its own dict (_volume), so it returns in a shared launch what it returns alone
+(checked, every field, when the fixture was written); a launch of two ranks costs about a
+second of CPU.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -49,6 +58,7 @@ def _train(stage: int, dtype: str, knobs: dict, gas: int = 2, ckpt: bool = False
             losses.append(eval_loss.item())
             assert live["now"] == 0, "an evaluation forward left units gathered"
     last = {k: v["calls"] - before.get(k, {"calls": 0})["calls"] for k, v in comm.ledger.by_label.items()}
+    probes.unwatch_live_numel()
     state = engine.full_fp32_state_dict()
     digest = torch.cat([state[k].reshape(-1) for k in sorted(state)])
     return {"losses": losses, "norms": norms, "state": digest, "last_step_calls": {k: v for k, v in last.items() if v},
@@ -61,10 +71,58 @@ CASES = [(0, "fp32", 2, False), (1, "bf16", 2, False), (2, "fp32", 2, True), (2,
          (3, "fp32", 2, False), (3, "bf16", 2, True), (3, "bf16", 1, False)]
 
 
+def _job(fn: str, *args, **kwargs):
+    """One run of the `runs` fixture: this module's function `fn` with these arguments."""
+    return (fn, args, kwargs)
+
+
+def _key(job) -> str:
+    return json.dumps(job, sort_keys=True)
+
+
+def _many(jobs: list) -> list:
+    """On each rank: every job, one after another in this process."""
+    return [globals()[fn](*args, **kwargs) for fn, args, kwargs in jobs]
+
+
+def _pair(stage, dtype, **kw):
+    """The same run with the knobs off and on."""
+    return _job("_train", stage, dtype, OFF, **kw), _job("_train", stage, dtype, ON, **kw)
+
+
+PAIRS = {**{case: _pair(case[0], case[1], gas=case[2], ckpt=case[3]) for case in CASES},
+         "reuse": _pair(3, "fp32", gas=1),
+         "branch": _pair(3, "bf16", gas=1, steps=5, branch_step=3),
+         "evaluate": _pair(3, "fp32", gas=1, steps=4, evaluate=True)}
+PEAK = _job("_peak_live_runs")
+OVERLAP_PROBE = _job("_overlap_probe", 1)
+VOLUME_KNOBS = {"deepspeed-defaults": {}, "knobs-0": OFF}
+VOLUMES = {lib: [_job("_volume", lib, 3, steps, knobs) for knobs in VOLUME_KNOBS.values() for steps in (4, 2)]
+           for lib in ("minizero", "deepspeed")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every run of the file, key (_key) -> the ranks' results: minizero's in one launch of
+    two ranks, DeepSpeed's in another."""
+    import importlib.util
+    launches = [[job for pair in PAIRS.values() for job in pair] + [PEAK, OVERLAP_PROBE] + VOLUMES["minizero"]]
+    if importlib.util.find_spec("deepspeed") is not None:
+        launches.append(VOLUMES["deepspeed"])
+    out = {}
+    for jobs in launches:
+        per_rank = run_ranks(_many, 2, args=(jobs,), env={"DS_ACCELERATOR": "cpu"})
+        out.update({_key(job): [r[i] for r in per_rank] for i, job in enumerate(jobs)})
+    return out
+
+
+def _pair_of(runs, name):
+    return [runs[_key(job)] for job in PAIRS[name]]
+
+
 @pytest.mark.parametrize("stage,dtype,gas,ckpt", CASES)
-def test_bit_identical_with_overlap_and_prefetch_on_and_off(stage, dtype, gas, ckpt):
-    off = run_ranks(_train, 2, args=(stage, dtype, OFF), kwargs=dict(gas=gas, ckpt=ckpt))
-    on = run_ranks(_train, 2, args=(stage, dtype, ON), kwargs=dict(gas=gas, ckpt=ckpt))
+def test_bit_identical_with_overlap_and_prefetch_on_and_off(runs, stage, dtype, gas, ckpt):
+    off, on = _pair_of(runs, (stage, dtype, gas, ckpt))
     for a, b in zip(off, on):
         assert a["losses"] == b["losses"]
         assert a["norms"] == b["norms"]
@@ -77,12 +135,11 @@ def test_bit_identical_with_overlap_and_prefetch_on_and_off(stage, dtype, gas, c
     assert any(k.startswith("all_gather") and k.endswith(".bwd") for k in off[0]["last_step_calls"]) == (stage == 3)
 
 
-def test_reuse_gathers_each_unit_once_per_step_and_knobs_off_twice():
+def test_reuse_gathers_each_unit_once_per_step_and_knobs_off_twice(runs):
     """The paper's ZeRO-3 gathers every unit for forward and again for backward (3Ψ per
     step); DeepSpeed's default reuse distance keeps each unit from its forward to its
     backward (2Ψ): docs/deepspeed.md, "ZeRO-3's defaults keep a small model gathered"."""
-    off = run_ranks(_train, 2, args=(3, "fp32", OFF), kwargs=dict(gas=1))[0]["last_step_calls"]
-    on = run_ranks(_train, 2, args=(3, "fp32", ON), kwargs=dict(gas=1))[0]["last_step_calls"]
+    off, on = (r[0]["last_step_calls"] for r in _pair_of(runs, "reuse"))
     gathers = lambda calls: sum(v for k, v in calls.items() if k.startswith("all_gather") and ".init" not in k
                                 and not k.endswith(".persist.params"))
     units = {k.split(":")[1].rsplit(".", 1)[0] for k in off if k.startswith("all_gather")}
@@ -90,38 +147,47 @@ def test_reuse_gathers_each_unit_once_per_step_and_knobs_off_twice():
     assert gathers(on) == len(units)
 
 
-def test_peak_live_parameters_never_exceed_the_limit():
-    bases = run_ranks(_train, 2, args=(3, "fp32", ON), kwargs=dict(gas=1, steps=3))
+def _peak_live_runs():
+    """On each rank: the ZeRO-3 run with the knobs on (3 steps), then the same under two
+    stage3_max_live_parameters limits sized from its unit: (base, [(limit, run), ...])."""
+    base = _train(3, "fp32", ON, gas=1, steps=3)
+    unit = base["unit_numel"]
+    limits = (2 * unit + unit // 2, 3 * unit)    # room for the root and a block, plus a bit
+    return base, [(limit, _train(3, "fp32", dict(ON, stage3_max_live_parameters=limit), gas=1, steps=3))
+                  for limit in limits]
+
+
+def test_peak_live_parameters_never_exceed_the_limit(runs):
+    per_rank = runs[_key(PEAK)]
+    bases = [base for base, _ in per_rank]
     base, unit = bases[0], bases[0]["unit_numel"]
-    for limit in (2 * unit + unit // 2, 3 * unit):    # room for the root and a block, plus a bit
-        r = run_ranks(_train, 2, args=(3, "fp32", dict(ON, stage3_max_live_parameters=limit)),
-                      kwargs=dict(gas=1, steps=3))
-        for rank, b in zip(r, bases):
+    for i, limit in enumerate((2 * unit + unit // 2, 3 * unit)):
+        r = [limited[i] for _, limited in per_rank]
+        for (lim, rank), b in zip(r, bases):
+            assert lim == limit
             assert rank["peak_live"] <= limit, (rank["peak_live"], limit)
             assert rank["losses"] == b["losses"]
     assert base["peak_live"] > 2 * unit + unit // 2  # unlimited, the default keeps more gathered: the limit bit
 
 
-def test_a_changed_execution_order_falls_back_and_stays_exact():
+def test_a_changed_execution_order_falls_back_and_stays_exact(runs):
     """`side` is used on step 3 only: the recorded trace no longer matches; the prefetcher
     invalidates it, gathers on demand, and the numbers equal the on-demand run's."""
-    off = run_ranks(_train, 2, args=(3, "bf16", OFF), kwargs=dict(gas=1, steps=5, branch_step=3))
-    on = run_ranks(_train, 2, args=(3, "bf16", ON), kwargs=dict(gas=1, steps=5, branch_step=3))
+    off, on = _pair_of(runs, "branch")
     assert [r["losses"] for r in off] == [r["losses"] for r in on]
     assert all(torch.equal(a["state"], b["state"]) for a, b in zip(off, on))
 
 
-def test_an_evaluation_forward_between_steps_stays_exact_and_frees_everything():
-    off = run_ranks(_train, 2, args=(3, "fp32", OFF), kwargs=dict(gas=1, steps=4, evaluate=True))
-    on = run_ranks(_train, 2, args=(3, "fp32", ON), kwargs=dict(gas=1, steps=4, evaluate=True))
+def test_an_evaluation_forward_between_steps_stays_exact_and_frees_everything(runs):
+    off, on = _pair_of(runs, "evaluate")
     assert [r["losses"] for r in off] == [r["losses"] for r in on]
     assert all(torch.equal(a["state"], b["state"]) for a, b in zip(off, on))
 
 
-def test_overlap_reduces_from_the_hooks_asynchronously():
+def test_overlap_reduces_from_the_hooks_asynchronously(runs):
     """With overlap_comm the stage-0/1/2 reductions are issued during backward as each bucket
     fills (a Pending per bucket), and all are done when backward returns."""
-    r = run_ranks(_overlap_probe, 2, args=(1,))
+    r = runs[_key(OVERLAP_PROBE)]
     assert r[0]["issued_in_backward"] > 1 and r[0]["in_flight_after_backward"] == 0
 
 
@@ -148,36 +214,55 @@ def _overlap_probe(stage: int):
 
 # ----------------------------------------------------------------------------- the volume DeepSpeed moves
 
-def _volume(lib: str, stage: int, steps: int, knobs: dict):
-    """Every byte handed to torch.distributed's collectives on this rank over a run of
-    `steps` steps (init and the final-state gather included): (op -> bytes)."""
-    import functools
+_COUNTING: dict = {}    # "seen": the op -> bytes of the _volume run now counting in this process
 
+
+def _count_collectives() -> None:
+    """Wrap torch.distributed's gathers and reduce-scatters, once per process, to add the
+    bytes each call is handed to _COUNTING["seen"]. Once: DeepSpeed keeps the function it
+    found at its first collective (measured: a second run's wrappers saw none of its calls,
+    the first run's saw them all), so every run of the process counts through the first
+    wrappers, each into its own dict."""
     import torch.distributed as dist
 
     from tests.support.engine_runs import torch_names
-    from tests.support.harness import SyntheticBatches, run
-    seen = {"all_gather": 0, "reduce_scatter": 0}
+    if _COUNTING.get("installed"):
+        return
     picks = {"all_gather": lambda a, k: a[0] if a else k["output_tensor"],
              "reduce_scatter": lambda a, k: a[1] if len(a) > 1 else k["input"]}
     for name, op, pick in ((name, op, pick) for op, pick in picks.items() for name in torch_names(op)):
         orig = getattr(dist, name)
 
         def f(*a, _orig=orig, _op=op, _pick=pick, **k):
-            t = _pick(a, k)
-            seen[_op] += t.numel() * t.element_size()
+            if _COUNTING.get("seen") is not None:
+                t = _pick(a, k)
+                _COUNTING["seen"][_op] += t.numel() * t.element_size()
             return _orig(*a, **k)
         setattr(dist, name, f)
+    _COUNTING["installed"] = True
+
+
+def _volume(lib: str, stage: int, steps: int, knobs: dict):
+    """Every byte handed to torch.distributed's collectives on this rank over a run of
+    `steps` steps (init and the final-state gather included): (op -> bytes)."""
+    import functools
+
+    from tests.support.harness import SyntheticBatches, run
+    _count_collectives()
+    seen = _COUNTING["seen"] = {"all_gather": 0, "reduce_scatter": 0}
     # even sizes everywhere (n_embd 16, vocab 62, 16 positions): no padding in either library at N = 2
     model_fn = functools.partial(make_model, "micro", n_embd=16, n_head=2, block_size=16,
                                  embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
     cfg = make_config(stage, "bf16", micro_batch=2, lr=1e-3, zero={"stage3_param_persistence_threshold": 0, **knobs})
-    run(lib, model_fn, cfg, SyntheticBatches(62, 16, 2, seed=3), steps, return_final_state=False)
+    try:
+        run(lib, model_fn, cfg, SyntheticBatches(62, 16, 2, seed=3), steps, return_final_state=False)
+    finally:
+        _COUNTING["seen"] = None
     return seen
 
 
-@pytest.mark.parametrize("knobs", [{}, OFF], ids=["deepspeed-defaults", "knobs-0"])
-def test_zero3_moves_what_deepspeed_moves(knobs):
+@pytest.mark.parametrize("knobs", list(VOLUME_KNOBS))
+def test_zero3_moves_what_deepspeed_moves(runs, knobs):
     """ZeRO-3's gathers and reduce-scatters per steady step (steps 3-4: the difference of a
     4-step and a 2-step run, which cancels setup and the trace-recording first step) equal
     DeepSpeed's, byte for byte, with DeepSpeed's default knobs (reuse keeps every unit from
@@ -185,12 +270,11 @@ def test_zero3_moves_what_deepspeed_moves(knobs):
     pytest.importorskip("deepspeed")
     per_lib = {}
     for lib in ("minizero", "deepspeed"):
-        four = run_ranks(_volume, 2, args=(lib, 3, 4, knobs), env={"DS_ACCELERATOR": "cpu"})[0]
-        two = run_ranks(_volume, 2, args=(lib, 3, 2, knobs), env={"DS_ACCELERATOR": "cpu"})[0]
+        four, two = (runs[_key(_job("_volume", lib, 3, steps, VOLUME_KNOBS[knobs]))][0] for steps in (4, 2))
         per_lib[lib] = {op: four[op] - two[op] for op in four}
     assert per_lib["minizero"] == per_lib["deepspeed"], per_lib
     gathered, reduced = per_lib["minizero"]["all_gather"], per_lib["minizero"]["reduce_scatter"]
-    assert gathered == (1 if not knobs else 2) * reduced    # reduce_scatter: Ψ per step, in both libraries
+    assert gathered == (1 if not VOLUME_KNOBS[knobs] else 2) * reduced    # reduce_scatter: Ψ per step, in both libraries
 
 
 def test_the_gpu_checks_overlap_configs_differ_only_in_when_data_moves():

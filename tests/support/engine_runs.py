@@ -3,7 +3,9 @@ test_memory, test_overflow).
 
 Every run function here is module level (the forkserver pickles it by reference) and
 returns plain Python / CPU tensors. `get(spec)` caches results per spec in the pytest
-process, so one run feeds every assertion (in any test file) that needs it.
+process, so one run feeds every assertion (in any test file) that needs it. `prefetch`
+trains every run a test file reads in one launch of ranks per world size (`run_many`), so a
+file pays for one launch, not one per run.
 
 A spec is a dict (see DEFAULTS); `config_of`, `build` and `batches_of` turn it into
 tests/support/harness.py's config, model and batches. The data are learnable PatternBatches rows,
@@ -92,11 +94,13 @@ def _ledger_state():
 
 def _patch_dist(record):
     """Wrap torch.distributed's collectives (as comm.py calls them) to record the byte size
-    of the tensors actually handed over, independently of the ledger."""
+    of the tensors actually handed over, independently of the ledger. Returns the function
+    that puts the originals back (the next run in the same ranks records afresh)."""
     import torch.distributed as dist
+    originals = {}
 
     def wrap(name, op, pick):
-        orig = getattr(dist, name)
+        orig = originals[name] = getattr(dist, name)
 
         def f(*a, **k):
             t = pick(a, k)
@@ -111,6 +115,11 @@ def _patch_dist(record):
         wrap(name, "all_gather", lambda a, k: a[0] if a else k["output_tensor"])
     for name in torch_names("reduce_scatter"):
         wrap(name, "reduce_scatter", lambda a, k: a[1] if len(a) > 1 else k["input"])
+
+    def restore():
+        for name, orig in originals.items():
+            setattr(dist, name, orig)
+    return restore
 
 
 def torch_names(op: str) -> list[str]:
@@ -133,8 +142,7 @@ def train_run(spec: dict) -> dict:
 
     rank, world = comm.get_rank(), comm.get_world_size()
     dist_record = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")}
-    if world > 1:
-        _patch_dist(dist_record)
+    restore_dist = _patch_dist(dist_record) if world > 1 else (lambda: None)
     comm.ledger.reset()
     cfg = config_of(spec, world)
     model, groups = build(spec, cfg)
@@ -174,6 +182,7 @@ def train_run(spec: dict) -> dict:
     if spec["stage"] == 3:
         out["z3_between_steps"] = probes.z3_between_steps(engine)
     out["ledger_total"] = comm.ledger.snapshot()
+    restore_dist()
     out["dist_record"] = {op: dict(v) for op, v in dist_record.items()}
     out["global_steps"] = engine.global_steps
     state = engine.full_fp32_state_dict()
@@ -267,7 +276,8 @@ def overflow_run(stage: int) -> dict:
     class Capture(logging.Handler):
         def emit(self, record):
             msgs.append(record.getMessage())
-    logging.getLogger("minizero").addHandler(Capture())
+    capture = Capture()
+    logging.getLogger("minizero").addHandler(capture)
 
     spec = spec_of(stage=stage, dtype="fp16", steps=4, zero=Z3P0 if stage == 3 else {})
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -298,6 +308,7 @@ def overflow_run(stage: int) -> dict:
             grads_left=probes.grads_left(engine),
             norm=engine.get_global_grad_norm(),
             msgs=[m for m in msgs[n:]]))
+    logging.getLogger("minizero").removeHandler(capture)   # the next run in these ranks logs afresh
     return {"rank": rank, "log": log}
 
 
@@ -316,31 +327,68 @@ def _key(spec):
     return json.dumps(spec, sort_keys=True, default=str)
 
 
+def run_many(jobs: list) -> list:
+    """On each rank: every (kind, argument) of `jobs` one after another in this process, kind
+    "train" (train_run(spec)), "reference" (reference_run(spec)) or "overflow"
+    (overflow_run(stage)). Each run builds its own engine, model, optimizer and data from its
+    seed and config; minizero patches nothing process-wide; the comm ledger is reset and the
+    wrapped collectives put back (_patch_dist) by each train_run, and overflow_run removes its
+    log handler: so a run returns what it returns in processes of its own (every field checked
+    equal, bit for bit, for every spec of test_engine, test_comm_volume, test_memory and
+    test_overflow: the commit that added run_many says how). One launch of ranks costs about
+    a second of CPU, several times a 2-step run of the micro GPT."""
+    fns = {"train": train_run, "reference": reference_run, "overflow": overflow_run}
+    return [fns[kind](arg) for kind, arg in jobs]
+
+
+def _launch(world: int, jobs: list) -> list:
+    """run_many(jobs) on `world` ranks (one rank: with a process group, as a user's single
+    process under torchrun has); per job, the list of the ranks' results."""
+    env = {"MINIZERO_FORCE_PG": "1"} if world == 1 else None
+    per_rank = run_ranks(run_many, world, args=(jobs,), env=env)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
+
+
+def prefetch(specs=(), references=(), overflow_stages=()) -> None:
+    """Run, in one launch per world size, every train run (`specs`: dicts of spec_of's keywords),
+    reference run (`references`, on one rank) and overflow run (`overflow_stages`, 2 ranks)
+    not cached yet, and cache them for get / get_reference / get_overflow. A test file calls
+    it once (a module fixture) with every run its tests read, instead of a launch per run."""
+    todo: dict = {}
+    for kw in specs:
+        spec = spec_of(**kw)
+        k = _key(spec)
+        if k not in _cache:
+            todo.setdefault(spec["world"], {})[k] = ("train", spec)
+    for kw in references:
+        spec = spec_of(**kw)
+        k = "ref:" + _key(spec)
+        if k not in _cache:
+            todo.setdefault(1, {})[k] = ("reference", spec)
+    for stage in overflow_stages:
+        k = f"overflow:{stage}"
+        if k not in _cache:
+            todo.setdefault(2, {})[k] = ("overflow", stage)
+    for world, jobs in todo.items():
+        results = _launch(world, list(jobs.values()))
+        for k, per_rank in zip(jobs, results):
+            _cache[k] = per_rank[0] if k.startswith("ref:") else per_rank
+
+
 def get(**kw) -> list[dict]:
     """Per-rank results of train_run for this spec (cached for the pytest session)."""
-    spec = spec_of(**kw)
-    k = _key(spec)
-    if k not in _cache:
-        if spec["world"] == 1:
-            _cache[k] = run_ranks(train_run, 1, args=(spec,), env={"MINIZERO_FORCE_PG": "1"})
-        else:
-            _cache[k] = run_ranks(train_run, spec["world"], args=(spec,))
-    return _cache[k]
+    prefetch(specs=[kw])
+    return _cache[_key(spec_of(**kw))]
 
 
 def get_overflow(stage: int) -> list[dict]:
-    k = f"overflow:{stage}"
-    if k not in _cache:
-        _cache[k] = run_ranks(overflow_run, 2, args=(stage,))
-    return _cache[k]
+    prefetch(overflow_stages=[stage])
+    return _cache[f"overflow:{stage}"]
 
 
 def get_reference(**kw) -> dict:
-    spec = spec_of(**kw)
-    k = "ref:" + _key(spec)
-    if k not in _cache:
-        _cache[k] = run_ranks(reference_run, 1, args=(spec,))[0]
-    return _cache[k]
+    prefetch(references=[kw])
+    return _cache["ref:" + _key(spec_of(**kw))]
 
 
 # ----------------------------------------------------------------------------- helpers for tests

@@ -87,11 +87,14 @@ def watch_z3_gathered(engine) -> dict:
 def watch_live_numel() -> dict:
     """ZeRO-3's live parameters, the elements stage3_max_live_parameters bounds: partitioned
     FlatParams whose full buffer is allocated, in this process. Wraps FlatParam.alloc_full and
-    release_full (where the storage is really allocated and freed) for the rest of the process
-    (a rank of run_ranks); the returned dict's "now" and "peak" follow, from this call on."""
+    release_full (where the storage is really allocated and freed) until `unwatch_live_numel()`
+    (or for the rest of the process: a rank of run_ranks); the returned dict's "now" and
+    "peak" follow, from this call on."""
     from minizero.flat_param import FlatParam
+    unwatch_live_numel()
     live, count = set(), {"now": 0, "peak": 0}
     alloc, free = FlatParam.alloc_full, FlatParam.release_full
+    _UNWATCHED["FlatParam"] = (alloc, free)
 
     def alloc_full(f):
         alloc(f)
@@ -107,6 +110,17 @@ def watch_live_numel() -> dict:
         free(f)
     FlatParam.alloc_full, FlatParam.release_full = alloc_full, release_full
     return count
+
+
+_UNWATCHED: Dict[str, Any] = {}     # FlatParam's own alloc_full, release_full while watched
+
+
+def unwatch_live_numel() -> None:
+    """Put FlatParam's own alloc_full and release_full back (the next run in the same
+    process watches afresh)."""
+    if "FlatParam" in _UNWATCHED:
+        from minizero.flat_param import FlatParam
+        FlatParam.alloc_full, FlatParam.release_full = _UNWATCHED.pop("FlatParam")
 
 
 def after_backward(engine) -> dict:
