@@ -389,23 +389,45 @@ def test_offload_report_shows_device_and_host(offload_report):
 
 
 def test_the_command_launches_torchrun(tmp_path):
-    """`python -m minizero.compare` in a fresh interpreter starts each run through a real
-    `python -m torch.distributed.run` (the tests above fork their ranks instead): the
-    launcher takes compare's flags and environment, the ranks' output goes to run.log, and
-    the summary they write makes the report. Two ranks, as compare's default."""
+    """`python -m minizero.compare` starts each run through a real `python -m
+    torch.distributed.run` (the tests above fork their ranks instead): the launcher takes
+    compare's flags and environment, the ranks' output goes to run.log, and the summary they
+    write makes the report. One rank (--nproc 1): a fresh rank is 2-4 s of CPU importing
+    torch, and what is checked here is compare's plumbing around torchrun, which one rank
+    shows whole (compare's default of 2 reaching torchrun is
+    test_the_default_is_two_ranks_under_torchrun's; fresh ranks of minizero.train meeting
+    under a real torchrun are tests/tools/test_run_folder.py's and test_two_nodes.py's).
+    compare itself runs as `python -m` runs it (`__main__`, its sys.argv), on a process
+    forked from the tests' preloaded forkserver (tests/support/python_m.py); the torchrun it
+    starts and that torchrun's rank are fresh interpreters, as a user's are. A fresh `python
+    -m minizero.compare` is test_bad_input_from_the_command_itself's."""
     pytest.importorskip("matplotlib")
+    from tests.support import python_m
+    from tests.support.command_runs import run_command
     out = tmp_path / "out"
-    r = compare("--libs", "minizero", "--stages", "0", "--dtype", "fp32", "--model", "micro", "--dataset",
-                "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out), "--synthetic-train", "64",
-                "--synthetic-test", "16", "--data-dir", str(tmp_path / "data"))   # compare asks for no sample grid
+    argv = ["--libs", "minizero", "--stages", "0", "--nproc", "1", "--dtype", "fp32", "--model", "micro",
+            "--dataset", "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out),
+            "--synthetic-train", "64", "--synthetic-test", "16", "--data-dir", str(tmp_path / "data")]
+    # (compare asks for no sample grid)
+    r = run_command("tests.support.python_m", [json.dumps([["minizero.compare", *argv]])], 1, launcher=False,
+                    rank_env=[{python_m.INDEX_ENV: "0", "DS_ACCELERATOR": "cpu"}], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (out / "minizero-stage0" / "run.log").read_text().splitlines()
-    assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 2" in log[0]
-    assert any(line.startswith("minizero: world size 2 on cpu") for line in log), log[:5]
+    assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 1" in log[0]
+    assert any(line.startswith("minizero: world size 1 on cpu") for line in log), log[:5]
     summary = json.loads((out / "minizero-stage0" / "summary.json").read_text())
-    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 1)
+    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 1, 1)
     md = (out / "report.md").read_text()
     assert set(table_rows(md)) == {0} and table_rows(md)[0]["final loss mz"] == f"{summary['final_loss']:.6f}"
+
+
+def test_the_default_is_two_ranks_under_torchrun():
+    """Without --nproc, each run is `torchrun --nproc-per-node 2`, for every library."""
+    from minizero.compare import compare
+    args, extra = compare.parse_args(["--stages", "3"])
+    for lib in compare.LIBS:
+        cmd = compare.run_command(lib, 3, args, extra, "config.json", "out")
+        assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc-per-node") + 1] == "2", cmd
 
 
 @pytest.mark.parametrize("args, needle", [
