@@ -63,12 +63,31 @@ def train_checkpointed(stage, dtype, steps, ckpt_dir, save_at=None, resume=False
 
 # Every stage in fp16 (masters, low-precision shards and the loss scaler all restored),
 # plus fp32 and bf16 once each.
-@pytest.mark.parametrize("stage,dtype", [(0, "fp16"), (1, "fp16"), (2, "fp16"), (3, "fp16"),
-                                         (1, "bf16"), (3, "fp32")])
-def test_resume_is_bit_exact(tmp_path, stage, dtype):
-    d = str(tmp_path)
-    full = run_ranks(train_checkpointed, 2, (stage, dtype, 6, d, 3))
-    resumed = run_ranks(train_checkpointed, 2, (stage, dtype, 6, d, None, True))
+RESUMES = [(0, "fp16"), (1, "fp16"), (2, "fp16"), (3, "fp16"), (1, "bf16"), (3, "fp32")]
+
+
+def _train_each(runs, **kwargs):
+    """train_checkpointed(stage, dtype, 6, folder, **kwargs) for each (stage, dtype, folder)
+    of `runs`, one after the other on these ranks: each builds its own engine from its own
+    seed and data, so each sees what it would see in a launch of its own."""
+    return [train_checkpointed(stage, dtype, 6, d, **kwargs) for stage, dtype, d in runs]
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory):
+    """{(stage, dtype): (folder, each rank's 6 steps saving at 3, each rank's resume from 3)}.
+    Every configuration's full run in one launch and every resume in a second: the resume
+    still starts in fresh processes, from the files alone, as after a restart."""
+    runs = [(stage, dtype, str(tmp_path_factory.mktemp(f"resume-{stage}-{dtype}"))) for stage, dtype in RESUMES]
+    full = run_ranks(_train_each, 2, (runs,), {"save_at": 3})
+    resumed = run_ranks(_train_each, 2, (runs,), {"resume": True})
+    return {(stage, dtype): (d, [f[i] for f in full], [r[i] for r in resumed])
+            for i, (stage, dtype, d) in enumerate(runs)}
+
+
+@pytest.mark.parametrize("stage,dtype", RESUMES)
+def test_resume_is_bit_exact(resumes, stage, dtype):
+    d, full, resumed = resumes[(stage, dtype)]
     for r in range(2):
         assert full[r][0][3:] == resumed[r][0], f"rank {r}: losses after resume differ"
         assert full[r][2] == resumed[r][2] and full[r][3] == resumed[r][3] == 6

@@ -1,6 +1,6 @@
 """python -m minizero.compare end to end: minizero and DeepSpeed on the same tiny run,
-stages 0 and 3, fp32, 2 ranks (4 launches, ~1-2 minutes on 2 CPU cores); and stage 3 with
-both ZeRO-Offloads (2 launches), whose report shows device and host bytes. Both runs have the
+stages 0 and 3, fp32, 2 ranks, STEPS steps (4 launches); and stage 3 with both ZeRO-Offloads
+(2 launches), whose report shows device and host bytes. Both runs have the
 comms logger on (compare's default on a CPU), so they also check the memory moments section
 (both libraries at the end of the last step's backward and after it, every byte of
 difference named) and the side-by-side comms summaries (every differing row explained).
@@ -15,7 +15,15 @@ Both reports run compare's main(argv) in this process, its torchrun launches on 
 from the tests' preloaded forkserver (tests/support/command_runs.py: three fresh interpreters'
 imports saved per launch). test_the_command_launches_torchrun runs `python -m minizero.compare`
 as a user types it, torchrun and all (its environment, its flags, its log), on the smallest
-run that shows it: minizero alone, one step of the micro model."""
+run that shows it: minizero alone, one step of the micro model.
+
+What these runs check is compare's: its launches, its report, its tables and pictures, and
+that every number in them is the runs' own. 3 steps show all of it: the steady state the
+report describes (the memory moments of the last step, the comms logger's per-step counts,
+samples/s after the first logged interval) is the second step's and every later one's, each
+step the same operations on updated state. That the two libraries' fp32 losses are equal
+bit for bit over 20 steps at every stage is tests/agreement/test_agreement_loss.py's
+(test_fp32_loss_and_weights_bitwise); here it is the report's column that is checked."""
 import contextlib
 import copy
 import io
@@ -30,6 +38,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 2
+STEPS = 3   # the module docstring says why 3 show what 10 did
 
 
 def compare(*args, timeout=300):
@@ -61,9 +70,10 @@ def compare_forked(*args):
     return subprocess.CompletedProcess(["python", "-m", "minizero.compare", *args], rc, out.getvalue(), err.getvalue())
 
 
-def run_compare(out, stages, zero=(), forked=False):
+def run_compare(out, stages, zero=(), forked=False, samples=()):
     """compare on the tiny run, fp32, train.py's default config with clipping off and `zero`
-    added to zero_optimization (forked: through compare_forked)."""
+    added to zero_optimization (forked: through compare_forked); samples: ("--num-samples",
+    "4") to pass through to both scripts (compare's own default draws none)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("matplotlib")
     from minizero.train.train_args import DEFAULT_CONFIG
@@ -73,9 +83,9 @@ def run_compare(out, stages, zero=(), forked=False):
     cfg["zero_optimization"].update(zero)
     (out / "noclip.json").write_text(json.dumps(cfg))
     r = (compare_forked if forked else compare)("--stages", *map(str, stages), "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
-                "--dataset", "synthetic", "--image-size", "8", "--max-steps", "10", "--out", str(out),
+                "--dataset", "synthetic", "--image-size", "8", "--max-steps", str(STEPS), "--out", str(out),
                 # passed through to both training scripts:
-                "--synthetic-train", "256", "--synthetic-test", "32", "--num-samples", "4",
+                "--synthetic-train", "256", "--synthetic-test", "32", *samples,
                 "--data-dir", str(out / "data"), "--config", str(out / "noclip.json"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
@@ -88,8 +98,11 @@ def report(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offload_report(tmp_path_factory):
+    # Both libraries draw a sample grid here: sampling under ZeRO-3 with both offloads, which
+    # tests/tools/test_train_size_overrides.py's step-5 runs leave to this run.
     return run_compare(tmp_path_factory.mktemp("compare-offload"), (3,),
-                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, forked=True)
+                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, forked=True,
+                       samples=("--num-samples", "4"))
 
 
 def test_report_files(report):
@@ -114,7 +127,7 @@ def test_report_files(report):
             for name in ("comms_summary.json", "comms_summary.txt"):
                 assert (out / f"{lib}-stage{stage}" / name).is_file()
     # both moments, both comms tables, and nothing left unexplained in either
-    assert "## Model states at the same moments (rank 0, step 10)" in md
+    assert f"## Model states at the same moments (rank 0, step {STEPS})" in md
     assert "## Collectives: DeepSpeed's comms summary beside minizero's" in md
     assert "### ZeRO-0" in md and "### ZeRO-3" in md and "unexplained" not in md
     assert json.loads((out / "config.json").read_text())["comms_logger"] == {"enabled": True}
@@ -128,7 +141,7 @@ def test_losses_agree_fp32(report):
         d = float(rows[stage]["max abs dloss/step"])
         assert d == 0.0, f"stage {stage}: minizero and DeepSpeed losses differ by {d} (fp32)"
         s = results["summaries"][str(stage)]
-        assert len(s["minizero"]["losses"]) == len(s["deepspeed"]["losses"]) == 10
+        assert len(s["minizero"]["losses"]) == len(s["deepspeed"]["losses"]) == STEPS
         assert s["minizero"]["losses"] == s["deepspeed"]["losses"]
         assert s["minizero"]["library"] == "minizero" and s["deepspeed"]["library"] == "deepspeed"
     assert [r["stage"] for r in results["rows"]] == [0, 3]
@@ -160,7 +173,7 @@ def test_memory_columns(report):
 
 
 def test_memory_at_the_same_moments(report):
-    """Both libraries read at the end of step 10's backward and after step 10. fp32 stage 0:
+    """Both libraries read at the end of the last step's backward and after it. fp32 stage 0:
     the same bytes in every category at both moments. fp32 ZeRO-3: padding, DeepSpeed's
     second fp32 master (4S) and, after the step, its kept gradient partition (4S fp32), each
     named in the report to the byte; minizero holds no gradient after the step."""
@@ -176,7 +189,7 @@ def test_memory_at_the_same_moments(report):
     for stage in (0, 3):
         for moment in compare_memory.MOMENTS:
             mz, ds = (runs[stage][lib]["memory_moments"] for lib in compare_memory.LIBS)
-            assert mz["step"] == ds["step"] == 10 and len(mz[moment]) == len(ds[moment]) == N
+            assert mz["step"] == ds["step"] == STEPS and len(mz[moment]) == len(ds[moment]) == N
             for r in range(N):
                 a, b = mz[moment][r], ds[moment][r]
                 if stage == 0:
@@ -214,7 +227,7 @@ def test_comms_summaries_side_by_side(report):
     runs = {int(k): v for k, v in results["summaries"].items()}
     model = GPT(get_preset("tiny"))
     S = sum(-(-p.numel() // N) for p in model.parameters())
-    steps = 10
+    steps = STEPS
     mz, ds = runs[3]["minizero"]["comms_summary"], runs[3]["deepspeed"]["comms_summary"]
     assert ds["reduce_scatter_tensor"] == {str(N * S * 4): ds["reduce_scatter_tensor"][str(N * S * 4)]}
     assert ds["reduce_scatter_tensor"][str(N * S * 4)]["count"] == steps
@@ -376,23 +389,45 @@ def test_offload_report_shows_device_and_host(offload_report):
 
 
 def test_the_command_launches_torchrun(tmp_path):
-    """`python -m minizero.compare` in a fresh interpreter starts each run through a real
-    `python -m torch.distributed.run` (the tests above fork their ranks instead): the
-    launcher takes compare's flags and environment, the ranks' output goes to run.log, and
-    the summary they write makes the report. Two ranks, as compare's default."""
+    """`python -m minizero.compare` starts each run through a real `python -m
+    torch.distributed.run` (the tests above fork their ranks instead): the launcher takes
+    compare's flags and environment, the ranks' output goes to run.log, and the summary they
+    write makes the report. One rank (--nproc 1): a fresh rank is 2-4 s of CPU importing
+    torch, and what is checked here is compare's plumbing around torchrun, which one rank
+    shows whole (compare's default of 2 reaching torchrun is
+    test_the_default_is_two_ranks_under_torchrun's; fresh ranks of minizero.train meeting
+    under a real torchrun are tests/tools/test_run_folder.py's and test_two_nodes.py's).
+    compare itself runs as `python -m` runs it (`__main__`, its sys.argv), on a process
+    forked from the tests' preloaded forkserver (tests/support/python_m.py); the torchrun it
+    starts and that torchrun's rank are fresh interpreters, as a user's are. A fresh `python
+    -m minizero.compare` is test_bad_input_from_the_command_itself's."""
     pytest.importorskip("matplotlib")
+    from tests.support import python_m
+    from tests.support.command_runs import run_command
     out = tmp_path / "out"
-    r = compare("--libs", "minizero", "--stages", "0", "--dtype", "fp32", "--model", "micro", "--dataset",
-                "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out), "--synthetic-train", "64",
-                "--synthetic-test", "16", "--data-dir", str(tmp_path / "data"))   # compare asks for no sample grid
+    argv = ["--libs", "minizero", "--stages", "0", "--nproc", "1", "--dtype", "fp32", "--model", "micro",
+            "--dataset", "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out),
+            "--synthetic-train", "64", "--synthetic-test", "16", "--data-dir", str(tmp_path / "data")]
+    # (compare asks for no sample grid)
+    r = run_command("tests.support.python_m", [json.dumps([["minizero.compare", *argv]])], 1, launcher=False,
+                    rank_env=[{python_m.INDEX_ENV: "0", "DS_ACCELERATOR": "cpu"}], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (out / "minizero-stage0" / "run.log").read_text().splitlines()
-    assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 2" in log[0]
-    assert any(line.startswith("minizero: world size 2 on cpu") for line in log), log[:5]
+    assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 1" in log[0]
+    assert any(line.startswith("minizero: world size 1 on cpu") for line in log), log[:5]
     summary = json.loads((out / "minizero-stage0" / "summary.json").read_text())
-    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 1)
+    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 1, 1)
     md = (out / "report.md").read_text()
     assert set(table_rows(md)) == {0} and table_rows(md)[0]["final loss mz"] == f"{summary['final_loss']:.6f}"
+
+
+def test_the_default_is_two_ranks_under_torchrun():
+    """Without --nproc, each run is `torchrun --nproc-per-node 2`, for every library."""
+    from minizero.compare import compare
+    args, extra = compare.parse_args(["--stages", "3"])
+    for lib in compare.LIBS:
+        cmd = compare.run_command(lib, 3, args, extra, "config.json", "out")
+        assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc-per-node") + 1] == "2", cmd
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -17,6 +17,7 @@ import pytest
 from minizero import memory
 from minizero.observe import memory_table
 from tests.support import engine_runs as er
+from tests.support.launcher import run_ranks
 
 # (stage, dtype, zero_optimization extras, --offload): extras the plan must see too
 CASES = [
@@ -38,14 +39,32 @@ def computed(stage, dtype, zero, offload, world):
     return plans, memory_table.computed_breakdown(plans, world, stage, dtype, offload)
 
 
+def _layouts_and_breakdowns(specs):
+    """tests/support/engine_runs.train_run of each spec, one after the other on these ranks
+    (each its own engine, model and seed): what the test reads of each, its FlatParams and its
+    memory_breakdown."""
+    return [{k: v for k, v in er.train_run(spec).items() if k in ("rank", "flats", "memory_breakdown")}
+            for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def real_engines():
+    """{(CASES index, N): each rank's run}: every case of one world size in one launch (2,
+    not 16), one optimizer step each."""
+    out = {}
+    for n in (2, 4):
+        specs = [er.spec_of(stage=stage, dtype=dtype, zero={**zero, **memory_table.offload_section(stage, offload)},
+                            steps=1, **({"world": 4, "global_batch": 4} if n == 4 else {}))
+                 for stage, dtype, zero, offload in CASES]
+        per_rank = run_ranks(_layouts_and_breakdowns, n, (specs,))
+        out.update({(i, n): [r[i] for r in per_rank] for i in range(len(CASES))})
+    return out
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("stage,dtype,zero,offload", CASES)
-def test_computed_equals_real_engines(stage, dtype, zero, offload, n):
-    extra = {**zero, **memory_table.offload_section(stage, offload)}
-    kw = dict(stage=stage, dtype=dtype, zero=extra, steps=1)
-    if n == 4:
-        kw.update(world=4, global_batch=4)
-    runs = er.get(**kw)
+def test_computed_equals_real_engines(real_engines, stage, dtype, zero, offload, n):
+    runs = real_engines[(CASES.index((stage, dtype, zero, offload)), n)]
     plans, want = computed(stage, dtype, zero, offload, n)
     for r in runs:
         assert [(p.label, p.group, p.numel, p.persistent, len(p.names)) for p in plans] == \

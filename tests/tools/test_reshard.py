@@ -192,28 +192,55 @@ def _save(stage, d):
     return _carried(engine)
 
 
+def _save_each(folders):
+    """_save at every stage, one after the other on these ranks (one launch, not four)."""
+    return [_save(stage, d) for stage, d in enumerate(folders)]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint of 2 ranks at every stage (fp16, 4 steps), with its consolidated state."""
-    out = {}
-    for stage in range(4):
-        d = str(tmp_path_factory.mktemp(f"stage{stage}"))
-        carried = run_ranks(_save, 2, (stage, d))[0]
-        full = {k: consolidate(d, kind=k) for k in KINDS}
-        out[stage] = (d, full, carried)
-    return out
+    folders = [str(tmp_path_factory.mktemp(f"stage{stage}")) for stage in range(4)]
+    carried = run_ranks(_save_each, 2, (folders,))[0]
+    return {stage: (d, {k: consolidate(d, kind=k) for k in KINDS}, carried[stage]) for stage, d in enumerate(folders)}
 
 
 # ----------------------------------------------------------------------------- load-time reshard
 
-@pytest.mark.parametrize("saved_stage,stage,world", [
+RESUMES = [
     (0, 0, 1), (1, 1, 1), (2, 2, 1), (3, 3, 1),      # N = 2 -> 1 at every stage
     (0, 0, 4), (1, 1, 4), (2, 2, 4), (3, 3, 4),      # N = 2 -> 4
     (3, 1, 1), (0, 2, 2), (1, 3, 4), (2, 0, 4),      # across stages
-])
-def test_resume_at_another_world_size_and_stage(saved, saved_stage, stage, world):
+]
+
+
+def _load_and_continue_each(cases, saved_file):
+    """_load_and_continue for each (saved_stage, stage) of `cases`, one after the other on
+    these ranks: every case builds its own engines from its own seed and ends before the next
+    starts, so a case sees what it would see in a launch of its own. saved_file: the `saved`
+    fixture in a file (the forkserver would pass each of its tensors as a descriptor: too many)."""
+    saved = torch.load(saved_file)
+    return {(saved_stage, stage): _load_and_continue(stage, *saved[saved_stage]) for saved_stage, stage in cases}
+
+
+@pytest.fixture(scope="module")
+def resumed(saved, tmp_path_factory):
+    """{(saved_stage, stage, world): each rank's _load_and_continue}: one launch per world
+    size for all of RESUMES, not one per case."""
+    saved_file = str(tmp_path_factory.mktemp("resumed") / "saved.pt")
+    torch.save(saved, saved_file)
+    out = {}
+    for world in sorted({w for _, _, w in RESUMES}):
+        cases = [(a, b) for a, b, w in RESUMES if w == world]
+        per_rank = run_ranks(_load_and_continue_each, world, (cases, saved_file), env={"MINIZERO_FORCE_PG": "1"})
+        out.update({(a, b, world): [r[(a, b)] for r in per_rank] for a, b in cases})
+    return out
+
+
+@pytest.mark.parametrize("saved_stage,stage,world", RESUMES)
+def test_resume_at_another_world_size_and_stage(saved, resumed, saved_stage, stage, world):
     d, full, carried = saved[saved_stage]
-    results = run_ranks(_load_and_continue, world, (stage, d, full, carried), env={"MINIZERO_FORCE_PG": "1"})
+    results = resumed[(saved_stage, stage, world)]
     for rank, (got, now, said, losses, ref_losses) in enumerate(results):
         for kind in KINDS:   # consolidated after loading == consolidated before, bit for bit
             assert set(got[kind]) == set(full[kind])

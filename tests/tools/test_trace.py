@@ -65,10 +65,33 @@ def _events(doc, cat=None, step=None):
             and (step is None or e["args"].get("step") == step)]
 
 
+def _run_each(runs):
+    """_run(*args, **kwargs) for each (args, kwargs) of `runs`, one after the other on these
+    ranks: each its own engine from its own seed, its tracer closed after its last step
+    before the next run starts."""
+    return [_run(*args, **kwargs) for args, kwargs in runs]
+
+
+def _traced_runs(folder, stages, **kwargs) -> dict:
+    """{stage: (its trace folder, each rank's _run)}: the stages' runs in one launch."""
+    outs = {stage: str(folder / f"trace{stage}") for stage in stages}
+    per_rank = run_ranks(_run_each, 2, ([((stage, outs[stage]), kwargs) for stage in stages],))
+    return {stage: (outs[stage], [r[i] for r in per_rank]) for i, stage in enumerate(stages)}
+
+
+@pytest.fixture(scope="module")
+def ledger_runs(tmp_path_factory):
+    return _traced_runs(tmp_path_factory.mktemp("ledger"), (0, 1, 2, 3))
+
+
+@pytest.fixture(scope="module")
+def overlap_runs(tmp_path_factory):
+    return _traced_runs(tmp_path_factory.mktemp("overlap"), (2, 3), overlap=True)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_trace_events_equal_the_ledger(stage, tmp_path):
-    out = str(tmp_path / "trace")
-    results = run_ranks(_run, 2, args=(stage, out))
+def test_trace_events_equal_the_ledger(stage, ledger_runs):
+    out, results = ledger_runs[stage]
     assert all(r["closed"] for r in results)          # closed itself after its last step
     assert sorted(os.listdir(out)) == ["rank0.json", "rank1.json", "replay.html", "timeline.png", "trace.json"]
     for rank, r in enumerate(results):
@@ -135,12 +158,11 @@ def test_trace_does_not_change_numbers_and_sees_recompute(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_asynchronous_collectives_wait_only_where_the_rank_blocked(stage, tmp_path):
+def test_asynchronous_collectives_wait_only_where_the_rank_blocked(stage, overlap_runs):
     """With overlap (and prefetch) a collective runs from its issue to the end of its wait();
     its wait_us is the time the rank blocked in wait(), inside the event; bytes still sum to
     the ledger's."""
-    out = str(tmp_path / "trace")
-    r = run_ranks(_run, 2, args=(stage, out), kwargs=dict(overlap=True))[0]
+    out, (r, _) = overlap_runs[stage]
     with open(os.path.join(out, "rank0.json")) as f:
         doc = json.load(f)
     events = _events(doc, "collectives", 2)

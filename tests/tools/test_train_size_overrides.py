@@ -4,7 +4,7 @@ naming the preset and every size changed, and one clear line for a size that can
 
 The end-to-end case is the tutorial's step 5 as issue 11 asks for it on a CPU: the step-5
 config on 2 ranks with the 24-layer model at width 32 and 8x8 images (63 tokens),
-micro-batch 8 instead of 128 (the config's 4 accumulation steps kept).
+micro-batch 2 instead of 128 (the config's 4 accumulation steps kept).
 """
 from __future__ import annotations
 
@@ -81,16 +81,18 @@ def test_help_lists_the_flags_in_model_and_data():
 
 # ----------------------------------------------------------------------------- step 5 on a CPU, both libraries
 
-# One optimizer step (4 micro-steps of 8 rows: the config's accumulation runs whole) is all the
+# One optimizer step (4 micro-steps of 2 rows: the config's accumulation runs whole) is all the
 # assertions need: the shrunk model built, the config read, the run completed under both
-# libraries. 128 training images: one step's 64 rows (8 x 4 x 2 ranks), and 640 pixels for the
-# 512-colour k-means (5 per image; 103 images is its floor). 16 test images: one evaluation
-# batch per rank. No sample: sampling is 63 forwards through 24 hooked layers (a third of
+# libraries. 2 rows: what --micro-batch promises is that it replaces the config's 128, which
+# any value shows, and more rows only add arithmetic to DeepSpeed's hooks around 24 layers.
+# 128 training images: one step's 16 rows (2 x 4 x 2 ranks), and 640 pixels for the 512-colour
+# k-means (5 per image; 103 images is its floor). 4 test images: one evaluation batch of 2 per
+# rank. No sample: sampling is 63 forwards through 24 hooked layers (a third of
 # DeepSpeed's run, cProfile of rank 0), and both libraries sample under ZeRO-3 with offload in
 # tests/tools/test_compare.py's offload run.
 STEP5 = ["--config", "launch/ds_config_step5.json", "--model", "tutorial-24", "--n-embd", "32", "--image-size", "8",
-         "--micro-batch", "8", "--max-steps", "1", "--dataset", "synthetic", "--synthetic-train", "128",
-         "--synthetic-test", "16", "--num-samples", "0"]
+         "--micro-batch", "2", "--max-steps", "1", "--dataset", "synthetic", "--synthetic-train", "128",
+         "--synthetic-test", "4", "--num-samples", "0"]
 NOTE = ("model tutorial-24 with n_embd=32 (--n-embd), block_size=63 (--image-size 8) instead of the preset's "
         "n_embd=256, block_size=1023")
 
@@ -118,6 +120,6 @@ def test_step5_on_cpu_runs_shrunk_and_says_so(step5_runs, library):
     assert stdout.count(NOTE) == 1, stdout            # rank 0 only
     assert (s["status"], s["stage"], s["dtype"], s["world_size"], s["steps"]) == ("completed", 3, "fp16", 2, 1)
     assert s["model"] == "tutorial-24" and s["params"] == 339_744
-    assert s["config"]["gradient_accumulation_steps"] == 4 and s["config"]["train_micro_batch_size_per_gpu"] == 8
+    assert s["config"]["gradient_accumulation_steps"] == 4 and s["config"]["train_micro_batch_size_per_gpu"] == 2
     zero = s["config"]["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu"} and zero["offload_param"] == {"device": "cpu"}
