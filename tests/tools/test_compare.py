@@ -22,7 +22,7 @@ that every number in them is the runs' own. 3 steps show all of it: the steady s
 report describes (the memory moments of the last step, the comms logger's per-step counts,
 samples/s after the first logged interval) is the second step's and every later one's, each
 step the same operations on updated state. That the two libraries' fp32 losses are equal
-bit for bit over 20 steps at every stage is tests/agreement/test_agreement_loss.py's
+bit for bit over the agreement runs' 10 steps at every stage is tests/agreement/test_agreement_loss.py's
 (test_fp32_loss_and_weights_bitwise); here it is the report's column that is checked."""
 import contextlib
 import copy
