@@ -9,7 +9,7 @@ BITWISE in fp32 (losses and final fp32 weights), stages 0, 2 and 3: the operatio
 same in the same order. The average is a sum then a division by N = 2 in minizero and an
 AVG (or a pre-division) in FSDP2/DDP: dividing by 2 is exact in binary floating point, so the
 order cannot show (at N = 3 it could: a bound of one rounding per element would apply).
-Gradient clipping (1.0) does not fire (norms 0.85-0.98); the two norms themselves differ by
+Gradient clipping (1.0) does not fire (norms 0.71-0.98 over these 4 steps); the two norms themselves differ by
 ulps (FSDP2: norm of per-tensor norms; minizero: one sum of squares), which is why clipping
 that fires would need the derived bound of test_agreement_loss.py's clipping tests.
 
