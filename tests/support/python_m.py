@@ -67,7 +67,13 @@ if not addr or i + 1 >= len(argv) or argv[i] != "-m":
     os.execv({python!r}, [{python!r}, *argv])
 s = socket.socket(socket.AF_UNIX)
 s.connect(addr)
-fds = [fd for fd in (0, 1, 2) if os.path.exists(f"/proc/self/fd/{{fd}}")]
+fds = []
+for fd in (0, 1, 2):
+    try:
+        os.fstat(fd)
+        fds.append(fd)
+    except OSError:
+        pass
 msg = repr({{"argv": argv[i + 1:], "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}}).encode()
 socket.send_fds(s, [len(msg).to_bytes(8, "big")], fds)
 s.sendall(msg)
