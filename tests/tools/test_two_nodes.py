@@ -31,9 +31,9 @@ torchrun, is held by tests/tools/test_preflight.py's clean run (two torchruns jo
 c10d, each starting fresh ranks) and tests/tools/test_run_folder.py's torchrun of fresh
 `minizero.train` ranks; here it would be 8 more imports of torch, about 34 s of CPU.
 
-Cost, measured on one core of a 2-core machine (CPU seconds, cgroup): the two-torchrun
-launch of 8 forked ranks about 10 s; DeepSpeed's 8 forked ranks and each resume (ranks
-forked as well) a few seconds to 15 s.
+Cost, measured on one core of a 2-core machine (CPU seconds of the file alone, pytest's start
+and the forkserver's preload included): about 50 s, against about 92 s with the 8 workers
+fresh; of what is left, DeepSpeed's 8 forked ranks about 15 s and each resume a few seconds.
 """
 from __future__ import annotations
 
