@@ -151,7 +151,9 @@ def test_the_jobs_own_torchrun_line_reports_every_check_in_a_minute(clean):
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """One rank per node; node A: its own save folder and the data; node B: another save folder
-    (as a node-local disk of the same path is), no data; hpZ's k = 2 over nodes of 1 rank."""
+    (as a node-local disk of the same path is), no data; hpZ's k = 2 over nodes of 1 rank.
+    --fs-wait 0.5: each node waits that long for the other's file, which is in another folder
+    and never comes, so the wait decides nothing here but the time."""
     folder = tmp_path_factory.mktemp("preflight-faults")
     port = free_port()
     lines = []
@@ -161,7 +163,7 @@ def faults(tmp_path_factory):
         os.makedirs(data, exist_ok=True)
         lines.append([sys.executable, "-m", "minizero.preflight", "--timeout", "60", *torchrun(port, 1, "faults"), "-m",
                       "minizero.train", "--stage", "3", "--dataset", "cifar10", "--data-dir", data, "--save-dir",
-                      str(folder / f"save{n}"), "--hpz", "2", "--fs-wait", "2"])
+                      str(folder / f"save{n}"), "--hpz", "2", "--fs-wait", "0.5"])
     return two_nodes(lines, folder)
 
 
@@ -191,8 +193,8 @@ def test_each_injected_fault_is_one_line(faults):
 def test_a_wrong_rendezvous_endpoint_ends_in_one_line_within_the_timeout(tmp_path):
     """Node B names another port than node A (each then hosts a rendezvous of its own, as a
     wrong --rdzv-endpoint does on a cluster): each node prints one line naming what to make
-    the same on every node, within --timeout 2 s and torchrun's start, not its 600 s."""
-    timeout = 2
+    the same on every node, within --timeout 1 s and torchrun's start, not its 600 s."""
+    timeout = 1
     lines = [[sys.executable, "-m", "minizero.preflight", "--timeout", str(timeout), *torchrun(free_port(), 1, "wrong"),
               "-m", "minizero.train", "--save-dir", str(tmp_path / "save")] for _ in "AB"]
     rcs, out, seconds = two_nodes(lines, tmp_path)
