@@ -11,8 +11,8 @@ Process i runs lines[i] as `python -m` runs a module: as `__main__` (runpy), wit
 minizero.preflight's __main__.py) reads its command line as it would from a shell. What a
 fresh interpreter adds is the import of torch before it, 2-4 s of CPU per launcher on this
 machine; forked, that import was paid once by the forkserver. The processes a launcher
-starts itself (torchrun's ranks, the preflight's torchrun) are still its own fresh
-subprocesses, as a user's are.
+starts itself (torchrun's ranks, the preflight's torchrun) are its own fresh subprocesses,
+as a user's are, unless forked_interpreters() is open.
 
 python_m.forked_interpreters() goes one level further, for tests where the launcher's own
 children are not what is tested: while it is open, the `python -m MODULE ...` processes that
@@ -140,7 +140,7 @@ def _run_forked(request: dict, fds: list) -> None:
         os._exit(rc)
 
 
-def _serve(path: str, shim: str) -> None:
+def _serve(path: str, shim: str, session: int) -> None:
     """The interpreter server (a process forked from the preloaded forkserver, one thread):
     one fork per shim that connects; its exit status back when it ends; SIGTERM to it when
     its shim is gone first (a launcher stopping its workers)."""
@@ -166,7 +166,14 @@ def _serve(path: str, shim: str) -> None:
     listener.listen(64)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
+    checked = time.monotonic()
     while True:
+        if time.monotonic() - checked > 1:   # the test session gone without closing the server: end too
+            checked = time.monotonic()
+            try:
+                os.kill(session, 0)
+            except ProcessLookupError:
+                stop()
         for key, _ in sel.select(0.05):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
@@ -230,7 +237,7 @@ def forked_interpreters():
         with open(shim, "w") as f:
             f.write(_SHIM.format(python=sys.executable, server=SERVER_ENV))
         os.chmod(shim, 0o755)
-        server = spawn.context().Process(target=_serve, args=(path, shim), daemon=True)
+        server = spawn.context().Process(target=_serve, args=(path, shim, os.getpid()), daemon=True)
         server.start()
         try:
             deadline = time.monotonic() + 60
