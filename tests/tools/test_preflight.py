@@ -14,15 +14,22 @@ machine as two torchruns over 127.0.0.1, each torchrun its own pretended host
 
 Each node's first process (torchrun, or the preflight that runs torchrun) runs as
 `python -m` runs it, on a process forked from the tests' preloaded forkserver
-(tests/support/python_m.py), so it does not pay a fresh interpreter's import of torch; what
-it starts (torchrun's ranks, the preflight's torchrun) are fresh processes, as on a cluster.
+(tests/support/python_m.py), so it does not pay a fresh interpreter's import of torch. In the
+clean run what torchrun starts are fresh interpreters, as on a cluster: its ranks import
+torch, minizero and the preflight from nothing, and the report's "within a minute" is timed
+from their start (this run is also where tests/tools/test_two_nodes.py's fresh ranks under two
+torchruns are held). Elsewhere the `python -m` processes a launcher starts (the preflight's
+own torchrun, torchrun's ranks) are forked too (python_m.forked_interpreters): what those
+tests check is the preflight's handling of torchrun (its lines passed through, its
+rendezvous' timeout, torchrun's store), the same whichever interpreter runs the rank.
 
-Cost, measured on one core of a 2-core machine: a two-torchrun launch is 2 launchers and 2-4
-ranks, the ranks importing torch, 10-20 s; the wrong endpoint about 8 s (its --timeout is
-2 s); the rest under a second.
+Cost, measured on one core of a 2-core machine: the clean run (2 launchers, 4 fresh ranks)
+about 20 s of CPU; the faults run and the wrong endpoint a few seconds each; the rest under
+a second.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -56,24 +63,28 @@ def torchrun(port: int, nproc: int, rdzv_id: str) -> list[str]:
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id]
 
 
-def forked(lines: list[list[str]], hosts: str) -> tuple[list[int], list[str], float]:
+def forked(lines: list[list[str]], hosts: str, fresh: bool = False) -> tuple[list[int], list[str], float]:
     """Run the command lines `python -m MODULE ARGS` side by side, line i as host hosts[i]
     (MINIZERO_HOST), each on a process forked from the preloaded forkserver
-    (tests/support/python_m.py); (exit statuses, each one's stdout and stderr, seconds)."""
+    (tests/support/python_m.py); (exit statuses, each one's stdout and stderr, seconds).
+    The `python -m` processes they start (torchrun's ranks, the preflight's torchrun) are
+    forked too (python_m.forked_interpreters), or fresh interpreters where `fresh`."""
     assert all(argv[:2] == [sys.executable, "-m"] for argv in lines), lines
     common = {k: v for k, v in env_for("").items() if os.environ.get(k) != v and k != "MINIZERO_HOST"}
-    rank_env = [{**common, python_m.INDEX_ENV: str(i), "MINIZERO_HOST": host} for i, host in enumerate(hosts)]
     t0 = time.monotonic()
-    p = run_command("tests.support.python_m", [json.dumps([argv[2:] for argv in lines])], len(lines), launcher=False,
-                    rank_env=rank_env, timeout=TIMEOUT)
+    with contextlib.nullcontext({}) if fresh else python_m.forked_interpreters() as interpreters:
+        rank_env = [{**common, **interpreters, python_m.INDEX_ENV: str(i), "MINIZERO_HOST": host}
+                    for i, host in enumerate(hosts)]
+        p = run_command("tests.support.python_m", [json.dumps([argv[2:] for argv in lines])], len(lines),
+                        launcher=False, rank_env=rank_env, timeout=TIMEOUT)
     outs = [out + err for out, err in zip(p.rank_stdout, p.rank_stderr)]
     return p.rank_returncodes, outs, time.monotonic() - t0
 
 
-def two_nodes(lines: list[list[str]], folder) -> tuple[list[int], list[str], float]:
+def two_nodes(lines: list[list[str]], folder, fresh: bool = False) -> tuple[list[int], list[str], float]:
     """Start one command per pretended node (nodeA, nodeB) at once; (exit statuses, outputs, seconds).
     Each node's output is also left in folder/node{A,B}.log, as a launcher's log would be."""
-    rcs, outs, seconds = forked(lines, ["nodeA", "nodeB"])
+    rcs, outs, seconds = forked(lines, ["nodeA", "nodeB"], fresh)
     for n, text in zip("AB", outs):
         (folder / f"node{n}.log").write_text(text)
     return rcs, outs, seconds
@@ -103,7 +114,7 @@ def clean(tmp_path_factory):
     program = [sys.executable, "-m", "torch.distributed.run", *torchrun(free_port(), 2, "clean")[1:], "-m",
                "minizero.preflight", "--stage", "3", "--hpz", "2", "--dataset", "cifar10",
                "--data-dir", fake_cifar(folder / "data"), "--save-dir", str(folder / "runs" / "job")]
-    return (*two_nodes([program, program], folder), folder)
+    return (*two_nodes([program, program], folder, fresh=True), folder)
 
 
 def test_the_jobs_own_torchrun_line_reports_every_check_in_a_minute(clean):
@@ -140,7 +151,9 @@ def test_the_jobs_own_torchrun_line_reports_every_check_in_a_minute(clean):
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """One rank per node; node A: its own save folder and the data; node B: another save folder
-    (as a node-local disk of the same path is), no data; hpZ's k = 2 over nodes of 1 rank."""
+    (as a node-local disk of the same path is), no data; hpZ's k = 2 over nodes of 1 rank.
+    --fs-wait 0.5: each node waits that long for the other's file, which is in another folder
+    and never comes, so the wait decides nothing here but the time."""
     folder = tmp_path_factory.mktemp("preflight-faults")
     port = free_port()
     lines = []
@@ -150,7 +163,7 @@ def faults(tmp_path_factory):
         os.makedirs(data, exist_ok=True)
         lines.append([sys.executable, "-m", "minizero.preflight", "--timeout", "60", *torchrun(port, 1, "faults"), "-m",
                       "minizero.train", "--stage", "3", "--dataset", "cifar10", "--data-dir", data, "--save-dir",
-                      str(folder / f"save{n}"), "--hpz", "2", "--fs-wait", "2"])
+                      str(folder / f"save{n}"), "--hpz", "2", "--fs-wait", "0.5"])
     return two_nodes(lines, folder)
 
 
@@ -180,8 +193,8 @@ def test_each_injected_fault_is_one_line(faults):
 def test_a_wrong_rendezvous_endpoint_ends_in_one_line_within_the_timeout(tmp_path):
     """Node B names another port than node A (each then hosts a rendezvous of its own, as a
     wrong --rdzv-endpoint does on a cluster): each node prints one line naming what to make
-    the same on every node, within --timeout 2 s and torchrun's start, not its 600 s."""
-    timeout = 2
+    the same on every node, within --timeout 1 s and torchrun's start, not its 600 s."""
+    timeout = 1
     lines = [[sys.executable, "-m", "minizero.preflight", "--timeout", str(timeout), *torchrun(free_port(), 1, "wrong"),
               "-m", "minizero.train", "--save-dir", str(tmp_path / "save")] for _ in "AB"]
     rcs, out, seconds = two_nodes(lines, tmp_path)

@@ -20,13 +20,20 @@ its checkpoint) is all still here. Two torchruns of DeepSpeed cost 10 interprete
 torch and DeepSpeed, about 70 s on one core, against about 15 s forked.
 
 Each node's torchrun is forked from the forkserver too, run as `python -m torch.distributed.run`
-runs it (tests/support/python_m.py): the launcher's code and its rendezvous are torchrun's own,
-and the 8 ranks it starts are fresh interpreters as on a cluster; only the launchers' own
-import of torch is saved.
+runs it (tests/support/python_m.py), and the `python -u -m minizero.train` workers it starts
+run on processes forked from an interpreter that imported torch once
+(python_m.forked_interpreters: torchrun starts a stand-in for `python` that hands the
+command line, environment and stdout/stderr over and exits with the rank's status). What is
+torchrun's is all here: its command line, its c10d rendezvous joining the two launchers,
+the store and the variables it gives each rank, its watch over the ranks' exit statuses.
+What a fresh interpreter adds, a rank importing torch and minizero from nothing under
+torchrun, is held by tests/tools/test_preflight.py's clean run (two torchruns joined by
+c10d, each starting fresh ranks) and tests/tools/test_run_folder.py's torchrun of fresh
+`minizero.train` ranks; here it would be 8 more imports of torch, about 34 s of CPU.
 
-Cost, measured on one core of a 2-core machine: the two-torchrun launch is 8 fresh ranks
-importing torch, about 30 s; DeepSpeed's 8 forked ranks and each resume (ranks forked as
-well) a few seconds to 15 s.
+Cost, measured on one core of a 2-core machine (CPU seconds of the file alone, pytest's start
+and the forkserver's preload included): about 50 s, against about 92 s with the 8 workers
+fresh; of what is left, DeepSpeed's 8 forked ranks about 15 s and each resume a few seconds.
 """
 from __future__ import annotations
 
@@ -63,8 +70,10 @@ def launch_two_nodes(program: list[str], argv: list[str], folder) -> None:
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     cmd = node_command(program, free_port(), f"rehearsal-{os.getpid()}") + argv
-    p = run_command("tests.support.python_m", [json.dumps([cmd[2:]] * NODES)], NODES, launcher=False,
-                    rank_env=[{**env, python_m.INDEX_ENV: str(n)} for n in range(NODES)], timeout=TIMEOUT)
+    with python_m.forked_interpreters() as forked:
+        p = run_command("tests.support.python_m", [json.dumps([cmd[2:]] * NODES)], NODES, launcher=False,
+                        rank_env=[{**env, **forked, python_m.INDEX_ENV: str(n)} for n in range(NODES)],
+                        timeout=TIMEOUT)
     logs = [folder / f"node{n}.log" for n in range(NODES)]
     for log, out, err in zip(logs, p.rank_stdout, p.rank_stderr):
         log.write_text(out + err)
