@@ -5,8 +5,10 @@ bound is 0).
 The suite runs a sample: the cells a greedy covering picks so that every pair of values of any
 two axes that some accepted cell holds appears at least once (29 cells), plus HSDP with
 offload_param on the host and in NVMe files, against HSDP without offload; all with their twins,
-in one launch of 4 gloo ranks (2 nodes of 2). `python -m tests.combinations --all` runs every
-cell; its table is docs/results/combinations.md.
+2 optimizer steps each (tests/combinations.py says why 2 show what more would), in one launch of 4
+gloo ranks (2 nodes of 2). A twin runs once however many cells share it: 31 cells and 19 twins,
+two of which are sample cells themselves, are 48 runs. `python -m tests.combinations --all` runs
+every cell; docs/results/combinations.md is the record of one such run (at 3 steps).
 """
 from __future__ import annotations
 
