@@ -27,9 +27,10 @@ the answer key, the question bank, the slides' notes, the slide deck and docs/re
 - the deck opens in headless Chromium with the network off (test_lesson_deck.py).
 
 Cost: the lesson's 21 training runs (part 11's three and part 4's three on 4 ranks) on ranks
-forked from the tests' preloaded forkserver (tests/support/command_runs.py), its three memory
-tables, the activation measurement and the projections in this process, once per session (the
-`lesson` fixture); then session 1's 14 commands again (7 of them training runs).
+forked from the tests' preloaded forkserver (tests/support/command_runs.py), and part 10's
+--collect-only count in a process forked from it too, its three memory tables, the activation
+measurement and the projections in this process, once per session (the `lesson` fixture);
+then session 1's 14 commands again (6 of them training runs).
 """
 from __future__ import annotations
 
@@ -63,16 +64,39 @@ def script():
     return lesson_script()
 
 
+@contextlib.contextmanager
+def pytest_on_a_forked_process():
+    """While open, subprocess.run of `python -m pytest ARGS` (the script's --collect-only count
+    of part 10's command) runs pytest.main(ARGS) in a process forked from the tests' preloaded
+    forkserver: the same pytest on the same files, without a fresh interpreter importing torch
+    again for the test file it collects (about 4 s of CPU)."""
+    from tests.support.command_runs import run_command
+    real = subprocess.run
+
+    def run(cmd, *args, capture_output=False, text=None, **kw):
+        if not (isinstance(cmd, list) and cmd[:3] == [sys.executable, "-m", "pytest"] and capture_output and text):
+            return real(cmd, *args, capture_output=capture_output, text=text, **kw)
+        p = run_command("pytest", cmd[3:], 1, launcher=False)
+        return subprocess.CompletedProcess(cmd, p.returncode, p.stdout, p.stderr)
+    subprocess.run = run
+    try:
+        yield
+    finally:
+        subprocess.run = real
+
+
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory, script):
     """(the runs folder, the numbers, what `python docs/lesson/lesson_numbers.py --runs RUNS`
-    prints): the script's main(argv) in this process, its torchrun commands on processes
-    forked from the tests' preloaded forkserver, not fresh interpreters that each import
-    torch again. Each run is still its own processes, started from its command line."""
+    prints): the script's main(argv) in this process, its torchrun commands (and its
+    `python -m pytest --collect-only`) on processes forked from the tests' preloaded
+    forkserver, not fresh interpreters that each import torch again. Each run is still its
+    own processes, started from its command line."""
     from tests.support.command_runs import torchrun_on_forked_ranks
     runs = str(tmp_path_factory.mktemp("lesson-runs"))
     out = io.StringIO()
-    with torchrun_on_forked_ranks(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    with torchrun_on_forked_ranks(), pytest_on_a_forked_process(), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(io.StringIO()):
         rc = script.main(["--runs", runs])
     numbers, _ = script.compute(script.Runs(runs))   # read back from the logs: runs nothing
     return runs, numbers, out.getvalue(), rc
