@@ -8,8 +8,7 @@ once (N = 2): fp16 ZeRO-2 + offload_optimizer, fp32 ZeRO-3 + both, and bf16 ZeRO
 offload_param with every parameter persistent (stage3_param_persistence_threshold 1e5).
 DeepSpeed's numbers are reference/ds_memory.deepspeed_model_state_bytes on the live engine
 (reference/ds_run.run_deepspeed(capture_memory=True)), minizero's engine.memory_breakdown();
-all DeepSpeed configs of one world size in one launch, and all minizero configs of one world
-size in another: 4 launches.
+every config of one world size, minizero's then DeepSpeed's, in one launch: 2 launches.
 
 The symbols (bytes per rank, exact integers):
   b   bytes per low-precision element (2 bf16/fp16, 4 fp32)
@@ -98,25 +97,35 @@ def _deepspeed_many(cases: list) -> list:
             for c in cases]
 
 
+def _both_many(cases: list) -> tuple:
+    """On each rank: every case under minizero, then every case under DeepSpeed, in this
+    process. minizero first: DeepSpeed's ZeRO-3 patches torch for the rest of the process,
+    minizero patches nothing. Every number of every run equals the same run's in a launch of
+    its own library alone."""
+    jobs = [{"model_fn": A.MODEL_FN, "config": config(k), "batches": A.BATCHES, "steps": STEPS,
+             "capture_memory": True, "return_final_state": False} for k in cases]
+    return A.run_minizero_many(jobs), _deepspeed_many(cases)
+
+
+def _train(n: int) -> None:
+    """Every configuration of world size n, both libraries, in ONE launch of n ranks."""
+    from tests.support.launcher import run_ranks
+    todo = [k for m, k in ALL if m == n]
+    per_rank = run_ranks(_both_many, world_size=n, args=(todo,), env=A.ENV, timeout=600)
+    for lib, j in (("mz", 0), ("ds", 1)):
+        for i, k in enumerate(todo):
+            _CACHE[(lib, n, k)] = [per_rank[r][j][i] for r in range(n)]
+
+
 def ds(n: int, c: Case) -> list:
     if ("ds", n, c) not in _CACHE:
-        from tests.support.launcher import run_ranks
-        todo = [k for m, k in ALL if m == n]
-        per_rank = run_ranks(_deepspeed_many, world_size=n, args=(todo,), env=A.ENV, timeout=600)
-        for i, k in enumerate(todo):
-            _CACHE[("ds", n, k)] = [per_rank[r][i] for r in range(n)]
+        _train(n)
     return _CACHE[("ds", n, c)]
 
 
 def mz(n: int, c: Case) -> list:
     if ("mz", n, c) not in _CACHE:
-        from tests.support.launcher import run_ranks
-        todo = [k for m, k in ALL if m == n]
-        jobs = [{"model_fn": A.MODEL_FN, "config": config(k), "batches": A.BATCHES, "steps": STEPS,
-                 "capture_memory": True, "return_final_state": False} for k in todo]
-        per_rank = run_ranks(A.run_minizero_many, world_size=n, args=(jobs,), env=A.ENV, timeout=600)
-        for i, k in enumerate(todo):
-            _CACHE[("mz", n, k)] = [per_rank[r][i] for r in range(n)]
+        _train(n)
     return _CACHE[("mz", n, c)]
 
 

@@ -13,8 +13,8 @@ and written down in reference/hpz.py, pinned here run by run:
 FSDP2's reshard_after_forward=k (reference/torch_engine.py) does the same for backward's gathers.
 
 Runs (tests/support/two_nodes.py, 2 steps): DeepSpeed hpZ in fp32 and bf16, plain DeepSpeed
-ZeRO-3 in bf16, FSDP2 with and without reshard_after_forward=2 in fp32: about 60-100 s on 2
-shared cores.
+ZeRO-3 in bf16, FSDP2 with and without reshard_after_forward=2 in fp32; each library's runs
+in one launch of 4 ranks, shared with test_hierarchy.py and test_hsdp_fsdp2.py.
 """
 import math
 

@@ -11,9 +11,11 @@ over a row of S ranks (a node), replicated across the rows. Pinned here:
   AVG within the node in the reduce dtype, then all-reduce AVG across the nodes in the reduce
   dtype, then the cast to fp32, bit for bit in fp32 and bf16 on a one-layer model.
 
-Runs: HSDP in fp32 and bf16 (tests/support/two_nodes.py, 2 steps) and the one-layer gradient
-check: about 20-40 s on 2 shared cores.
+Runs: HSDP in fp32 and bf16 (tests/support/two_nodes.py, 2 steps; FSDP2's launch, shared with
+test_hierarchy.py and test_hpz_references.py) and the one-layer gradient check, both dtypes in
+one launch of 4 ranks.
 """
+import functools
 import math
 
 import pytest
@@ -93,7 +95,19 @@ def _hsdp_gradient(dtype_name):
     return got, predicted
 
 
+def _hsdp_gradients(dtypes):
+    """Each dtype's check in turn, on these ranks: each its own layer, mesh and fully_shard."""
+    return {d: _hsdp_gradient(d) for d in dtypes}
+
+
+@functools.lru_cache(maxsize=None)
+def hsdp_gradients():
+    """Both dtypes' checks in one launch of 4 ranks (per rank: {dtype: (got, predicted)})."""
+    return run_ranks(_hsdp_gradients, world_size=T.N, args=(("fp32", "bf16"),))
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gradient_is_two_averages_in_the_reduce_dtype(dtype):
-    for got, predicted in run_ranks(_hsdp_gradient, world_size=T.N, args=(dtype,)):
+    for rank in hsdp_gradients():
+        got, predicted = rank[dtype]
         assert torch.equal(got, predicted)

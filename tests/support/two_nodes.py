@@ -7,9 +7,13 @@ config and batches as the other agreement tests (tests/support/agreement.py).
     pt = T.fsdp2_runs(T.HSDP, "fp32")
     mz = T.minizero_runs(T.HPZ, "bf16")
 
-Each is one launch of 4 fresh rank processes (reference/ds_run.py's run_deepspeed,
-reference/torch_engine.py's run_torch), cached for the test session per (library, keys,
-dtype). A "node" is a block of PER_NODE consecutive ranks, as torchrun places them and as both
+Each library's configurations (RUNS: every one a test reads) are trained in ONE launch of 4
+rank processes, one after another (reference/ds_run.py's run_deepspeed,
+reference/torch_engine.py's run_torch, tests/support/harness.py's run_minizero), and cached
+for the test session per library; a run is looked up by (keys, dtype). Each run builds its own
+engine from its own seed; run in one process, every field of every run (timings aside) equals
+the same run in a launch of its own, DeepSpeed's once its hpZ group is cleared between runs
+(`_deepspeed_rank`). A "node" is a block of PER_NODE consecutive ranks, as torchrun places them and as both
 libraries group them (DeepSpeed's hpZ groups ranks k by k: utils/groups.py,
 _create_zero_param_parallel_group; HSDP's mesh rows are ranks r*S .. r*S+S-1).
 
@@ -19,8 +23,8 @@ step, in order, {"phase", "step", "groups": {group ranks: {op: {calls, bytes, wi
 the collectives of that phase alone (reference/comm_counter.py's per-group record), and
 `groups`: the same summed over the whole training loop.
 
-Cost (2 shared cores): a DeepSpeed launch 10-25 s, a PyTorch one 4-8 s, the forkserver's first
-start 10-20 s more.
+Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4) and one of 8
+(minizero_runs_2x4).
 """
 from __future__ import annotations
 
@@ -40,6 +44,14 @@ STEPS = 2
 HPZ = {"zero_hpz_partition_size": PER_NODE}
 HSDP = {"hsdp_shard_size": PER_NODE}
 ZERO3 = {}
+# What the tests read, per library: test_hierarchy.py (minizero against DeepSpeed and FSDP2),
+# test_hpz_references.py (DeepSpeed's and FSDP2's hpZ against their plain ZeRO-3),
+# test_hsdp_fsdp2.py (FSDP2's HSDP).
+RUNS = {
+    "minizero": [(z, d) for z in (HPZ, ZERO3, HSDP) for d in ("fp32", "bf16")],
+    "deepspeed": [(z, d) for z in (HPZ, ZERO3) for d in ("fp32", "bf16")],
+    "torch": [(HSDP, "fp32"), (HSDP, "bf16"), (HPZ, "fp32"), (ZERO3, "fp32")],
+}
 
 
 def config(zero: dict, dtype: str) -> dict:
@@ -108,12 +120,26 @@ class PhaseRecorder:
 
 
 def _deepspeed_rank(zero, dtype, steps):
+    """No peaks recorded (capture_peaks=False): no test reads them, and at ZeRO-3 the recorder
+    reads every buffer at each fetch and release. DeepSpeed keeps its hpZ group in a module
+    global and refuses to make a second (utils/groups.py, _create_zero_param_parallel_group),
+    and stage3.py hands an existing one to the next engine even without hpZ: cleared before
+    each run, so each run makes its own, as in a fresh process."""
+    from deepspeed.utils import groups
+
     from reference.ds_run import run_deepspeed
-    return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True,
+                         capture_peaks=False, drive=PhaseRecorder)
 
 
 def _minizero_rank(zero, dtype, steps):
+    """The ledger cleared first: engine.comm_stats() (the run's `ledger`) counts from what the
+    ledger held when the engine was made, and run_minizero clears it after initialize, so an
+    earlier run in this process would otherwise show as negative counts."""
+    from minizero import comm
     from tests.support.harness import run_minizero
+    comm.ledger.reset()
     return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
 
 
@@ -122,36 +148,57 @@ def _torch_rank(zero, dtype, steps):
     return run_torch(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
 
 
+RANK_FN = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _minizero_rank}
+
+
+def _each(lib, keys, steps):
+    """On each rank: every (zero, dtype) of `keys` in turn, in this process."""
+    return [RANK_FN[lib](dict(zero), dtype, steps) for zero, dtype in keys]
+
+
+def _key(zero: dict, dtype: str) -> tuple:
+    return tuple(sorted(zero.items())), dtype
+
+
 @functools.lru_cache(maxsize=None)
-def _run(lib: str, zero: tuple, dtype: str, steps: int) -> tuple:
-    """Trained once per test session: three test files read the same runs, and under xdist
-    they may sit on both workers, so the runs are shared through files as the agreement
-    runs are (tests/support/agreement.py, `_shared`)."""
-    fn = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _minizero_rank}[lib]
+def _runs(lib: str, steps: int) -> dict:
+    """Every RUNS[lib] configuration, trained once per test session in one launch: three test
+    files read the same runs, and under xdist they may sit on both workers, so the runs are
+    shared through files as the agreement runs are (tests/support/agreement.py, `_shared`:
+    a worker needing them while the other trains them waits on the lock)."""
+    keys = [_key(zero, dtype) for zero, dtype in RUNS[lib]]
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE=str(PER_NODE))   # minizero's ledger: 2 "nodes" of 2
-    name = "two-nodes-" + "-".join([lib, dtype, str(steps)] + [f"{k}={v}" for k, v in zero])
-    with A._shared(name.replace("/", "_")) as (load, store):
+    with A._shared(f"two-nodes-{lib}-{steps}") as (load, store):
         runs = load()
         if runs is None:
-            runs = tuple(run_ranks(fn, world_size=N, args=(dict(zero), dtype, steps), env=env))
+            per_rank = run_ranks(_each, world_size=N, args=(lib, keys, steps), env=env, timeout=600)
+            runs = {k: tuple(per_rank[r][i] for r in range(N)) for i, k in enumerate(keys)}
             store(runs)
     return runs
 
 
+def _run(lib: str, zero: dict, dtype: str, steps: int) -> tuple:
+    runs = _runs(lib, steps)
+    key = _key(zero, dtype)
+    if key not in runs:
+        raise KeyError(f"two_nodes: no {lib} run of {zero} in {dtype}; add it to RUNS[{lib!r}]")
+    return runs[key]
+
+
 def deepspeed_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
     """Per rank, DeepSpeed's ZeRO-3 with `zero` added (HPZ, or ZERO3 for plain) on 2 x 2 ranks."""
-    return _run("deepspeed", tuple(sorted(zero.items())), dtype, steps)
+    return _run("deepspeed", zero, dtype, steps)
 
 
 def minizero_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
     """Per rank, minizero's ZeRO-3 with `zero` added (HPZ, HSDP, or ZERO3) on 2 x 2 ranks; its
     phases counted by the same counter as DeepSpeed's and FSDP2's, and `ledger`: comm_stats()."""
-    return _run("minizero", tuple(sorted(zero.items())), dtype, steps)
+    return _run("minizero", zero, dtype, steps)
 
 
 def fsdp2_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
     """Per rank, FSDP2 (HSDP, FSDP2's hpZ, or ZERO3 for plain fully_shard) on 2 x 2 ranks."""
-    return _run("torch", tuple(sorted(zero.items())), dtype, steps)
+    return _run("torch", zero, dtype, steps)
 
 
 def node_of(rank: int) -> int:
