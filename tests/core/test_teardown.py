@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from tests.support.launcher import free_port, run_ranks
+from tests.support.launcher import free_port
+from tests.tools.test_desync import side_by_side
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +54,7 @@ def test_destroy_stops_the_gloo_threads():
 # init_process_group's rendezvous together (skew: tens of ms on a busy CPU), so a barrier
 # keeps the early rank DELAY s minus that skew; without one destroy() takes a few ms (measured
 # at DELAY 2: 2.02 s with, 0.02 s without). Half of DELAY separates the two with a wide margin
-# either way; each of the test's two launches waits DELAY, so it is kept short.
+# either way; the test's two launches wait DELAY side by side, and it is kept short.
 DELAY = 1.0
 
 
@@ -76,12 +77,15 @@ def _timed_destroy(late_rank: int, fail: bool):
 
 
 def test_destroy_waits_for_every_rank_on_a_clean_exit_only():
+    # The two launches side by side (tests/tools/test_desync.py's side_by_side: a thread each,
+    # their own ranks and port), so their DELAYs overlap; each rank's seconds are its own.
+    clean, failed = side_by_side((_timed_destroy, 2, dict(args=(1, False))), (_timed_destroy, 2, dict(args=(1, True))))
     # Clean exit: rank 0 (the one that aborted in the issue) waits for the late rank 1, so no
     # rank tears the group down while another still uses it.
-    (wait0, up0), (_, up1) = run_ranks(_timed_destroy, world_size=2, args=(1, False))
+    (wait0, up0), (_, up1) = clean
     assert wait0 > DELAY / 2, f"rank 0 left destroy() after {wait0:.3f} s, before rank 1 arrived"
     assert not up0 and not up1
     # Error exit: another rank may be gone or stuck in a collective; waiting would hang.
-    (wait0, up0), (_, up1) = run_ranks(_timed_destroy, world_size=2, args=(1, True))
+    (wait0, up0), (_, up1) = failed
     assert wait0 < DELAY / 2, f"rank 0 waited {wait0:.3f} s in destroy() while an exception propagated"
     assert not up0 and not up1

@@ -21,6 +21,19 @@ from tests.support.launcher import run_ranks
 DIM = 8
 
 
+def side_by_side(*launches):
+    """run_ranks(*launch) for each launch, all at once (a thread each), in order. For launches
+    that mostly wait out a timeout: the waits overlap instead of adding up, and each launch
+    has its own ranks, port and flag file, so none sees another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minizero.runtime import spawn
+    spawn.context()   # the forkserver, started once before the threads use it
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = [pool.submit(run_ranks, *launch[:-1], **launch[-1]) for launch in launches]
+        return [f.result() for f in futures]
+
+
 class Branchy(nn.Module):
     """Two blocks and a head; `extra` (its own ZeRO-3 unit) is used only when `take_branch`."""
 
@@ -117,17 +130,29 @@ def test_switch_on_every_rank_names_the_mismatch_within_the_step(stage):
     assert max(r["seconds"] for r in results) < 30, [r["seconds"] for r in results]
 
 
+TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def short_rank_runs(tmp_path_factory):
+    """test_switch_off_a_short_timeout_names_the_waiting_collective's two launches (stage 2,
+    stage 3), side by side: each waits TIMEOUT_S, together once."""
+    tmp = tmp_path_factory.mktemp("short_rank")
+    return dict(zip((2, 3), side_by_side(*[
+        (train, 2, dict(args=(stage, None), kwargs=dict(timeout_s=TIMEOUT_S, short_rank=0, linger_s=TIMEOUT_S + 5,
+                                                        done_flag=str(tmp / f"failed-{stage}")), timeout=120))
+        for stage in (2, 3)])))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
-def test_switch_off_a_short_timeout_names_the_waiting_collective(stage, tmp_path):
+def test_switch_off_a_short_timeout_names_the_waiting_collective(short_rank_runs, stage):
     """Rank 0 trains one step fewer (a different number of micro-steps) and stays alive:
     rank 1's first collective of step 2 waits, and gloo raises after the group's timeout
     (2 s here, as in the tests below: the wait is the test's time, and 2 s still stands
     apart from the healthy collectives before it, which take milliseconds), which the
     wrapper re-raises naming that collective."""
-    timeout_s = 2
-    results = run_ranks(train, 2, args=(stage, None), kwargs=dict(timeout_s=timeout_s, short_rank=0,
-                                                                  linger_s=timeout_s + 5,
-                                                                  done_flag=str(tmp_path / "failed")), timeout=120)
+    timeout_s = TIMEOUT_S
+    results = short_rank_runs[stage]
     assert "error" not in results[0] and len(results[0]["losses"]) == 1
     e = results[1].get("error")
     first = "all_gather 'root.g0.fwd'" if stage == 3 else "reduce_scatter 'group0.bucket0.grads'"
@@ -245,12 +270,21 @@ def _wait_alone_with_a_short_timeout(done_flag: str, hide_set_timeout: bool):
     return waited
 
 
+@pytest.fixture(scope="module")
+def lonely_all_reduces(tmp_path_factory):
+    """The two launches of the test below (set_timeout hidden, and not), side by side."""
+    tmp = tmp_path_factory.mktemp("lonely")
+    return dict(zip((True, False), side_by_side(*[
+        (_wait_alone_with_a_short_timeout, 2, dict(args=(str(tmp / f"done-{hide}"), hide), timeout=120))
+        for hide in (True, False)])))
+
+
 @pytest.mark.parametrize("hide_set_timeout", [True, False], ids=["as-before-2.14", "this-torch"])
-def test_a_configured_timeout_reaches_the_group_on_every_torch(tmp_path, hide_set_timeout):
+def test_a_configured_timeout_reaches_the_group_on_every_torch(lonely_all_reduces, hide_set_timeout):
     """The group's own timeout becomes the configured 1 s, with or without set_timeout: rank
     1's lonely all-reduce raises after about 1 s, not after the group's 1800 s (nor does
     configure raise AttributeError, as it did on torch < 2.14)."""
-    out = run_ranks(_wait_alone_with_a_short_timeout, 2, args=(str(tmp_path / "done"), hide_set_timeout), timeout=120)
+    out = lonely_all_reduces[hide_set_timeout]
     assert out[0] is None, out
     assert isinstance(out[1], float) and 1 <= out[1] < 20, out
 
@@ -354,8 +388,17 @@ def _node_group_left_alone(check: bool, done_flag: str):
     return out
 
 
+@pytest.fixture(scope="module")
+def node_groups_left_alone(tmp_path_factory):
+    """The two launches of the test below (check off, on), side by side."""
+    tmp = tmp_path_factory.mktemp("node_groups")
+    return dict(zip((False, True), side_by_side(*[
+        (_node_group_left_alone, 4, dict(args=(check, str(tmp / f"done-{check}")), timeout=60))
+        for check in (False, True)])))
+
+
 @pytest.mark.parametrize("check", [False, True], ids=["check-off", "check-on"])
-def test_a_node_group_collective_left_alone_ends_in_the_named_line_within_the_timeout(tmp_path, check):
+def test_a_node_group_collective_left_alone_ends_in_the_named_line_within_the_timeout(node_groups_left_alone, check):
     """A node group gets the main group's timeout (process_group.new_groups) and follows
     configure's (process_group.set_timeout), so the collective that rank 1 never joins ends
     on rank 0 after about 2 s in minizero's named CollectiveError, with the check off (gloo
@@ -363,7 +406,7 @@ def test_a_node_group_collective_left_alone_ends_in_the_named_line_within_the_ti
     group's ranks, where rank 0 waits alone). Before: the node group kept torch's own 30
     minutes under gloo (10 under NCCL), past this test's 60 s limit; with the check on it
     was not checked at all."""
-    out = run_ranks(_node_group_left_alone, 4, args=(check, str(tmp_path / f"done-{check}")), timeout=60)
+    out = node_groups_left_alone[check]
     assert out[1:] == [None, None, None], out
     e = out[0]["error"]
     assert e.startswith("CollectiveError: rank 0: all_gather 'node.g0' (8 x float32), 64 bytes, in "), e
