@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -48,13 +49,47 @@ class StudentFiles(importlib.abc.MetaPathFinder):
         return None
 
 
+class CompiledOnce(importlib.machinery.SourceFileLoader):
+    """minizero's own sources, compiled once per process however often `use` re-imports them.
+
+    A rank re-imports minizero for every variant it runs (dozens per launch). Python reuses a
+    compiled module only through a .pyc file, and writes none under PYTHONDONTWRITEBYTECODE
+    (common in containers): then every re-import compiled each file again, a third of a rank's
+    time. Code objects are immutable, so one compiled file can build many fresh modules; the
+    key holds the file's size and modification time, so an edited file is compiled again."""
+
+    compiled: dict = {}
+
+    def get_code(self, fullname):
+        path = self.get_filename(fullname)
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key not in self.compiled:
+            self.compiled[key] = super().get_code(fullname)
+        return self.compiled[key]
+
+
+class MinizeroSources(importlib.abc.MetaPathFinder):
+    """Find minizero.<module> where Python would, and load it with CompiledOnce."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith("minizero.") or path is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and type(spec.loader) is importlib.machinery.SourceFileLoader:
+            spec.loader = CompiledOnce(spec.loader.name, spec.loader.path)
+        return spec
+
+
 def use(files: dict) -> None:
     """Forget minizero's modules (but this room's, the launcher's and the process group's),
-    and from now on import the student's `files` ({"minizero.zero1": path}) in their place."""
+    and from now on import the student's `files` ({"minizero.zero1": path}) in their place
+    (StudentFiles first), every other module from minizero's own sources (MinizeroSources)."""
     for name in list(sys.modules):
         if name.startswith("minizero.") and name not in KEEP and not name.startswith(("minizero.lab", "minizero.runtime")):
             del sys.modules[name]
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, StudentFiles)]
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, (StudentFiles, MinizeroSources))]
+    sys.meta_path.insert(0, MinizeroSources())
     if files:
         sys.meta_path.insert(0, StudentFiles(files))
     importlib.invalidate_caches()
