@@ -396,7 +396,8 @@ def test_the_command_launches_torchrun(tmp_path):
     torch, and what is checked here is compare's plumbing around torchrun, which one rank
     shows whole (compare's default of 2 reaching torchrun is
     test_the_default_is_two_ranks_under_torchrun's; fresh ranks of minizero.train meeting
-    under a real torchrun are tests/tools/test_run_folder.py's and test_two_nodes.py's).
+    under a real torchrun are tests/tools/test_run_folder.py's; fresh ranks of two torchruns
+    joined by c10d are test_preflight.py's clean run's, minizero.preflight's ranks).
     compare itself runs as `python -m` runs it (`__main__`, its sys.argv), on a process
     forked from the tests' preloaded forkserver (tests/support/python_m.py); the torchrun it
     starts and that torchrun's rank are fresh interpreters, as a user's are. A fresh `python
