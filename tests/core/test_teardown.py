@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from tests.support.launcher import free_port
-from tests.tools.test_desync import side_by_side
+from tests.support.launcher import free_port, side_by_side
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,7 +76,7 @@ def _timed_destroy(late_rank: int, fail: bool):
 
 
 def test_destroy_waits_for_every_rank_on_a_clean_exit_only():
-    # The two launches side by side (tests/tools/test_desync.py's side_by_side: a thread each,
+    # The two launches side by side (tests/support/launcher.py's side_by_side: a thread each,
     # their own ranks and port), so their DELAYs overlap; each rank's seconds are its own.
     clean, failed = side_by_side((_timed_destroy, 2, dict(args=(1, False))), (_timed_destroy, 2, dict(args=(1, True))))
     # Clean exit: rank 0 (the one that aborted in the issue) waits for the late rank 1, so no

@@ -9,6 +9,7 @@ the next case), and returns each rank's return value to the test.
 Usage (the function must be importable at module level, i.e. picklable by reference):
 
     results = run_ranks(fn, world_size=2, args=(...))   # -> [rank0_result, rank1_result]
+    a, b = side_by_side((fn, 2, dict(args=(...))), (fn, 2, dict(args=(...))))   # both at once
 
 A module whose functions the ranks run can call `preload(__name__)` at import, so the
 forkserver imports it once too (only possible before the forkserver starts).
@@ -43,3 +44,15 @@ def run_ranks(fn, world_size: int = 2, args=(), kwargs=None, env=None, timeout: 
                                group=world_size > 1 or bool(env.get("MINIZERO_FORCE_PG")))
     except spawn.RankError as e:
         raise RuntimeError(f"distributed run failed\n{e}\n{e.detail}") from None
+
+
+def side_by_side(*launches):
+    """run_ranks(*launch) for each launch, all at once (a thread each), in order. For launches
+    that mostly wait out a timeout: the waits overlap instead of adding up, and each launch
+    has its own ranks, port and flag file, so none sees another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spawn.context()   # the forkserver, started once before the threads use it
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = [pool.submit(run_ranks, *launch[:-1], **launch[-1]) for launch in launches]
+        return [f.result() for f in futures]

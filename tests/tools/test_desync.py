@@ -16,22 +16,9 @@ import torch
 import torch.nn as nn
 
 from tests.support.harness import make_config
-from tests.support.launcher import run_ranks
+from tests.support.launcher import run_ranks, side_by_side
 
 DIM = 8
-
-
-def side_by_side(*launches):
-    """run_ranks(*launch) for each launch, all at once (a thread each), in order. For launches
-    that mostly wait out a timeout: the waits overlap instead of adding up, and each launch
-    has its own ranks, port and flag file, so none sees another."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from minizero.runtime import spawn
-    spawn.context()   # the forkserver, started once before the threads use it
-    with ThreadPoolExecutor(len(launches)) as pool:
-        futures = [pool.submit(run_ranks, *launch[:-1], **launch[-1]) for launch in launches]
-        return [f.result() for f in futures]
 
 
 class Branchy(nn.Module):
