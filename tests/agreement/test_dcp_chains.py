@@ -16,7 +16,7 @@ client_state the conversions carry. The gradient clipping the tutorial config tu
 would part them by the ulps of the two norms' arithmetic if it fired on these steps; it does not
 (the losses are equal), so the test says so if that changes.
 
-Costs about 50 s on 2 busy cores: two DeepSpeed runs (15-20 s each), two FSDP2 runs, two conversions.
+Costs 7-10 s of the suite's two-worker run: two DeepSpeed runs, two FSDP2 runs, two conversions.
 """
 from __future__ import annotations
 

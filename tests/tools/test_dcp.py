@@ -21,7 +21,7 @@ fires would part them; tests/agreement/test_agreement_torch.py). Three launches:
            bitwise against itself, and after one step each weight within the bound derived
            in `_adamw_bound` from the gradient sums' rounding.
 
-Costs about 25 s on 2 busy cores (three launches of ~5 s, the rest in-process).
+Costs 14-21 s of the suite's two-worker run (its launches of 1, 2 and 4 ranks, the rest in-process).
 """
 from __future__ import annotations
 
