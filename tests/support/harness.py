@@ -264,6 +264,10 @@ def run_minizero(model_fn: Callable[[], torch.nn.Module], config: Dict[str, Any]
     cfg = prepare_ds_config(config)
     model, model_parameters = build_model(model_fn, cfg, seed, weight_decay)
 
+    # An empty ledger before the engine is made, as in a fresh process: engine.comm_stats() (the
+    # run's `ledger`) counts from what the ledger held then, and an earlier run in this process
+    # (run_many, one launch of many runs) would otherwise leave its counts in that baseline.
+    comm.ledger.reset()
     t0 = time.perf_counter()
     engine, _, _, _ = minizero.initialize(model=model, model_parameters=model_parameters, config=cfg)
     init_seconds = time.perf_counter() - t0

@@ -134,12 +134,7 @@ def _deepspeed_rank(zero, dtype, steps):
 
 
 def _minizero_rank(zero, dtype, steps):
-    """The ledger cleared first: engine.comm_stats() (the run's `ledger`) counts from what the
-    ledger held when the engine was made, and run_minizero clears it after initialize, so an
-    earlier run in this process would otherwise show as negative counts."""
-    from minizero import comm
     from tests.support.harness import run_minizero
-    comm.ledger.reset()
     return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
 
 
