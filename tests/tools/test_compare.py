@@ -392,15 +392,18 @@ def test_the_command_launches_torchrun(tmp_path):
     """`python -m minizero.compare` starts each run through a real `python -m
     torch.distributed.run` (the tests above fork their ranks instead): the launcher takes
     compare's flags and environment, the ranks' output goes to run.log, and the summary they
-    write makes the report. One rank (--nproc 1): a fresh rank is 2-4 s of CPU importing
-    torch, and what is checked here is compare's plumbing around torchrun, which one rank
-    shows whole (compare's default of 2 reaching torchrun is
-    test_the_default_is_two_ranks_under_torchrun's; fresh ranks of minizero.train meeting
-    under a real torchrun are tests/tools/test_run_folder.py's; fresh ranks of two torchruns
-    joined by c10d are test_preflight.py's clean run's, minizero.preflight's ranks).
+    write makes the report. One rank (--nproc 1): what is checked here is compare's plumbing
+    around torchrun, which one rank shows whole (compare's default of 2 reaching torchrun is
+    test_the_default_is_two_ranks_under_torchrun's).
     compare itself runs as `python -m` runs it (`__main__`, its sys.argv), on a process
     forked from the tests' preloaded forkserver (tests/support/python_m.py); the torchrun it
-    starts and that torchrun's rank are fresh interpreters, as a user's are. A fresh `python
+    starts is a fresh interpreter, as a user's is. That torchrun's rank is forked
+    (python_m.forked_interpreters, reached through torchrun's own PYTHON_EXEC, the
+    executable it starts workers with): the rank is minizero.train's main as `python -u -m`
+    runs it, with torchrun's environment and fds, minus a fresh interpreter's 3-4 s of CPU
+    importing torch. Fresh ranks stay tested elsewhere: minizero.train's under a real torchrun
+    in tests/tools/test_run_folder.py (test_torchrun_reports_the_one_line_as_root_cause),
+    those of two torchruns joined by c10d in test_preflight.py's clean run. A fresh `python
     -m minizero.compare` is test_bad_input_from_the_command_itself's."""
     pytest.importorskip("matplotlib")
     from tests.support import python_m
@@ -410,8 +413,13 @@ def test_the_command_launches_torchrun(tmp_path):
             "--dataset", "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out),
             "--synthetic-train", "64", "--synthetic-test", "16", "--data-dir", str(tmp_path / "data")]
     # (compare asks for no sample grid)
-    r = run_command("tests.support.python_m", [json.dumps([["minizero.compare", *argv]])], 1, launcher=False,
-                    rank_env=[{python_m.INDEX_ENV: "0", "DS_ACCELERATOR": "cpu"}], timeout=300)
+    with python_m.forked_interpreters() as forked:
+        # the server, and the shim as torchrun's worker executable only (not compare's
+        # sys.executable: the torchrun compare starts stays a fresh interpreter)
+        rank_env = {python_m.INDEX_ENV: "0", "DS_ACCELERATOR": "cpu", python_m.SERVER_ENV: forked[python_m.SERVER_ENV],
+                    "PYTHON_EXEC": forked[python_m.SHIM_ENV]}
+        r = run_command("tests.support.python_m", [json.dumps([["minizero.compare", *argv]])], 1, launcher=False,
+                        rank_env=[rank_env], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (out / "minizero-stage0" / "run.log").read_text().splitlines()
     assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 1" in log[0]
