@@ -1,6 +1,7 @@
 """python -m minizero.compare end to end: minizero and DeepSpeed on the same tiny run,
 stages 0 and 3, fp32, 2 ranks, STEPS steps (4 launches); and stage 3 with both ZeRO-Offloads
-(2 launches), whose report shows device and host bytes. Both runs have the
+(2 launches), whose report shows device and host bytes. No run draws a sample grid
+(compare's default; offload_report says where sampling under ZeRO-3 is held). Both runs have the
 comms logger on (compare's default on a CPU), so they also check the memory moments section
 (both libraries at the end of the last step's backward and after it, every byte of
 difference named) and the side-by-side comms summaries (every differing row explained).
@@ -70,10 +71,9 @@ def compare_forked(*args):
     return subprocess.CompletedProcess(["python", "-m", "minizero.compare", *args], rc, out.getvalue(), err.getvalue())
 
 
-def run_compare(out, stages, zero=(), forked=False, samples=()):
+def run_compare(out, stages, zero=(), forked=False):
     """compare on the tiny run, fp32, train.py's default config with clipping off and `zero`
-    added to zero_optimization (forked: through compare_forked); samples: ("--num-samples",
-    "4") to pass through to both scripts (compare's own default draws none)."""
+    added to zero_optimization (forked: through compare_forked)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("matplotlib")
     from minizero.train.train_args import DEFAULT_CONFIG
@@ -85,7 +85,7 @@ def run_compare(out, stages, zero=(), forked=False, samples=()):
     r = (compare_forked if forked else compare)("--stages", *map(str, stages), "--dtype", "fp32", "--nproc", str(N), "--model", "tiny",
                 "--dataset", "synthetic", "--image-size", "8", "--max-steps", str(STEPS), "--out", str(out),
                 # passed through to both training scripts:
-                "--synthetic-train", "256", "--synthetic-test", "32", *samples,
+                "--synthetic-train", "256", "--synthetic-test", "32",
                 "--data-dir", str(out / "data"), "--config", str(out / "noclip.json"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
@@ -98,11 +98,13 @@ def report(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offload_report(tmp_path_factory):
-    # Both libraries draw a sample grid here: sampling under ZeRO-3 with both offloads, which
-    # tests/tools/test_train_size_overrides.py's step-5 runs leave to this run.
+    # No sample grid (compare's default): 63 sequential forwards per library and rank through
+    # ZeRO-3's gathers from the host, 10 s of this file's CPU, for a picture nothing compares.
+    # The forwards without backward that sampling makes are the test loss's too, which both
+    # runs compute at their end (test_offload_report_shows_device_and_host checks it);
+    # minizero's grid under ZeRO-3 is tests/tools/test_train.py's (test_torchrun_two_ranks[3]).
     return run_compare(tmp_path_factory.mktemp("compare-offload"), (3,),
-                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, forked=True,
-                       samples=("--num-samples", "4"))
+                       {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, forked=True)
 
 
 def test_report_files(report):
@@ -362,7 +364,8 @@ def test_offload_report_shows_device_and_host(offload_report):
     """Stage 3 with offload_optimizer and offload_param, fp32: both summaries carry the
     split; DeepSpeed keeps no model state on the device (its gradient buffers sit at
     self.device, the host), minizero keeps its reduced gradient shard there until the step
-    (docs/deepspeed.md, "ZeRO-Offload's extra host buffers"); the losses still agree bitwise."""
+    (docs/deepspeed.md, "ZeRO-Offload's extra host buffers"); the losses still agree bitwise,
+    the test loss too."""
     out, _ = offload_report
     md = (out / "report.md").read_text()
     row = table_rows(md)[3]
@@ -383,6 +386,10 @@ def test_offload_report_shows_device_and_host(offload_report):
     assert "Offload (host B > 0)" in md and "ZeRO-Offload's extra host buffers" in md
     assert "unexplained" not in md and "| 3 | end of backward | grads | device |" in md
     assert float(row["max abs dloss/step"]) == 0.0
+    # the test loss: forwards without backward, in eval mode, through the gathers from the
+    # host, on every rank of both libraries; the same operations, so the same number
+    test = [results["summaries"]["3"][lib]["test_loss"] for lib in ("minizero", "deepspeed")]
+    assert test[0] == test[1] and 0 < test[0] < 10, test
     from PIL import Image
     with Image.open(out / "memory.png") as im:
         assert im.size[0] >= 2 * 500   # two panels (device, host), each at least 5 inches at 100 dpi
@@ -392,15 +399,18 @@ def test_the_command_launches_torchrun(tmp_path):
     """`python -m minizero.compare` starts each run through a real `python -m
     torch.distributed.run` (the tests above fork their ranks instead): the launcher takes
     compare's flags and environment, the ranks' output goes to run.log, and the summary they
-    write makes the report. One rank (--nproc 1): a fresh rank is 2-4 s of CPU importing
-    torch, and what is checked here is compare's plumbing around torchrun, which one rank
-    shows whole (compare's default of 2 reaching torchrun is
-    test_the_default_is_two_ranks_under_torchrun's; fresh ranks of minizero.train meeting
-    under a real torchrun are tests/tools/test_run_folder.py's; fresh ranks of two torchruns
-    joined by c10d are test_preflight.py's clean run's, minizero.preflight's ranks).
+    write makes the report. One rank (--nproc 1): what is checked here is compare's plumbing
+    around torchrun, which one rank shows whole (compare's default of 2 reaching torchrun is
+    test_the_default_is_two_ranks_under_torchrun's).
     compare itself runs as `python -m` runs it (`__main__`, its sys.argv), on a process
     forked from the tests' preloaded forkserver (tests/support/python_m.py); the torchrun it
-    starts and that torchrun's rank are fresh interpreters, as a user's are. A fresh `python
+    starts is a fresh interpreter, as a user's is. That torchrun's rank is forked
+    (python_m.forked_interpreters, reached through torchrun's own PYTHON_EXEC, the
+    executable it starts workers with): the rank is minizero.train's main as `python -u -m`
+    runs it, with torchrun's environment and fds, minus a fresh interpreter's 3-4 s of CPU
+    importing torch. Fresh ranks stay tested elsewhere: minizero.train's under a real torchrun
+    in tests/tools/test_run_folder.py (test_torchrun_reports_the_one_line_as_root_cause),
+    those of two torchruns joined by c10d in test_preflight.py's clean run. A fresh `python
     -m minizero.compare` is test_bad_input_from_the_command_itself's."""
     pytest.importorskip("matplotlib")
     from tests.support import python_m
@@ -410,8 +420,13 @@ def test_the_command_launches_torchrun(tmp_path):
             "--dataset", "synthetic", "--image-size", "8", "--max-steps", "1", "--out", str(out),
             "--synthetic-train", "64", "--synthetic-test", "16", "--data-dir", str(tmp_path / "data")]
     # (compare asks for no sample grid)
-    r = run_command("tests.support.python_m", [json.dumps([["minizero.compare", *argv]])], 1, launcher=False,
-                    rank_env=[{python_m.INDEX_ENV: "0", "DS_ACCELERATOR": "cpu"}], timeout=300)
+    with python_m.forked_interpreters() as forked:
+        # the server, and the shim as torchrun's worker executable only (not compare's
+        # sys.executable: the torchrun compare starts stays a fresh interpreter)
+        rank_env = {python_m.INDEX_ENV: "0", "DS_ACCELERATOR": "cpu", python_m.SERVER_ENV: forked[python_m.SERVER_ENV],
+                    "PYTHON_EXEC": forked[python_m.SHIM_ENV]}
+        r = run_command("tests.support.python_m", [json.dumps([["minizero.compare", *argv]])], 1, launcher=False,
+                        rank_env=[rank_env], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (out / "minizero-stage0" / "run.log").read_text().splitlines()
     assert log[0].startswith(f"$ {sys.executable} -m torch.distributed.run ") and "--nproc-per-node 1" in log[0]

@@ -88,8 +88,9 @@ def test_help_lists_the_flags_in_model_and_data():
 # 128 training images: one step's 16 rows (2 x 4 x 2 ranks), and 640 pixels for the 512-colour
 # k-means (5 per image; 103 images is its floor). 4 test images: one evaluation batch of 2 per
 # rank. No sample: sampling is 63 forwards through 24 hooked layers (a third of
-# DeepSpeed's run, cProfile of rank 0), and both libraries sample under ZeRO-3 with offload in
-# tests/tools/test_compare.py's offload run.
+# DeepSpeed's run, cProfile of rank 0); its forwards without backward under ZeRO-3 with both
+# offloads are the test loss's, which tests/tools/test_compare.py's offload run asserts equal
+# in both libraries, and minizero's grid under ZeRO-3 is tests/tools/test_train.py's.
 STEP5 = ["--config", "launch/ds_config_step5.json", "--model", "tutorial-24", "--n-embd", "32", "--image-size", "8",
          "--micro-batch", "2", "--max-steps", "1", "--dataset", "synthetic", "--synthetic-train", "128",
          "--synthetic-test", "4", "--num-samples", "0"]
