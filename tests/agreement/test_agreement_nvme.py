@@ -137,18 +137,47 @@ def _ds_fp32_state(engine):
     return full_fp32_state_dict(engine)
 
 
+def _run_all(base: str, cpu_info: dict) -> dict:
+    """On each rank: every (library, device) run of the file, each in its own folder, in ONE
+    launch: minizero's first, as DeepSpeed's ZeRO-3 patches torch for the rest of the process
+    (minizero patches nothing). Each run builds its engine from its own config and seed, so it
+    returns here what it returns in a launch of its own (every field checked equal, tensors
+    with torch.equal, when the four launches became one)."""
+    _answer_cpu_info_with(cpu_info)
+    return {(lib, device): _run(lib, device, os.path.join(base, f"{lib}-{device}"))
+            for lib in ("minizero", "deepspeed") for device in ("cpu", "nvme")}
+
+
+def _answer_cpu_info_with(info: dict):
+    """py-cpuinfo's get_cpu_info, answered with `info`; returns the function it replaced.
+
+    DeepSpeed asks it for the compiler flags of the async_io op it loads (op_builder/builder.py,
+    cpu_arch and simd_width, both called by AsyncIOBuilder.cxx_args on every load: the flags
+    must equal the build's or torch rebuilds the op). Each call starts `python cpuinfo.py
+    --json`, which runs CPUID in a child that sleeps a second to time the clock: ~0.45 s of CPU
+    and ~2 s of wall time, twice per process that loads the op (the test's own check and each
+    DeepSpeed rank: 6 calls a run of this file). The CPU does not change while the tests run:
+    asked once by the test, the same dict everywhere, so DeepSpeed computes the same flags."""
+    import cpuinfo
+    replaced = cpuinfo.get_cpu_info
+    cpuinfo.get_cpu_info = lambda: info
+    return replaced
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    why = aio_unavailable()
+    import cpuinfo
+    info = cpuinfo.get_cpu_info()
+    replaced = _answer_cpu_info_with(info)
+    try:
+        why = aio_unavailable()
+    finally:
+        cpuinfo.get_cpu_info = replaced
     if why:
         pytest.skip(why)
-    base = tmp_path_factory.mktemp("nvme_agree")
-    out = {}
-    for lib in ("deepspeed", "minizero"):   # one launch each: DeepSpeed's ZeRO-3 patches torch process-wide
-        for device in ("cpu", "nvme"):
-            out[(lib, device)] = run_ranks(_run, N, args=(lib, device, str(base / f"{lib}-{device}")),
-                                           env={"DS_ACCELERATOR": "cpu"}, timeout=900)
-    return out
+    per_rank = run_ranks(_run_all, N, args=(str(tmp_path_factory.mktemp("nvme_agree")), info),
+                         env={"DS_ACCELERATOR": "cpu"}, timeout=900)
+    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 
 
 def test_nvme_trains_as_cpu_offload_in_both_libraries_and_they_agree(runs):
