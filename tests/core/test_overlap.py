@@ -97,8 +97,7 @@ PAIRS = {**{case: _pair(case[0], case[1], gas=case[2], ckpt=case[3]) for case in
 PEAK = _job("_peak_live_runs")
 OVERLAP_PROBE = _job("_overlap_probe", 1)
 VOLUME_KNOBS = {"deepspeed-defaults": {}, "knobs-0": OFF}
-VOLUMES = {lib: [_job("_volume", lib, 3, steps, knobs) for knobs in VOLUME_KNOBS.values() for steps in (4, 2)]
-           for lib in ("minizero", "deepspeed")}
+VOLUMES = {lib: [_job("_volume", lib, 3, 4, knobs) for knobs in VOLUME_KNOBS.values()] for lib in ("minizero", "deepspeed")}
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +241,35 @@ def _count_collectives() -> None:
     _COUNTING["installed"] = True
 
 
+class _BytesPerStep:
+    """Drives the engine for harness.run's loop (as tests/support/two_nodes.py's PhaseRecorder
+    does) and copies the bytes counted so far after each engine.step()."""
+
+    def __init__(self, engine, seen):
+        self.engine, self.seen, self.after_step = engine, seen, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __call__(self, *a, **k):
+        return self.engine(*a, **k)
+
+    def backward(self, loss):
+        return self.engine.backward(loss)
+
+    def step(self):
+        out = self.engine.step()
+        self.after_step.append(dict(self.seen))
+        return out
+
+    def result(self) -> dict:
+        return {"after_step": self.after_step}
+
+
 def _volume(lib: str, stage: int, steps: int, knobs: dict):
-    """Every byte handed to torch.distributed's collectives on this rank over a run of
-    `steps` steps (init and the final-state gather included): (op -> bytes)."""
+    """The bytes handed to torch.distributed's collectives on this rank from initialize to
+    the end of each of `steps` steps (gradient accumulation 1: one engine.step() a step):
+    a list of (op -> bytes), one per step."""
     import functools
 
     from tests.support.harness import SyntheticBatches, run
@@ -255,22 +280,26 @@ def _volume(lib: str, stage: int, steps: int, knobs: dict):
                                  embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
     cfg = make_config(stage, "bf16", micro_batch=2, lr=1e-3, zero={"stage3_param_persistence_threshold": 0, **knobs})
     try:
-        run(lib, model_fn, cfg, SyntheticBatches(62, 16, 2, seed=3), steps, return_final_state=False)
+        out = run(lib, model_fn, cfg, SyntheticBatches(62, 16, 2, seed=3), steps, return_final_state=False,
+                  drive=lambda engine: _BytesPerStep(engine, seen))
     finally:
         _COUNTING["seen"] = None
-    return seen
+    assert len(out["after_step"]) == steps
+    return out["after_step"]
 
 
 @pytest.mark.parametrize("knobs", list(VOLUME_KNOBS))
 def test_zero3_moves_what_deepspeed_moves(runs, knobs):
-    """ZeRO-3's gathers and reduce-scatters per steady step (steps 3-4: the difference of a
-    4-step and a 2-step run, which cancels setup and the trace-recording first step) equal
-    DeepSpeed's, byte for byte, with DeepSpeed's default knobs (reuse keeps every unit from
-    its forward to its backward: one gather per step) and with the knobs at 0 (two)."""
+    """ZeRO-3's gathers and reduce-scatters per steady step (steps 3-4: the bytes counted by
+    the end of step 4 less those by the end of step 2, which leaves out setup and the
+    trace-recording first step) equal DeepSpeed's, byte for byte, with DeepSpeed's default
+    knobs (reuse keeps every unit from its forward to its backward: one gather per step) and
+    with the knobs at 0 (two)."""
     pytest.importorskip("deepspeed")
     per_lib = {}
     for lib in ("minizero", "deepspeed"):
-        four, two = (runs[_key(_job("_volume", lib, 3, steps, VOLUME_KNOBS[knobs]))][0] for steps in (4, 2))
+        after_step = runs[_key(_job("_volume", lib, 3, 4, VOLUME_KNOBS[knobs]))][0]
+        two, four = after_step[1], after_step[3]
         per_lib[lib] = {op: four[op] - two[op] for op in four}
     assert per_lib["minizero"] == per_lib["deepspeed"], per_lib
     gathered, reduced = per_lib["minizero"]["all_gather"], per_lib["minizero"]["reduce_scatter"]

@@ -210,7 +210,7 @@ def saved(tmp_path_factory):
 RESUMES = [
     (0, 0, 1), (1, 1, 1), (2, 2, 1), (3, 3, 1),      # N = 2 -> 1 at every stage
     (0, 0, 4), (1, 1, 4), (2, 2, 4), (3, 3, 4),      # N = 2 -> 4
-    (3, 1, 1), (0, 2, 2), (1, 3, 4), (2, 0, 4),      # across stages
+    (3, 1, 1), (0, 2, 2), (1, 3, 4), (2, 0, 4),      # across stages ((1, 3, 4): also the offline CLI's reference)
 ]
 
 
@@ -261,15 +261,18 @@ def test_resume_at_another_world_size_and_stage(saved, resumed, saved_stage, sta
 
 # ----------------------------------------------------------------------------- offline: python -m minizero.reshard
 
-def _offline_equals_load_time(offline, original, stage):
-    """Load the offline-resharded folder and the original (resharded now) into two engines
-    at this world size; return what each holds and their next losses."""
-    a, b = checkpoint_engine(stage, DTYPE), checkpoint_engine(stage, DTYPE)
-    said_a, said_b = _load(a, offline), _load(b, original)
-    return (_full_state(a), _carried(a), said_a, _continue(a)), (_full_state(b), _carried(b), said_b, _continue(b))
+def _load_offline(offline, stage):
+    """Load the offline-resharded folder at this world size and stage; return what the engine
+    holds, the lines said, and its next losses (as _load_and_continue's engine)."""
+    engine = checkpoint_engine(stage, DTYPE)
+    said = _load(engine, offline)
+    return _full_state(engine), _carried(engine), said, _continue(engine)
 
 
-def test_reshard_cli_round_trip_equals_load_time_reshard(saved, tmp_path, capsys):
+def test_reshard_cli_round_trip_equals_load_time_reshard(saved, resumed, tmp_path, capsys):
+    """2 ranks at ZeRO-1 -> 4 ranks at ZeRO-3 offline, loaded at 4 ranks, against the same
+    checkpoint resharded as it loads at 4 ranks and stage 3: `resumed`'s case (1, 3, 4), the
+    same engine, load and steps (_continue seeds its own dropout RNG)."""
     from minizero.checkpoint_files.reshard import main
     d, full, carried = saved[1]
     out = str(tmp_path / "four")
@@ -283,7 +286,8 @@ def test_reshard_cli_round_trip_equals_load_time_reshard(saved, tmp_path, capsys
     for kind in KINDS:   # the offline folder consolidates to the same state
         again = consolidate(out, kind=kind)
         assert all(torch.equal(again[k], full[kind][k]) for k in full[kind]), kind
-    for (sa, ca, said_a, la), (sb, cb, said_b, lb) in run_ranks(_offline_equals_load_time, 4, (out, d, 3)):
+    load_time = resumed[(1, 3, 4)]
+    for (sa, ca, said_a, la), (sb, cb, said_b, lb, _) in zip(run_ranks(_load_offline, 4, (out, 3)), load_time):
         assert said_a == []     # its layout is the engine's: loaded as saved, no reshard
         assert len(said_b) in (0, 1)
         assert ca == cb == carried and la == lb
