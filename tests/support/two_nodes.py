@@ -23,6 +23,8 @@ step, in order, {"phase", "step", "groups": {group ranks: {op: {calls, bytes, wi
 the collectives of that phase alone (reference/comm_counter.py's per-group record), and
 `groups`: the same summed over the whole training loop.
 
+Only the runs in MEMORY capture `memory` (the ones a test reads).
+
 Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4) and one of 8
 (minizero_runs_2x4).
 """
@@ -52,7 +54,16 @@ RUNS = {
     "deepspeed": [(z, d) for z in (HPZ, ZERO3) for d in ("fp32", "bf16")],
     "torch": [(HSDP, "fp32"), (HSDP, "bf16"), (HPZ, "fp32"), (ZERO3, "fp32")],
 }
-
+# The runs whose `memory` a test reads (test_hierarchy.py's hpZ memory, test_hpz_references.py's
+# secondary partition, test_hsdp_fsdp2.py's shard): only these capture it. Capturing walks the
+# buffers after init, each backward and each step, and minizero's and FSDP2's runs also track
+# each phase's peak (minizero's at every announced event): a few hundredths of a second per
+# rank per run (0.05 s at 2 x 4). Nothing else in a run changes without it.
+MEMORY = {
+    "minizero": [(HPZ, "bf16")],
+    "deepspeed": [(HPZ, "fp32"), (HPZ, "bf16"), (ZERO3, "bf16")],
+    "torch": [(HSDP, "fp32"), (HSDP, "bf16")],
+}
 
 def config(zero: dict, dtype: str) -> dict:
     """The agreement tests' ZeRO-3 config (prefetch, reuse and persistence off: every parameter
@@ -119,7 +130,7 @@ class PhaseRecorder:
         return {"phases": self.phases, "groups": total}
 
 
-def _deepspeed_rank(zero, dtype, steps):
+def _deepspeed_rank(zero, dtype, steps, memory=True):
     """No peaks recorded (capture_peaks=False): no test reads them, and at ZeRO-3 the recorder
     reads every buffer at each fetch and release. DeepSpeed keeps its hpZ group in a module
     global and refuses to make a second (utils/groups.py, _create_zero_param_parallel_group),
@@ -129,26 +140,27 @@ def _deepspeed_rank(zero, dtype, steps):
 
     from reference.ds_run import run_deepspeed
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True,
+    return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=memory,
                          capture_peaks=False, drive=PhaseRecorder)
 
 
-def _minizero_rank(zero, dtype, steps):
+def _minizero_rank(zero, dtype, steps, memory=True):
     from tests.support.harness import run_minizero
-    return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
+    return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=memory, drive=PhaseRecorder)
 
 
-def _torch_rank(zero, dtype, steps):
+def _torch_rank(zero, dtype, steps, memory=True):
     from reference.torch_engine import run_torch
-    return run_torch(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
+    return run_torch(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=memory, drive=PhaseRecorder)
 
 
 RANK_FN = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _minizero_rank}
 
 
-def _each(lib, keys, steps):
-    """On each rank: every (zero, dtype) of `keys` in turn, in this process."""
-    return [RANK_FN[lib](dict(zero), dtype, steps) for zero, dtype in keys]
+def _each(lib, keys, steps, memory):
+    """On each rank: every (zero, dtype) of `keys` in turn, in this process, `memory` captured
+    for the keys in `memory`."""
+    return [RANK_FN[lib](dict(zero), dtype, steps, (zero, dtype) in memory) for zero, dtype in keys]
 
 
 def _key(zero: dict, dtype: str) -> tuple:
@@ -162,11 +174,12 @@ def _runs(lib: str, steps: int) -> dict:
     shared through files as the agreement runs are (tests/support/agreement.py, `_shared`:
     a worker needing them while the other trains them waits on the lock)."""
     keys = [_key(zero, dtype) for zero, dtype in RUNS[lib]]
+    memory = [_key(zero, dtype) for zero, dtype in MEMORY[lib]]
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE=str(PER_NODE))   # minizero's ledger: 2 "nodes" of 2
     with A._shared(f"two-nodes-{lib}-{steps}") as (load, store):
         runs = load()
         if runs is None:
-            per_rank = run_ranks(_each, world_size=N, args=(lib, keys, steps), env=env, timeout=600)
+            per_rank = run_ranks(_each, world_size=N, args=(lib, keys, steps, memory), env=env, timeout=600)
             runs = {k: tuple(per_rank[r][i] for r in range(N)) for i, k in enumerate(keys)}
             store(runs)
     return runs
@@ -206,15 +219,15 @@ def split(groups: dict) -> dict:
 
 
 def _minizero_rank_each(zeros, dtype, steps):
-    return [_minizero_rank(dict(zero), dtype, steps) for zero in zeros]
+    return [_minizero_rank(dict(zero), dtype, steps, memory=False) for zero in zeros]
 
 
 def minizero_runs_2x4(zeros: list[dict], dtype: str, steps: int = 2) -> list[tuple]:
     """minizero alone on 8 ranks as 2 nodes x 4, each of `zeros` in turn in one launch of 8
-    rank processes (cheaper than one launch each); per zero, per rank, as minizero_runs.
+    rank processes (cheaper than one launch each); per zero, per rank, as minizero_runs,
+    without `memory` (no test reads it at 2 x 4).
     Two steps: hpZ's first forward reads what initialisation cut, its second gathers over all N."""
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE="4")
     per_rank = run_ranks(_minizero_rank_each, world_size=8, args=([tuple(sorted(z.items())) for z in zeros],
                                                                   dtype, steps), env=env, timeout=600)
     return [tuple(per_rank[r][i] for r in range(8)) for i in range(len(zeros))]
-
