@@ -218,16 +218,15 @@ def split(groups: dict) -> dict:
     return node_split(groups, PER_NODE)
 
 
-def _minizero_rank_each(zeros, dtype, steps):
-    return [_minizero_rank(dict(zero), dtype, steps, memory=False) for zero in zeros]
+def _minizero_rank_each(runs, dtype):
+    return [_minizero_rank(dict(zero), dtype, steps, memory=False) for zero, steps in runs]
 
 
-def minizero_runs_2x4(zeros: list[dict], dtype: str, steps: int = 2) -> list[tuple]:
-    """minizero alone on 8 ranks as 2 nodes x 4, each of `zeros` in turn in one launch of 8
-    rank processes (cheaper than one launch each); per zero, per rank, as minizero_runs,
-    without `memory` (no test reads it at 2 x 4).
-    Two steps: hpZ's first forward reads what initialisation cut, its second gathers over all N."""
+def minizero_runs_2x4(runs: list[tuple[dict, int]], dtype: str) -> list[tuple]:
+    """minizero alone on 8 ranks as 2 nodes x 4, each (zero, steps) of `runs` in turn in one
+    launch of 8 rank processes (cheaper than one launch each); per run, per rank, as
+    minizero_runs, without `memory` (no test reads it at 2 x 4)."""
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE="4")
-    per_rank = run_ranks(_minizero_rank_each, world_size=8, args=([tuple(sorted(z.items())) for z in zeros],
-                                                                  dtype, steps), env=env, timeout=600)
-    return [tuple(per_rank[r][i] for r in range(8)) for i in range(len(zeros))]
+    per_rank = run_ranks(_minizero_rank_each, world_size=8,
+                         args=([(tuple(sorted(z.items())), steps) for z, steps in runs], dtype), env=env, timeout=600)
+    return [tuple(per_rank[r][i] for r in range(8)) for i in range(len(runs))]
