@@ -28,8 +28,8 @@ but needs a library on the same ranks (test_hsdp_fsdp2.py's one-layer gradient),
 end of that library's launch.
 
 Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4 and the gradient
-check) and one of 8 (minizero_runs_2x4), about 4-5, 11-12, 13 and 5 CPU seconds (all ranks,
-on one core of a loaded 2-core machine).
+check) and one of 8 (minizero_runs_2x4): 3.5-4.6, 7-12, 8.5-13.5 and 3.3-5 CPU seconds (all
+ranks on one core of a 2-core machine, the higher figures with the machine loaded).
 """
 from __future__ import annotations
 
