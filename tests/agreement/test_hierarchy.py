@@ -117,8 +117,12 @@ def test_the_ledgers_inter_node_split_is_the_rings(zero, scheme):
 
 
 def test_the_ledgers_inter_node_split_is_the_rings_at_2_x_4():
-    """The same at 2 nodes x 4 ranks (hpZ's k and HSDP's S = 4), ZeRO-3, hpZ and HSDP, two steps."""
-    schemes = [(T.ZERO3, "zero3"), ({"zero_hpz_partition_size": 4}, "hpz"), ({"hsdp_shard_size": 4}, "hsdp")]
-    for (_, scheme), runs in zip(schemes, T.minizero_runs_2x4([z for z, _ in schemes], "bf16")):
+    """The same at 2 nodes x 4 ranks (hpZ's k and HSDP's S = 4), ZeRO-3, hpZ and HSDP. hpZ two
+    steps: its first forward gathers what initialisation cut, within the node; its second, over
+    all N. ZeRO-3 and HSDP one step: step_traffic is the same for every one of their steps
+    (first_step is hpZ's alone), and that each later step repeats the first, ledger and all,
+    is the 2 x 2 test's (two steps of each)."""
+    schemes = [(T.ZERO3, "zero3", 1), ({"zero_hpz_partition_size": 4}, "hpz", 2), ({"hsdp_shard_size": 4}, "hsdp", 1)]
+    for (_, scheme, steps), runs in zip(schemes, T.minizero_runs_2x4([(z, n) for z, _, n in schemes], "bf16")):
         assert len(runs) == 8
-        assert_ledger_is_the_rings(runs, scheme, 8, 4, 2)
+        assert_ledger_is_the_rings(runs, scheme, 8, 4, steps)

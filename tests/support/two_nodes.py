@@ -23,8 +23,13 @@ step, in order, {"phase", "step", "groups": {group ranks: {op: {calls, bytes, wi
 the collectives of that phase alone (reference/comm_counter.py's per-group record), and
 `groups`: the same summed over the whole training loop.
 
-Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4) and one of 8
-(minizero_runs_2x4).
+Only the runs in MEMORY capture `memory` (the ones a test reads). CHECKS: what trains nothing
+but needs a library on the same ranks (test_hsdp_fsdp2.py's one-layer gradient), made at the
+end of that library's launch.
+
+Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4 and the gradient
+check) and one of 8 (minizero_runs_2x4): 3.5-4.6, 7-12, 8.5-13.5 and 3.3-5 CPU seconds (all
+ranks on one core of a 2-core machine, the higher figures with the machine loaded).
 """
 from __future__ import annotations
 
@@ -51,6 +56,25 @@ RUNS = {
     "minizero": [(z, d) for z in (HPZ, ZERO3, HSDP) for d in ("fp32", "bf16")],
     "deepspeed": [(z, d) for z in (HPZ, ZERO3) for d in ("fp32", "bf16")],
     "torch": [(HSDP, "fp32"), (HSDP, "bf16"), (HPZ, "fp32"), (ZERO3, "fp32")],
+}
+# The runs whose `memory` a test reads (test_hierarchy.py's hpZ memory, test_hpz_references.py's
+# secondary partition, test_hsdp_fsdp2.py's shard): only these capture it. Capturing walks the
+# buffers after init, each backward and each step, and minizero's and FSDP2's runs also track
+# each phase's peak (minizero's at every announced event): a few hundredths of a second per
+# rank per run (0.05 s at 2 x 4). Nothing else in a run changes without it.
+MEMORY = {
+    "minizero": [(HPZ, "bf16")],
+    "deepspeed": [(HPZ, "fp32"), (HPZ, "bf16"), (ZERO3, "bf16")],
+    "torch": [(HSDP, "fp32"), (HSDP, "bf16")],
+}
+
+# Checks that train nothing but need a library on the same 2 x 2 ranks, made at the end of its
+# launch rather than in a launch of their own: ("module.function", dtype), function(dtype) run
+# on every rank (test_hsdp_fsdp2.py's one-layer gradient under HSDP). check() reads them.
+CHECKS = {
+    "minizero": [],
+    "deepspeed": [],
+    "torch": [("tests.agreement.test_hsdp_fsdp2.hsdp_gradient", d) for d in ("fp32", "bf16")],
 }
 
 
@@ -119,7 +143,7 @@ class PhaseRecorder:
         return {"phases": self.phases, "groups": total}
 
 
-def _deepspeed_rank(zero, dtype, steps):
+def _deepspeed_rank(zero, dtype, steps, memory=True):
     """No peaks recorded (capture_peaks=False): no test reads them, and at ZeRO-3 the recorder
     reads every buffer at each fetch and release. DeepSpeed keeps its hpZ group in a module
     global and refuses to make a second (utils/groups.py, _create_zero_param_parallel_group),
@@ -129,26 +153,32 @@ def _deepspeed_rank(zero, dtype, steps):
 
     from reference.ds_run import run_deepspeed
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True,
+    return run_deepspeed(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=memory,
                          capture_peaks=False, drive=PhaseRecorder)
 
 
-def _minizero_rank(zero, dtype, steps):
+def _minizero_rank(zero, dtype, steps, memory=True):
     from tests.support.harness import run_minizero
-    return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
+    return run_minizero(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=memory, drive=PhaseRecorder)
 
 
-def _torch_rank(zero, dtype, steps):
+def _torch_rank(zero, dtype, steps, memory=True):
     from reference.torch_engine import run_torch
-    return run_torch(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=True, drive=PhaseRecorder)
+    return run_torch(A.MODEL_FN, config(zero, dtype), A.BATCHES, steps, capture_memory=memory, drive=PhaseRecorder)
 
 
 RANK_FN = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _minizero_rank}
 
 
-def _each(lib, keys, steps):
-    """On each rank: every (zero, dtype) of `keys` in turn, in this process."""
-    return [RANK_FN[lib](dict(zero), dtype, steps) for zero, dtype in keys]
+def _each(lib, keys, steps, memory):
+    """On each rank: every (zero, dtype) of `keys` in turn, in this process, `memory` captured
+    for the keys in `memory`; then CHECKS[lib]."""
+    import importlib
+    out = [RANK_FN[lib](dict(zero), dtype, steps, (zero, dtype) in memory) for zero, dtype in keys]
+    for name, dtype in CHECKS[lib]:
+        module, function = name.rsplit(".", 1)
+        out.append(getattr(importlib.import_module(module), function)(dtype))
+    return out
 
 
 def _key(zero: dict, dtype: str) -> tuple:
@@ -162,12 +192,13 @@ def _runs(lib: str, steps: int) -> dict:
     shared through files as the agreement runs are (tests/support/agreement.py, `_shared`:
     a worker needing them while the other trains them waits on the lock)."""
     keys = [_key(zero, dtype) for zero, dtype in RUNS[lib]]
+    memory = [_key(zero, dtype) for zero, dtype in MEMORY[lib]]
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE=str(PER_NODE))   # minizero's ledger: 2 "nodes" of 2
     with A._shared(f"two-nodes-{lib}-{steps}") as (load, store):
         runs = load()
         if runs is None:
-            per_rank = run_ranks(_each, world_size=N, args=(lib, keys, steps), env=env, timeout=600)
-            runs = {k: tuple(per_rank[r][i] for r in range(N)) for i, k in enumerate(keys)}
+            per_rank = run_ranks(_each, world_size=N, args=(lib, keys, steps, memory), env=env, timeout=600)
+            runs = {k: tuple(per_rank[r][i] for r in range(N)) for i, k in enumerate(keys + CHECKS[lib])}
             store(runs)
     return runs
 
@@ -196,6 +227,14 @@ def fsdp2_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
     return _run("torch", zero, dtype, steps)
 
 
+def check(lib: str, name: str, dtype: str) -> tuple:
+    """Per rank, what CHECKS[lib]'s ("module.function", dtype) returned."""
+    runs = _runs(lib, STEPS)
+    if (name, dtype) not in runs:
+        raise KeyError(f"two_nodes: no {lib} check {name} in {dtype}; add it to CHECKS[{lib!r}]")
+    return runs[name, dtype]
+
+
 def node_of(rank: int) -> int:
     return rank // PER_NODE
 
@@ -205,16 +244,15 @@ def split(groups: dict) -> dict:
     return node_split(groups, PER_NODE)
 
 
-def _minizero_rank_each(zeros, dtype, steps):
-    return [_minizero_rank(dict(zero), dtype, steps) for zero in zeros]
+def _minizero_rank_each(runs, dtype):
+    return [_minizero_rank(dict(zero), dtype, steps, memory=False) for zero, steps in runs]
 
 
-def minizero_runs_2x4(zeros: list[dict], dtype: str, steps: int = 2) -> list[tuple]:
-    """minizero alone on 8 ranks as 2 nodes x 4, each of `zeros` in turn in one launch of 8
-    rank processes (cheaper than one launch each); per zero, per rank, as minizero_runs.
-    Two steps: hpZ's first forward reads what initialisation cut, its second gathers over all N."""
+def minizero_runs_2x4(runs: list[tuple[dict, int]], dtype: str) -> list[tuple]:
+    """minizero alone on 8 ranks as 2 nodes x 4, each (zero, steps) of `runs` in turn in one
+    launch of 8 rank processes (cheaper than one launch each); per run, per rank, as
+    minizero_runs, without `memory` (no test reads it at 2 x 4)."""
     env = dict(A.ENV, MINIZERO_RANKS_PER_NODE="4")
-    per_rank = run_ranks(_minizero_rank_each, world_size=8, args=([tuple(sorted(z.items())) for z in zeros],
-                                                                  dtype, steps), env=env, timeout=600)
-    return [tuple(per_rank[r][i] for r in range(8)) for i in range(len(zeros))]
-
+    per_rank = run_ranks(_minizero_rank_each, world_size=8,
+                         args=([(tuple(sorted(z.items())), steps) for z, steps in runs], dtype), env=env, timeout=600)
+    return [tuple(per_rank[r][i] for r in range(8)) for i in range(len(runs))]
