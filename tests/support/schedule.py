@@ -11,33 +11,32 @@ split a module and train its fixture on both (docs/results/test-suite-workers.md
 both ways).
 
 HEAVY_FIRST is the order, from the seconds each file took on one core of a 2-core machine
-under the README's command (docs/results/test-suite-third-pass.md): a file not listed
+under the README's command (docs/results/test-suite-fourth-pass.md): a file not listed
 runs after these, in collection order. A stale list costs only time; tests/tools/test_ci.py
 checks that every entry exists.
 """
 from __future__ import annotations
 
 HEAVY_FIRST = [
-    "tests/agreement/test_agreement_checkpointing.py",    # 81 s (trains every agreement configuration)
-    "tests/tools/test_lesson_numbers.py",                 # 65
-    "tests/agreement/test_agreement_step5.py",            # 47 (the tutorial's step 5, 2 steps, both libraries)
-    "tests/tools/test_compare.py",                        # 39
-    "tests/tools/test_preflight.py",                      # 36
-    "tests/agreement/test_agreement_memory_offload.py",   # 32
-    "tests/agreement/test_hierarchy.py",                  # 32: trains every 2 x 2 run, those test_hpz_references.py
+    "tests/agreement/test_agreement_checkpointing.py",    # 66 s (trains every agreement configuration)
+    "tests/tools/test_lesson_numbers.py",                 # 50
+    "tests/tools/test_preflight.py",                      # 39 (its clean run: two torchruns of fresh ranks)
+    "tests/agreement/test_agreement_step5.py",            # 36 (the tutorial's step 5, 2 steps, both libraries)
+    "tests/agreement/test_hierarchy.py",                  # 28: trains every 2 x 2 run, those test_hpz_references.py
                                                           # and test_hsdp_fsdp2.py read too (unlisted: they run after)
-    "tests/tools/test_train_size_overrides.py",           # 26
-    "tests/tools/test_dcp.py",                            # 21
+    "tests/tools/test_compare.py",                        # 27
+    "tests/tools/test_train_size_overrides.py",           # 25
+    "tests/agreement/test_agreement_memory_offload.py",   # 24
     "tests/tools/test_bench_two_nodes.py",                # 20: one run in two network namespaces
-    "tests/core/test_combinations.py",                    # 18
-    "tests/core/test_offload.py",                         # 17
-    "tests/core/test_engine.py",                          # 16
-    "tests/agreement/test_checkpoint_deepspeed.py",       # 15
-    "tests/tools/test_two_nodes.py",                      # 15: two torchruns of 4 forked ranks each
-    "tests/tools/test_reshard.py",                        # 13
-    "tests/core/test_teardown.py",                        # 12
-    "tests/tools/test_lab.py",                            # 12
-    "tests/tools/test_desync.py",                         # 11 (most of it waiting for timeouts)
+    "tests/tools/test_dcp.py",                            # 18
+    "tests/core/test_combinations.py",                    # 16
+    "tests/tools/test_two_nodes.py",                      # 13: two torchruns of 4 forked ranks each
+    "tests/core/test_engine.py",                          # 12
+    "tests/core/test_offload.py",                         # 12
+    "tests/tools/test_desync.py",                         # 10 (most of it waiting for timeouts)
+    "tests/tools/test_reshard.py",                        # 10
+    "tests/tools/test_lab.py",                            # 10
+    "tests/core/test_teardown.py",                        # 9
 ]
 
 
