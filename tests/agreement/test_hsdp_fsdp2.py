@@ -11,10 +11,11 @@ over a row of S ranks (a node), replicated across the rows. Pinned here:
   AVG within the node in the reduce dtype, then all-reduce AVG across the nodes in the reduce
   dtype, then the cast to fp32, bit for bit in fp32 and bf16 on a one-layer model.
 
-Runs: HSDP in fp32 and bf16 (tests/support/two_nodes.py, 2 steps) and the one-layer gradient
-check in both dtypes, all in FSDP2's one launch of 4 ranks, shared with test_hierarchy.py and
-test_hpz_references.py.
+Runs: HSDP in fp32 and bf16 (tests/support/two_nodes.py, 2 steps; FSDP2's launch, shared with
+test_hierarchy.py and test_hpz_references.py) and the one-layer gradient check, both dtypes in
+one launch of 4 ranks.
 """
+import functools
 import math
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 
 from tests.support import agreement as A
 from tests.support import two_nodes as T
+from tests.support.launcher import run_ranks
 
 pytest.importorskip("torch.distributed.fsdp")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -65,10 +67,9 @@ def test_each_rank_holds_the_shard_of_its_node(dtype):
         assert (m["params"], m["grads"]) == (shard, shard)
 
 
-def hsdp_gradient(dtype_name):
+def _hsdp_gradient(dtype_name):
     """One Linear(8 -> 6, no bias) under HSDP on a (2, 2) mesh, a different input per rank;
-    returns (FSDP2's full fp32 gradient, the prediction from every rank's local gradient).
-    Run on each rank at the end of FSDP2's launch (two_nodes.CHECKS)."""
+    returns (FSDP2's full fp32 gradient, the prediction from every rank's local gradient)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -94,7 +95,19 @@ def hsdp_gradient(dtype_name):
     return got, predicted
 
 
+def _hsdp_gradients(dtypes):
+    """Each dtype's check in turn, on these ranks: each its own layer, mesh and fully_shard."""
+    return {d: _hsdp_gradient(d) for d in dtypes}
+
+
+@functools.lru_cache(maxsize=None)
+def hsdp_gradients():
+    """Both dtypes' checks in one launch of 4 ranks (per rank: {dtype: (got, predicted)})."""
+    return run_ranks(_hsdp_gradients, world_size=T.N, args=(("fp32", "bf16"),))
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gradient_is_two_averages_in_the_reduce_dtype(dtype):
-    for got, predicted in T.check("torch", f"{__name__}.hsdp_gradient", dtype):
+    for rank in hsdp_gradients():
+        got, predicted = rank[dtype]
         assert torch.equal(got, predicted)

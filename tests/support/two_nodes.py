@@ -23,13 +23,11 @@ step, in order, {"phase", "step", "groups": {group ranks: {op: {calls, bytes, wi
 the collectives of that phase alone (reference/comm_counter.py's per-group record), and
 `groups`: the same summed over the whole training loop.
 
-Only the runs in MEMORY capture `memory` (the ones a test reads). CHECKS: what trains nothing
-but needs a library on the same ranks (test_hsdp_fsdp2.py's one-layer gradient), made at the
-end of that library's launch.
+Only the runs in MEMORY capture `memory` (the ones a test reads).
 
-Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4 and the gradient
-check) and one of 8 (minizero_runs_2x4): 3.5-4.6, 7-12, 8.5-13.5 and 3.3-5 CPU seconds (all
-ranks on one core of a 2-core machine, the higher figures with the machine loaded).
+Cost: three launches of 4 ranks (minizero's 6 runs, DeepSpeed's 4, FSDP2's 4) and one of 8
+(minizero_runs_2x4): 3.5-4.6, 7-12, 8.5-13.5 and 3.3-5 CPU seconds (all ranks on one core
+of a 2-core machine, the higher figures with the machine loaded).
 """
 from __future__ import annotations
 
@@ -67,16 +65,6 @@ MEMORY = {
     "deepspeed": [(HPZ, "fp32"), (HPZ, "bf16"), (ZERO3, "bf16")],
     "torch": [(HSDP, "fp32"), (HSDP, "bf16")],
 }
-
-# Checks that train nothing but need a library on the same 2 x 2 ranks, made at the end of its
-# launch rather than in a launch of their own: ("module.function", dtype), function(dtype) run
-# on every rank (test_hsdp_fsdp2.py's one-layer gradient under HSDP). check() reads them.
-CHECKS = {
-    "minizero": [],
-    "deepspeed": [],
-    "torch": [("tests.agreement.test_hsdp_fsdp2.hsdp_gradient", d) for d in ("fp32", "bf16")],
-}
-
 
 def config(zero: dict, dtype: str) -> dict:
     """The agreement tests' ZeRO-3 config (prefetch, reuse and persistence off: every parameter
@@ -172,13 +160,8 @@ RANK_FN = {"deepspeed": _deepspeed_rank, "torch": _torch_rank, "minizero": _mini
 
 def _each(lib, keys, steps, memory):
     """On each rank: every (zero, dtype) of `keys` in turn, in this process, `memory` captured
-    for the keys in `memory`; then CHECKS[lib]."""
-    import importlib
-    out = [RANK_FN[lib](dict(zero), dtype, steps, (zero, dtype) in memory) for zero, dtype in keys]
-    for name, dtype in CHECKS[lib]:
-        module, function = name.rsplit(".", 1)
-        out.append(getattr(importlib.import_module(module), function)(dtype))
-    return out
+    for the keys in `memory`."""
+    return [RANK_FN[lib](dict(zero), dtype, steps, (zero, dtype) in memory) for zero, dtype in keys]
 
 
 def _key(zero: dict, dtype: str) -> tuple:
@@ -198,7 +181,7 @@ def _runs(lib: str, steps: int) -> dict:
         runs = load()
         if runs is None:
             per_rank = run_ranks(_each, world_size=N, args=(lib, keys, steps, memory), env=env, timeout=600)
-            runs = {k: tuple(per_rank[r][i] for r in range(N)) for i, k in enumerate(keys + CHECKS[lib])}
+            runs = {k: tuple(per_rank[r][i] for r in range(N)) for i, k in enumerate(keys)}
             store(runs)
     return runs
 
@@ -225,14 +208,6 @@ def minizero_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
 def fsdp2_runs(zero: dict, dtype: str, steps: int = STEPS) -> tuple:
     """Per rank, FSDP2 (HSDP, FSDP2's hpZ, or ZERO3 for plain fully_shard) on 2 x 2 ranks."""
     return _run("torch", zero, dtype, steps)
-
-
-def check(lib: str, name: str, dtype: str) -> tuple:
-    """Per rank, what CHECKS[lib]'s ("module.function", dtype) returned."""
-    runs = _runs(lib, STEPS)
-    if (name, dtype) not in runs:
-        raise KeyError(f"two_nodes: no {lib} check {name} in {dtype}; add it to CHECKS[{lib!r}]")
-    return runs[name, dtype]
 
 
 def node_of(rank: int) -> int:
