@@ -57,24 +57,9 @@ def assert_same_run(run, ref):
     assert_states_equal(state(run), ref["state"])
 
 
-def reference(**kw) -> dict:
-    """engine_runs.reference_run for this spec. The reference reads of the stage only its
-    order of sums (stages 0/1: accumulate, then average the ranks; ZeRO-2/3: average, then
-    accumulate) and none of the zero_optimization keys, so stage 1 shares stage 0's run and
-    ZeRO-3 (any knobs) ZeRO-2's: the same computation, trained once instead of twice."""
-    return er.get_reference(**_reference_kw(kw))
-
-
-def _reference_kw(kw: dict) -> dict:
-    kw = {k: v for k, v in kw.items() if k != "zero"}
-    if "stage" in kw:
-        kw["stage"] = 0 if kw["stage"] <= 1 else 2
-    return kw
-
-
 def moved(results) -> float:
     """Largest distance any weight travelled from its initial value."""
-    init = reference(steps=0)["state"]
+    init = er.get_reference(steps=0)["state"]
     return er.max_abs_diff(state(results), init)
 
 
@@ -111,7 +96,7 @@ def test_engine_equals_plain_pytorch(world):
     """The engine (stage 0; the others equal it, above) against plain per-parameter PyTorch
     AdamW forming the same gradient in the same order and clipping as DeepSpeed does
     (engine_runs.reference_run): bitwise, with clipping active on 6 of the 10 steps."""
-    run, ref = er.get(world=world), reference(world=world)
+    run, ref = er.get(world=world), er.get_reference(world=world)
     print(f"\n{world} process(es): engine vs torch: loss {er.max_list_diff(er.global_losses(run), ref['losses']):.3g}, "
           f"weights {er.max_abs_diff(state(run), ref['state']):.3g}")
     assert sum(n > 1.0 for n in ref["norms"]) >= 3
@@ -126,7 +111,7 @@ def test_grad_accumulation_2_equals_plain_pytorch_over_the_same_micro_batches(na
     batches (loss / 2 each) in the stage's order of sums, bitwise. (Against gas 1 x micro-
     batch 4 it is not bitwise: 2 rows + 2 rows is another order of the same sum.)"""
     kw = STAGE_RUNS[name]
-    acc, ref = er.get(gas=2, **kw), reference(gas=2, **kw)
+    acc, ref = er.get(gas=2, **kw), er.get_reference(gas=2, **kw)
     assert_same_run(acc, ref)
     assert acc[0]["global_steps"] == 10
     big = er.get(**kw)
@@ -158,7 +143,7 @@ def test_global_grad_norm_is_the_full_unscaled_gradient_norm(name, clip):
     norm of its per-parameter fp64 norms (an order-independent computation): relative gap
     <= u = 2^-24, plus the fp64 sums' own rounding (15,099 squares, worst case 15,099 *
     2^-53 each side). The weights follow the clipped (or unclipped) trajectory bitwise."""
-    run, ref = er.get(clip=clip, **STAGE_RUNS[name]), reference(clip=clip, **STAGE_RUNS[name])
+    run, ref = er.get(clip=clip, **STAGE_RUNS[name]), er.get_reference(clip=clip, **STAGE_RUNS[name])
     for r in run:   # every rank reports the same, global, norm
         assert r["norms"] == run[0]["norms"]
     psi = sum(f["numel"] for f in run[0]["flats"])
@@ -189,7 +174,7 @@ def test_unused_parameters_are_zero_gradients_at_every_stage():
     zero (DeepSpeed's ZeRO-3 reapplies a stale one): the never-used weight only decays
     (AdamW: w * (1 - lr*wd) per step, exactly as torch does it), its bias never moves, and
     `side` (momentum but no gradient on odd steps) follows plain PyTorch with zero grads."""
-    init = reference(model="unused", steps=0)["state"]
+    init = er.get_reference(model="unused", steps=0)["state"]
     decayed = init["extra.0.weight"].clone()
     for _ in range(10):
         decayed.mul_(1 - 1e-2 * 0.1)   # torch AdamW's decoupled decay, the same op 10 times
@@ -199,7 +184,7 @@ def test_unused_parameters_are_zero_gradients_at_every_stage():
         assert torch.equal(st["extra.0.bias"], init["extra.0.bias"]), name
         assert torch.equal(st["extra.0.weight"], decayed), name
         assert not torch.equal(st["extra.0.weight"], init["extra.0.weight"])   # it did decay
-        assert_same_run(run, reference(model="unused", **STAGE_RUNS[name]))
+        assert_same_run(run, er.get_reference(model="unused", **STAGE_RUNS[name]))
     for name in UNUSED_STAGES[1:]:
         assert_states_equal(state(runs["stage0"]), state(runs[name]))
 
@@ -354,7 +339,7 @@ SPECS = ([STAGE_RUNS[n] for n in STAGE_RUNS] + [dict(world=1), dict(world=1, gas
          + [dict(stage=2, zero={"reduce_bucket_size": 3000})]
          + [dict(stage=0, **N4), dict(stage=2, zero={"reduce_bucket_size": 3000}, **N4)]
          + [dict(stage=0, perm=p, **N4) for p in N4_PERMS])
-# (the fixture hands these to the cache as reference() asks for them: one run per order of sums)
+# (engine_runs.reference_spec: specs that differ only where reference_run does not read share one run)
 REFERENCES = ([dict(steps=0), dict(model="unused", steps=0), dict(world=1), dict(world=2)]
               + [dict(gas=2, **STAGE_RUNS[n]) for n in LP_NAMES]
               + [dict(clip=c, **STAGE_RUNS[n]) for c in (None, 0.0) for n in LP_NAMES]
@@ -365,4 +350,4 @@ REFERENCES = ([dict(steps=0), dict(model="unused", steps=0), dict(world=1), dict
 def _runs():
     """Every run the file reads: the train runs in one launch of ranks per world size, the
     references in one process (engine_runs.prefetch), rather than a launch for each."""
-    er.prefetch(specs=SPECS, references=[_reference_kw(kw) for kw in REFERENCES])
+    er.prefetch(specs=SPECS, references=REFERENCES)

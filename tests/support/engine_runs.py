@@ -361,7 +361,7 @@ def prefetch(specs=(), references=(), overflow_stages=()) -> None:
         if k not in _cache:
             todo.setdefault(spec["world"], {})[k] = ("train", spec)
     for kw in references:
-        spec = spec_of(**kw)
+        spec = reference_spec(**kw)
         k = "ref:" + _key(spec)
         if k not in _cache:
             todo.setdefault(1, {})[k] = ("reference", spec)
@@ -386,9 +386,20 @@ def get_overflow(stage: int) -> list[dict]:
     return _cache[f"overflow:{stage}"]
 
 
+def reference_spec(**kw) -> dict:
+    """spec_of(**kw) as reference_run reads it: of the stage only its order of sums (stages
+    0/1: accumulate, then average the ranks; ZeRO-2/3: average, then accumulate), and none of
+    the zero_optimization keys. Stage 1 is stage 0's computation and ZeRO-3 (any knobs)
+    ZeRO-2's, so specs that differ only there share one reference run."""
+    spec = spec_of(**kw)
+    spec["stage"] = 0 if spec["stage"] <= 1 else 2
+    spec["zero"] = ()
+    return spec
+
+
 def get_reference(**kw) -> dict:
     prefetch(references=[kw])
-    return _cache["ref:" + _key(spec_of(**kw))]
+    return _cache["ref:" + _key(reference_spec(**kw))]
 
 
 # ----------------------------------------------------------------------------- helpers for tests
